@@ -1,0 +1,1 @@
+"""Process groups (CPTopology) and the executor that runs plans on torch.distributed."""

@@ -1,0 +1,168 @@
+"""Runs one rank's program on tensors with torch.distributed point-to-point ops.
+
+The same code serves gloo (CPU) and NCCL (GPU): exchanges are ``batch_isend_irecv`` groups on the
+channel's process group, and ``Work.wait()`` is the only synchronisation (on CUDA it makes the
+current stream wait for the transfer; the host does not block). Nothing here calls
+``torch.cuda.synchronize``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_charm.comm.buffers import Accumulator, Dims, part_of, payload_specs
+from megatron_charm.comm.topology import CPTopology
+from megatron_charm.kernels import BlockKernel
+from megatron_charm.plan.types import Compute, Exchange, Kind, Part, Program, Reduce, Wait
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class RunStats:
+    """What one pass moved and held; filled by the executor."""
+
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    peak_buffer_bytes: int = 0
+
+
+class DistributedError(RuntimeError):
+    """A peer failed or timed out during a CP attention exchange."""
+
+
+class ProgramRunner:
+    """Interprets a :class:`Program` for one pass.
+
+    ``held`` maps ``(kind, owner)`` to ``(part, tensors)`` for inputs this rank holds (its own q/kv,
+    or its backward bundle); received payloads are added as their exchanges complete.
+    """
+
+    def __init__(
+        self,
+        topo: CPTopology,
+        program: Program,
+        raw: dict[tuple[int, int, int], bool],
+        dims: Dims,
+        kernel: BlockKernel,
+        scale: float,
+        backward: bool,
+        held: dict[tuple[Kind, int], tuple[Part, list[Tensor]]],
+    ) -> None:
+        self.topo = topo
+        self.prog = program
+        self.raw = raw
+        self.dims = dims
+        self.kernel = kernel
+        self.scale = scale
+        self.backward = backward
+        self.held = held
+        self.accs: dict[tuple[Kind, int], Accumulator] = {}
+        self.pending: dict[int, tuple[list, list]] = {}
+        self.partials: dict[tuple[int, Kind, int], tuple[Part, list[Tensor], bool]] = {}
+        self.stats = RunStats()
+
+    def _get(self, kind: Kind, owner: int, part: Part) -> list[Tensor]:
+        held = self.held.get((kind, owner))
+        if held is None or not held[0].contains(part):
+            raise AssertionError(
+                f"cp_rank {self.prog.cp_rank} lacks {kind.value}{owner}.{part.value}"
+            )
+        return [part_of(t, held[0], part, self.dims.s) for t in held[1]]
+
+    def _acc(self, kind: Kind, owner: int) -> Accumulator:
+        acc = self.accs.get((kind, owner))
+        if acc is None:
+            acc = self.accs[(kind, owner)] = Accumulator(kind, self.dims)
+        return acc
+
+    def _global(self, cp_rank: int) -> int:
+        return self.topo.global_ranks[cp_rank]
+
+    def _exchange(self, ex: Exchange) -> None:
+        group = self.topo.channel(ex.channel)
+        ops, recvs = [], []
+        me = self.prog.cp_rank
+        for k, op in enumerate(ex.ops):
+            p = op.payload
+            raw = self.raw.get((me, ex.handle, k), True)
+            peer = self._global(op.peer)
+            if op.send:
+                if p.kind.is_partial:
+                    acc = self.accs.pop((p.kind, p.owner))
+                    assert acc.part == p.part
+                    tensors = acc.wire(raw)
+                else:
+                    tensors = [t.contiguous() for t in self._get(p.kind, p.owner, p.part)]
+                for t in tensors:
+                    ops.append(dist.P2POp(dist.isend, t, peer, group))
+                    self.stats.bytes_sent[ex.channel] += t.numel() * t.element_size()
+            else:
+                bufs = [
+                    torch.empty(shape, dtype=dtype, device=self.dims.device)
+                    for shape, dtype in payload_specs(p, self.dims, raw)
+                ]
+                for t in bufs:
+                    ops.append(dist.P2POp(dist.irecv, t, peer, group))
+                recvs.append((p, bufs, raw))
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            raise self._failure(ex, exc) from exc
+        self.pending[ex.handle] = (works, recvs)
+
+    def _failure(self, ex: Exchange, exc: BaseException) -> DistributedError:
+        peers = sorted({op.peer for op in ex.ops})
+        return DistributedError(
+            f"CP attention exchange on channel {ex.channel} between cp_rank {self.prog.cp_rank} "
+            f"and cp_rank(s) {peers} failed: {exc}. A peer rank died, timed out (timeout "
+            f"{self.topo.timeout}), or runs a different method/shape"
+        )
+
+    def _wait(self, w: Wait, ex_by_handle: dict[int, Exchange]) -> None:
+        works, recvs = self.pending.pop(w.handle)
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:
+            raise self._failure(ex_by_handle[w.handle], exc) from exc
+        for p, bufs, raw in recvs:
+            if p.kind.is_partial:
+                self.partials[(w.handle, p.kind, p.owner)] = (p.part, bufs, raw)
+            else:
+                self.held[(p.kind, p.owner)] = (p.part, bufs)
+
+    def _compute(self, c: Compute) -> None:
+        qkind = Kind.QB if self.backward else Kind.Q
+        q_in = self._get(qkind, c.q_owner, c.q_part)
+        k, v = self._get(Kind.KV, c.kv_owner, c.kv_part)
+        if not self.backward:
+            out, lse = self.kernel.forward(q_in[0], k, v, c.masked, self.scale)
+            self._acc(Kind.O, c.q_owner).add(c.q_part, [out, lse], from_compute=True)
+            return
+        q, out, dout, lse = q_in
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
+        self._acc(Kind.DQ, c.q_owner).add(c.q_part, [dq], from_compute=True)
+        self._acc(Kind.DKV, c.kv_owner).add(c.kv_part, [dk, dv], from_compute=True)
+
+    def _reduce(self, r: Reduce) -> None:
+        part, bufs, _ = self.partials.pop((r.handle, r.payload.kind, r.payload.owner))
+        self._acc(r.payload.kind, r.payload.owner).add(part, bufs, from_compute=False)
+
+    def run(self) -> dict[tuple[Kind, int], Accumulator]:
+        ex_by_handle = {}
+        for ins in self.prog.instrs:
+            if isinstance(ins, Exchange):
+                ex_by_handle[ins.handle] = ins
+                self._exchange(ins)
+            elif isinstance(ins, Wait):
+                self._wait(ins, ex_by_handle)
+            elif isinstance(ins, Compute):
+                self._compute(ins)
+            elif isinstance(ins, Reduce):
+                self._reduce(ins)
+        assert not self.pending and not self.partials
+        return self.accs

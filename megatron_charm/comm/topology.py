@@ -1,0 +1,199 @@
+"""CP topology: node layout of a context-parallel group and one process group per channel.
+
+Note [Channels]
+~~~~~~~~~~~~~~~
+Each channel is its own process group, so NCCL gives it its own communicator and stream, and gloo
+its own connections: kv traffic, q traffic and returned results never queue behind each other::
+
+    scope   groups                               channels
+    full    the CP group                         full.kv  full.q  full.o    (ring, merge, rm+)
+    intra   the p ranks of each node             intra.kv intra.q intra.o   (charm)
+    cross   the m ranks with one local index     cross.q  cross.o           (charm)
+
+"Node" means a block of ``ranks_per_node`` consecutive CP ranks. With one node the intra groups are
+the full groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_charm.plan import CHANNELS, Layout
+
+log = logging.getLogger(__name__)
+
+NODE_ID_ENV = "MEGATRON_CHARM_NODE_ID"
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+def node_identity() -> str:
+    """This process's node: ``$MEGATRON_CHARM_NODE_ID`` if set, else the hostname."""
+    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
+
+
+def layout_from_nodes(node_ids: list[str], ranks_per_node: int | None) -> Layout:
+    """Node layout from the node identity of each CP rank (pure; raises ``ValueError``)."""
+    cp_size = len(node_ids)
+    if ranks_per_node is not None:
+        if ranks_per_node < 1 or cp_size % ranks_per_node != 0:
+            raise ValueError(
+                f"ranks_per_node={ranks_per_node} must be >= 1 and divide the CP size {cp_size}; "
+                "set ranks_per_node (or MEGATRON_CHARM_RANKS_PER_NODE) to a divisor of the "
+                "context-parallel size"
+            )
+        return Layout(cp_size // ranks_per_node, ranks_per_node)
+    blocks: list[tuple[str, int]] = []
+    for nid in node_ids:
+        if blocks and blocks[-1][0] == nid:
+            blocks[-1] = (nid, blocks[-1][1] + 1)
+        else:
+            blocks.append((nid, 1))
+    names = [b[0] for b in blocks]
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"CP ranks of one node are not contiguous (node per CP rank: {node_ids}); order the "
+            "ranks so each node holds consecutive CP ranks, or set ranks_per_node explicitly"
+        )
+    sizes = {b[1] for b in blocks}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"detected nodes hold unequal numbers of CP ranks: {dict(blocks)}; CHARM+ needs equal "
+            "nodes. Launch the same number of ranks per node or set ranks_per_node explicitly"
+        )
+    return Layout(len(blocks), sizes.pop())
+
+
+@dataclass
+class CPTopology:
+    """A CP group, its node layout and its channel process groups. Build with :meth:`build`."""
+
+    cp_group: dist.ProcessGroup
+    cp_rank: int
+    cp_size: int
+    global_ranks: list[int]
+    layout: Layout
+    backend: str
+    timeout: timedelta
+    channels: dict[str, dist.ProcessGroup | None] = field(repr=False, default_factory=dict)
+    checked_shapes: set = field(repr=False, default_factory=set)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.layout.num_nodes
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.layout.ranks_per_node
+
+    def describe(self) -> str:
+        lay = self.layout
+        return (
+            f"CP group of {self.cp_size} ranks (global ranks {self.global_ranks}), {lay.num_nodes} "
+            f"node(s) x {lay.ranks_per_node} rank(s), backend {self.backend}, "
+            f"{len({id(g) for g in self.channels.values() if g is not None})} channel groups"
+        )
+
+    def channel(self, name: str) -> dist.ProcessGroup:
+        group = self.channels.get(name)
+        if group is None:
+            raise AssertionError(f"channel {name} has no process group on cp_rank {self.cp_rank}")
+        return group
+
+    @classmethod
+    def build(
+        cls,
+        cp_group: dist.ProcessGroup | None = None,
+        ranks_per_node: int | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> CPTopology:
+        """Derive the layout and create the channel groups.
+
+        Collective over the default group: every rank of the job calls it, in the same order,
+        because every channel group of every CP group is created on all ranks.
+
+        Args:
+            cp_group: the context-parallel group (``None``: the whole job).
+            ranks_per_node: CP ranks per node; ``None`` detects it from node identities
+                (hostname, or ``$MEGATRON_CHARM_NODE_ID``) gathered over the CP group.
+            timeout: timeout of every channel group; a dead peer raises after it.
+        """
+        if not dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is not initialized; call torch.distributed.init_process_group "
+                "(or launch with torchrun) before CPTopology.build"
+            )
+        group = cp_group if cp_group is not None else dist.group.WORLD
+        cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+        global_ranks = dist.get_process_group_ranks(group)
+        backend = str(dist.get_backend(group))
+        ids: list[str | None] = [None] * cp_size
+        dist.all_gather_object(ids, node_identity(), group=group)
+        try:
+            layout = layout_from_nodes([str(i) for i in ids], ranks_per_node)
+            err = ""
+        except ValueError as exc:
+            layout, err = Layout(1, cp_size), str(exc)
+        # Every rank learns every CP group's layout, so all ranks create all groups in one order.
+        everyone: list[tuple | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (tuple(global_ranks), layout.ranks_per_node, err))
+        errors = sorted({e[2] for e in everyone if e and e[2]})
+        if errors:
+            raise ValueError(errors[0])
+        groups = sorted({(e[0], e[1]) for e in everyone if e})
+        mine: dict[str, dist.ProcessGroup | None] = {}
+        for ranks, p in groups:
+            made = _make_channel_groups(list(ranks), p, backend, timeout)
+            if tuple(global_ranks) == ranks:
+                mine = made
+        topo = cls(group, cp_rank, cp_size, global_ranks, layout, backend, timeout, mine)
+        if dist.get_rank() == global_ranks[0]:
+            log.info("megatron-charm topology: %s", topo.describe())
+        return topo
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``ValueError`` when this group's backend cannot move tensors on ``device``."""
+        ok = {"gloo": ("cpu",), "nccl": ("cuda",)}.get(self.backend)
+        if ok is not None and device.type not in ok:
+            raise ValueError(
+                f"tensors on device {device} cannot be communicated by the CP group's "
+                f"{self.backend} backend (it serves {', '.join(ok)}); move q, k, v to "
+                f"{ok[0]} or build the CP group with a backend for {device.type}"
+            )
+
+
+def _make_channel_groups(
+    ranks: list[int], p: int, backend: str, timeout: timedelta
+) -> dict[str, dist.ProcessGroup | None]:
+    me = dist.get_rank()
+    n = len(ranks)
+    m = n // p
+    out: dict[str, dist.ProcessGroup | None] = {}
+
+    def new(members: list[int]) -> dist.ProcessGroup | None:
+        g = dist.new_group(members, timeout=timeout, backend=backend)
+        return g if me in members else None
+
+    full = {name: new(ranks) for name, scope in CHANNELS.items() if scope == "full"}
+    out.update(full)
+    for name, scope in CHANNELS.items():
+        if scope == "intra":
+            if m == 1:
+                out[name] = full[name.replace("intra", "full")]
+                continue
+            for node in range(m):
+                g = new(ranks[node * p : (node + 1) * p])
+                if g is not None:
+                    out[name] = g
+        elif scope == "cross" and m > 1:
+            for local in range(p):
+                g = new([ranks[node * p + local] for node in range(m)])
+                if g is not None:
+                    out[name] = g
+    return out

@@ -1,0 +1,32 @@
+"""Merging partial attention results in float32.
+
+Two partial results ``(o_a, lse_a)`` and ``(o_b, lse_b)`` of the same queries over disjoint keys
+combine as::
+
+    o   = o_a - sigmoid(lse_b - lse_a) * (o_a - o_b)
+    lse = logaddexp(lse_a, lse_b)
+
+The sigmoid form needs no exp of large numbers and is exact when one side is empty
+(``lse = -inf``): sigmoid gives 0 or 1 and logaddexp returns the other side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_partial(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """Merge ``(out_b, lse_b)`` into ``(out, lse)`` in place.
+
+    Args:
+        out: float32 ``[s, b, h, d]`` accumulator.
+        lse: float32 ``[s, b, h]`` accumulator.
+        out_b: ``[s, b, h, d]``, any float dtype.
+        lse_b: float32 ``[s, b, h]``.
+    """
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    weight = torch.sigmoid(lse_b - lse).unsqueeze(-1)
+    out.sub_(weight * (out - out_b.to(torch.float32)))
+    torch.logaddexp(lse, lse_b, out=lse)

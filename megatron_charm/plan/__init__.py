@@ -1,0 +1,70 @@
+"""Pure planning: layouts, partner lists and per-rank programs for every method (no torch)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from megatron_charm.plan.layout import block_parts, zigzag_positions
+from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
+from megatron_charm.plan.ring import ring_backward, ring_forward
+from megatron_charm.plan.types import Layout, Part, Plan
+
+METHODS = ("charm", "rm+", "merge", "ring")
+
+CHANNELS = {
+    "full.kv": "full",
+    "full.q": "full",
+    "full.o": "full",
+    "intra.kv": "intra",
+    "intra.q": "intra",
+    "intra.o": "intra",
+    "cross.q": "cross",
+    "cross.o": "cross",
+}
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(
+            f"unknown CP attention method {method!r}; expected one of {', '.join(METHODS)} "
+            "(set method= / --cp-comm-type accordingly)"
+        )
+
+
+@lru_cache(maxsize=256)
+def build_plan(method: str, layout: Layout, causal: bool, window: int = 2) -> Plan:
+    """Forward and backward programs of all ranks.
+
+    ``layout`` is the node structure of the CP group; only ``charm`` uses it, the other methods
+    treat the CP group as one flat group.
+    """
+    check_method(method)
+    if window < 1:
+        raise ValueError(f"prefetch window {window} must be >= 1")
+    n = layout.cp_size
+    if method == "ring":
+        fwd = [ring_forward(r, n, causal) for r in range(n)]
+        bwd = [ring_backward(r, n, causal) for r in range(n)]
+    else:
+        if method == "charm":
+            cfg, lay = PipelineConfig(split=True, scope="intra", window=window), layout
+        else:
+            cfg = PipelineConfig(split=method == "rm+", scope="full", window=window)
+            lay = Layout(1, n)
+        fwd = [pipeline_program(r, lay, causal, cfg, backward=False) for r in range(n)]
+        bwd = [pipeline_program(r, lay, causal, cfg, backward=True) for r in range(n)]
+    used = {e.channel for prog in fwd + bwd for e in prog.exchanges()}
+    return Plan(method, layout, causal, fwd, bwd, {c: CHANNELS[c] for c in sorted(used)})
+
+
+__all__ = [
+    "METHODS",
+    "CHANNELS",
+    "Layout",
+    "Part",
+    "Plan",
+    "block_parts",
+    "build_plan",
+    "check_method",
+    "zigzag_positions",
+]

@@ -1,0 +1,99 @@
+"""Program builder: appends instructions and inserts each ``Wait`` right before first use.
+
+The schedule generators describe *what* moves and *what* is computed; the builder tracks which
+received payloads are still in flight and waits for them lazily, so a compute blocks only on its
+own inputs. Every exchange is waited for by the end of the program.
+"""
+
+from __future__ import annotations
+
+from megatron_charm.plan.types import (
+    Compute,
+    Exchange,
+    Kind,
+    Op,
+    Part,
+    Payload,
+    Program,
+    Reduce,
+    Wait,
+)
+
+
+class ProgramBuilder:
+    def __init__(self, cp_rank: int) -> None:
+        self.cp_rank = cp_rank
+        self.program = Program(cp_rank)
+        self._next_handle = 0
+        self._unwaited: list[int] = []
+        # (kind, owner) -> receives not yet waited for, oldest first. Several can be in flight:
+        # partials come from several senders, and kv is fetched again in every CHARM+ round.
+        self._inflight: dict[tuple[Kind, int], list[tuple[Part, int]]] = {}
+
+    def exchange(self, channel: str, ops: list[Op]) -> int:
+        if not ops:
+            raise AssertionError("empty exchange")
+        for op in ops:
+            if op.send and not op.payload.kind.is_partial and op.payload.owner != self.cp_rank:
+                self.need(op.payload)
+        handle = self._next_handle
+        self._next_handle += 1
+        self.program.instrs.append(Exchange(handle, channel, tuple(ops)))
+        self._unwaited.append(handle)
+        for op in ops:
+            if not op.send:
+                key = (op.payload.kind, op.payload.owner)
+                self._inflight.setdefault(key, []).append((op.payload.part, handle))
+        return handle
+
+    def wait(self, handle: int) -> None:
+        if handle in self._unwaited:
+            self._unwaited.remove(handle)
+            self.program.instrs.append(Wait(handle))
+
+    def need(self, payload: Payload) -> int | None:
+        """Wait for the oldest in-flight receive that delivers ``payload``; return its handle.
+
+        ``None`` means nothing is in flight for it: the rank owns it or received it earlier.
+        """
+        pending = self._inflight.get((payload.kind, payload.owner), [])
+        for idx, (part, handle) in enumerate(pending):
+            if part.contains(payload.part):
+                self.wait(handle)
+                pending.pop(idx)
+                return handle
+        return None
+
+    def compute(
+        self,
+        q_owner: int,
+        kv_owner: int,
+        q_part: Part,
+        kv_part: Part,
+        masked: bool,
+        q_kind: Kind = Kind.Q,
+    ) -> None:
+        if q_owner != self.cp_rank:
+            self.need(Payload(q_kind, q_owner, q_part))
+        if kv_owner != self.cp_rank:
+            self.need(Payload(Kind.KV, kv_owner, kv_part))
+        self.program.instrs.append(Compute(q_owner, kv_owner, q_part, kv_part, masked))
+
+    def reduce(self, payload: Payload) -> None:
+        handle = self.need(payload)
+        if handle is None:
+            raise AssertionError(f"rank {self.cp_rank} reduces {payload} that was never received")
+        self.program.instrs.append(Reduce(payload, handle))
+
+    def finish(self) -> Program:
+        for handle in list(self._unwaited):
+            self.wait(handle)
+        return self.program
+
+
+def send(peer: int, kind: Kind, owner: int, part: Part) -> Op:
+    return Op(True, peer, Payload(kind, owner, part))
+
+
+def recv(peer: int, kind: Kind, owner: int, part: Part) -> Op:
+    return Op(False, peer, Payload(kind, owner, part))

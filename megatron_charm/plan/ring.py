@@ -1,0 +1,75 @@
+"""Ring attention, as Transformer Engine's ``p2p`` runs it: the baseline.
+
+Note [Ring schedule]
+~~~~~~~~~~~~~~~~~~~~
+Step ``i`` on rank ``x`` computes q_x against kv of ``x - i``; the kv for step ``i + 1`` is already
+travelling from ``x - 1`` (double buffering), and each rank forwards what it received::
+
+    step     0        1        2        3          (n = 4, rank 2)
+    kv     kv2      kv1      kv0      kv3          recv from 1, send to 3, every step
+    dkv    dkv2 ->  dkv1 ->  dkv0 ->  dkv3 -> 3    backward: partial dkv travels one step behind
+
+The kv of a forwarded ring is always whole: a later rank may need the half that this one skips.
+The backward sends each partial dkv on after adding this rank's block, and the last hop delivers
+the completed dkv to its owner; partials travel in float32.
+"""
+
+from __future__ import annotations
+
+from megatron_charm.plan.builder import ProgramBuilder, recv, send
+from megatron_charm.plan.layout import block_parts
+from megatron_charm.plan.types import Kind, Part, Payload, Program
+
+KV = "full.kv"
+GRAD = "full.o"
+
+
+def ring_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
+    b = ProgramBuilder(cp_rank)
+    nxt, prv = (cp_rank + 1) % cp_size, (cp_rank - 1) % cp_size
+    for step in range(cp_size):
+        owner = (cp_rank - step) % cp_size
+        if step + 1 < cp_size:
+            b.exchange(
+                KV,
+                [
+                    send(nxt, Kind.KV, owner, Part.FULL),
+                    recv(prv, Kind.KV, (owner - 1) % cp_size, Part.FULL),
+                ],
+            )
+        b.compute(cp_rank, owner, *block_parts(cp_rank, owner, causal))
+    return b.finish()
+
+
+def ring_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
+    b = ProgramBuilder(cp_rank)
+    nxt, prv = (cp_rank + 1) % cp_size, (cp_rank - 1) % cp_size
+    for step in range(cp_size):
+        owner = (cp_rank - step) % cp_size
+        if step + 1 < cp_size:
+            b.exchange(
+                KV,
+                [
+                    send(nxt, Kind.KV, owner, Part.FULL),
+                    recv(prv, Kind.KV, (owner - 1) % cp_size, Part.FULL),
+                ],
+            )
+        b.compute(cp_rank, owner, *block_parts(cp_rank, owner, causal), q_kind=Kind.QB)
+        if cp_size == 1:
+            break
+        if step > 0:
+            b.reduce(_dkv(owner))
+        b.exchange(
+            GRAD,
+            [
+                send(nxt, Kind.DKV, owner, Part.FULL),
+                recv(prv, Kind.DKV, (owner - 1) % cp_size, Part.FULL),
+            ],
+        )
+    if cp_size > 1:
+        b.reduce(_dkv(cp_rank))
+    return b.finish()
+
+
+def _dkv(owner: int) -> Payload:
+    return Payload(Kind.DKV, owner, Part.FULL)

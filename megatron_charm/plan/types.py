@@ -1,0 +1,164 @@
+"""Plain data types of a schedule: what each rank posts, waits for, computes and reduces.
+
+A :class:`Program` is one rank's instruction list for one pass (forward or backward). The executor
+interprets it on tensors, :mod:`megatron_charm.plan.validate` replays it symbolically for all ranks
+at once, and the simulator replays it on a cost model. No other module decides what is sent or
+computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Part(str, Enum):
+    """Which part of a rank's local sequence a tensor covers (zigzag halves, DESIGN section 2)."""
+
+    FULL = "full"
+    FIRST = "first"
+    SECOND = "second"
+
+    def union(self, other: Part) -> Part:
+        return self if self == other else Part.FULL
+
+    def contains(self, other: Part) -> bool:
+        return self == Part.FULL or self == other
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 if self == Part.FULL else 0.5
+
+
+class Kind(str, Enum):
+    """What a payload carries.
+
+    Partial results (O, DQ, DKV) are accumulators: the sender gives them up when it sends them.
+    """
+
+    Q = "q"  # query part, [s_part, b, h, d]
+    KV = "kv"  # key and value parts, 2 x [s_part, b, h_kv, d]
+    O = "o"  # noqa: E741 - partial output and lse of one query: [s_part, b, h, d] and float32 [s_part, b, h]
+    QB = "qb"  # backward query bundle: q, out, dout ([s_part, b, h, d] each) and lse
+    DQ = "dq"  # partial gradient of a query, [s_part, b, h, d]
+    DKV = "dkv"  # partial gradients of key and value, 2 x [s_part, b, h_kv, d]
+
+    @property
+    def is_partial(self) -> bool:
+        return self in (Kind.O, Kind.DQ, Kind.DKV)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A named tensor bundle: ``kind`` of CP rank ``owner``, restricted to ``part``."""
+
+    kind: Kind
+    owner: int
+    part: Part
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.owner}.{self.part.value}"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One send or receive inside an :class:`Exchange`."""
+
+    send: bool
+    peer: int  # CP rank
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Post a group of sends and receives on one channel; never blocks.
+
+    Ops of one exchange are issued together (``batch_isend_irecv``); on NCCL the exchanges of one
+    channel run in posting order, so every rank must post matching exchanges in the same order.
+    """
+
+    handle: int
+    channel: str
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Block until exchange ``handle`` is complete; received payloads become usable."""
+
+    handle: int
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Attention of query ``q_owner`` (restricted to ``q_part``) against kv of ``kv_owner``
+    (restricted to ``kv_part``), causal-masked on local positions when ``masked``.
+
+    Forward: merged into this rank's output accumulator of ``q_owner``. Backward: adds to this
+    rank's dq accumulator of ``q_owner`` and dkv accumulator of ``kv_owner``.
+    """
+
+    q_owner: int
+    kv_owner: int
+    q_part: Part
+    kv_part: Part
+    masked: bool
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Fold the partial result ``payload`` (``O``, ``DQ`` or ``DKV``) received by exchange
+    ``handle`` into the local accumulator."""
+
+    payload: Payload
+    handle: int
+
+
+Instr = Exchange | Wait | Compute | Reduce
+
+
+@dataclass
+class Program:
+    """Instruction list of one rank for one pass."""
+
+    cp_rank: int
+    instrs: list[Instr] = field(default_factory=list)
+
+    def exchanges(self) -> list[Exchange]:
+        return [i for i in self.instrs if isinstance(i, Exchange)]
+
+    def computes(self) -> list[Compute]:
+        return [i for i in self.instrs if isinstance(i, Compute)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A CP group as ``num_nodes`` (m) nodes of ``ranks_per_node`` (p) consecutive CP ranks."""
+
+    num_nodes: int
+    ranks_per_node: int
+
+    @property
+    def cp_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    def node(self, cp_rank: int) -> int:
+        return cp_rank // self.ranks_per_node
+
+    def local(self, cp_rank: int) -> int:
+        return cp_rank % self.ranks_per_node
+
+    def rank(self, node: int, local: int) -> int:
+        return node * self.ranks_per_node + local
+
+
+@dataclass
+class Plan:
+    """Forward and backward programs of every rank of a CP group for one method."""
+
+    method: str
+    layout: Layout
+    causal: bool
+    forward: list[Program]
+    backward: list[Program]
+    channels: dict[str, str]  # channel name -> scope: "intra", "cross" or "full"
