@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.comm.buffers import Dims
-from megatron_charm.comm.executor import ProgramRunner
+from megatron_charm.comm.executor import DistributedError, ProgramRunner
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel, select_kernel
 from megatron_charm.plan import METHODS, Layout, Plan, build_plan, check_method
@@ -84,7 +84,13 @@ def _check_shapes_agree(topo: CPTopology, key: tuple) -> None:
     if key in topo.checked_shapes or topo.cp_size == 1:
         return
     got: list = [None] * topo.cp_size
-    dist.all_gather_object(got, key, group=topo.cp_group)
+    try:
+        dist.all_gather_object(got, key, group=topo.cp_group)
+    except RuntimeError as exc:
+        raise DistributedError(
+            f"cp_rank {topo.cp_rank} could not agree on shapes with its CP group: {exc}. A peer "
+            "rank died or timed out"
+        ) from exc
     if len(set(got)) != 1:
         raise ValueError(
             "CP ranks call cp_attention with different local shapes or settings "

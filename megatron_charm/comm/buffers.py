@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_charm.kernels import merge_partial
+from megatron_charm.plan.cost import INPUT, AttnShape, payload_tensors
 from megatron_charm.plan.layout import part_slice, sub_slice
 from megatron_charm.plan.types import Kind, Part, Payload
 
@@ -31,32 +32,11 @@ class Dims:
 
 def payload_specs(p: Payload, dims: Dims, raw: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of the tensors of payload ``p`` (``raw``: partial in the input dtype)."""
-    s = dims.part_len(p.part)
-    q = ((s, dims.b, dims.h, dims.d), dims.dtype)
-    kv = ((s, dims.b, dims.h_kv, dims.d), dims.dtype)
-    lse = ((s, dims.b, dims.h), torch.float32)
-    acc_dtype = dims.dtype if raw else torch.float32
-    if p.kind == Kind.Q:
-        return [q]
-    if p.kind == Kind.KV:
-        return [kv, kv]
-    if p.kind == Kind.QB:
-        return [q, q, q, lse]
-    if p.kind == Kind.O:
-        return [(q[0], acc_dtype), lse]
-    if p.kind == Kind.DQ:
-        return [(q[0], acc_dtype)]
-    return [(kv[0], acc_dtype), (kv[0], acc_dtype)]
-
-
-def payload_bytes(p: Payload, dims: Dims, raw: bool) -> int:
-    total = 0
-    for shape, dtype in payload_specs(p, dims, raw):
-        numel = 1
-        for x in shape:
-            numel *= x
-        total += numel * torch.empty((), dtype=dtype).element_size()
-    return total
+    shape = AttnShape(dims.b, dims.s, dims.h, dims.h_kv, dims.d)
+    return [
+        (sizes, dims.dtype if prec == INPUT else torch.float32)
+        for sizes, prec in payload_tensors(p.kind, dims.part_len(p.part), shape, raw)
+    ]
 
 
 class Accumulator:
@@ -123,4 +103,4 @@ def part_of(tensor: Tensor, held: Part, want: Part, length: int) -> Tensor:
     return tensor[sub_slice(held, want, length)]
 
 
-__all__ = ["Accumulator", "Dims", "payload_bytes", "payload_specs", "part_of", "part_slice"]
+__all__ = ["Accumulator", "Dims", "payload_specs", "part_of", "part_slice"]

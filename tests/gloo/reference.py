@@ -1,0 +1,26 @@
+"""Single-process references on the gathered (global) sequence."""
+
+from __future__ import annotations
+
+import torch
+
+
+def naive_attention(q, k, v, causal: bool, scale: float, upcast: bool):
+    """Plain attention on ``[b, S, h, d]`` tensors; returns out and lse ``[b, h, S]``.
+
+    ``upcast=True`` computes in float64 (the reference); ``False`` stays in the input dtype (the
+    "naive implementation in the same precision" that bounds acceptable low-precision error).
+    """
+    dt = torch.float64 if upcast else q.dtype
+    h = q.shape[2]
+    k = k.repeat_interleave(h // k.shape[2], dim=2)
+    v = v.repeat_interleave(h // v.shape[2], dim=2)
+    qq, kk, vv = (t.to(dt).transpose(1, 2) for t in (q, k, v))
+    s = (qq @ kk.transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s.float() if not upcast else s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    out = (p @ vv).transpose(1, 2)
+    return out, lse

@@ -1,0 +1,213 @@
+"""Functions that run on every rank of a worker pool (see :mod:`tests.gloo.pool`)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from tests.gloo.reference import naive_attention
+
+
+def _global_inputs(b, seq, h, h_kv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda heads: torch.randn(b, seq, heads, d, generator=g, dtype=torch.float64)  # noqa: E731
+    return mk(h), mk(h_kv), mk(h_kv), mk(h)
+
+
+def _local_index(cp_rank, cp_size, seq, causal):
+    from megatron_charm.plan import zigzag_positions
+
+    if causal:
+        return torch.tensor(zigzag_positions(cp_rank, cp_size, seq))
+    per = seq // cp_size
+    return torch.arange(cp_rank * per, (cp_rank + 1) * per)
+
+
+def _grads_of(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    (out.to(torch.float64) * dout).sum().backward()
+    return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
+
+
+def compare_with_reference(
+    ctx,
+    method: str,
+    ranks_per_node: int | None,
+    variants: list[tuple[bool, int, str]],
+    b: int = 2,
+    s_local: int = 8,
+    h: int = 4,
+    d: int = 16,
+    seed: int = 0,
+    qkv_format: str = "bshd",
+):
+    """Run ``method`` for each (causal, h_kv, dtype) variant; return per-variant max errors.
+
+    For each of out, lse, dq, dk, dv: ``ours`` is the max abs error of cp_attention against the
+    float64 reference; ``naive`` the same for a naive implementation in the input dtype.
+    """
+    topo = ctx.topology(ranks_per_node)
+    return [
+        _one_variant(
+            topo, method, causal, h_kv, getattr(torch, dt), b, s_local, h, d, seed, qkv_format
+        )
+        for causal, h_kv, dt in variants
+    ]
+
+
+def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_format):
+    import megatron_charm as mc
+
+    n, x = topo.cp_size, topo.cp_rank
+    seq = s_local * n
+    Q, K, V, DO = _global_inputs(b, seq, h, h_kv, d, seed)
+    Q, K, V = (t.to(dtype).to(torch.float64) for t in (Q, K, V))  # same inputs for all
+    scale = d**-0.5
+    idx = _local_index(x, n, seq, causal)
+
+    def ref(q, k, v, upcast):
+        return naive_attention(q, k, v, causal, scale, upcast)
+
+    want = _grads_of(lambda q, k, v: ref(q, k, v, True), Q, K, V, DO)
+    low = [t.to(dtype) for t in (Q, K, V)]
+    naive = _grads_of(lambda q, k, v: ref(q, k, v, False), *low, DO)
+
+    def ours(q, k, v):
+        if qkv_format == "sbhd":
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        out, lse = mc.cp_attention(
+            q,
+            k,
+            v,
+            topo,
+            method=method,
+            causal=causal,
+            qkv_format=qkv_format,
+            return_lse=True,
+            softmax_scale=scale,
+        )
+        if qkv_format == "sbhd":
+            out = out.transpose(0, 1)
+        return out, lse
+
+    got = _grads_of(ours, *(t[:, idx] for t in low), DO[:, idx])
+
+    def local(t, i):
+        return t[:, :, idx] if i == 1 else t[:, idx]
+
+    errs, nerrs, mags = [], [], []
+    for i in range(5):
+        w = local(want[i], i).to(torch.float64)
+        errs.append((got[i].to(torch.float64) - w).abs().max().item())
+        nerrs.append((local(naive[i], i).to(torch.float64) - w).abs().max().item())
+        mags.append(w.abs().max().item())
+    return {
+        "variant": (causal, h_kv, str(dtype).removeprefix("torch.")),
+        "ours": errs,
+        "naive": nerrs,
+        "magnitude": mags,
+        "finite": all(torch.isfinite(t).all().item() for t in got),
+    }
+
+
+def bytes_moved(
+    ctx,
+    method: str,
+    ranks_per_node: int | None,
+    causal: bool,
+    b=1,
+    s_local=8,
+    h=4,
+    h_kv=2,
+    d=8,
+    dtype="bfloat16",
+):
+    """Bytes this rank's executor sent per channel, forward and backward."""
+    import megatron_charm as mc
+    from megatron_charm.comm import executor
+
+    topo = ctx.topology(ranks_per_node)
+    dt = getattr(torch, dtype)
+    q = torch.randn(b, s_local, h, d, dtype=dt, requires_grad=True)
+    k = torch.randn(b, s_local, h_kv, d, dtype=dt, requires_grad=True)
+    v = torch.randn(b, s_local, h_kv, d, dtype=dt, requires_grad=True)
+    captured = []
+    orig = executor.ProgramRunner.run
+
+    def spy(self):
+        res = orig(self)
+        captured.append(dict(self.stats.bytes_sent))
+        return res
+
+    executor.ProgramRunner.run = spy
+    try:
+        out = mc.cp_attention(q, k, v, topo, method=method, causal=causal)
+        out.sum().backward()
+    finally:
+        executor.ProgramRunner.run = orig
+    return captured
+
+
+def expect_value_error(ctx, case: str):
+    """Trigger a bad-input case on every rank; return the ValueError message (or None)."""
+    import megatron_charm as mc
+
+    topo = ctx.topology(None)
+    r = ctx.rank
+    t = lambda *shape, dtype=torch.float32: torch.randn(*shape, dtype=dtype)  # noqa: E731
+    q, k, v = t(1, 8, 4, 8), t(1, 8, 2, 8), t(1, 8, 2, 8)
+    try:
+        if case == "odd_causal":
+            mc.cp_attention(t(1, 7, 4, 8), t(1, 7, 4, 8), t(1, 7, 4, 8), topo)
+        elif case == "lengths_differ":
+            s = 8 if r == 0 else 12
+            mc.cp_attention(t(1, s, 4, 8), t(1, s, 4, 8), t(1, s, 4, 8), topo, method="rm+")
+        elif case == "methods_differ":
+            mc.cp_attention(q, k, v, topo, method="ring" if r == 0 else "charm")
+        elif case == "heads":
+            mc.cp_attention(t(1, 8, 4, 8), t(1, 8, 3, 8), t(1, 8, 3, 8), topo)
+        elif case == "dtype":
+            mc.cp_attention(q, k.to(torch.bfloat16), v, topo)
+        elif case == "head_dim":
+            mc.cp_attention(q, t(1, 8, 2, 16), t(1, 8, 2, 16), topo)
+        elif case == "kv_shapes":
+            mc.cp_attention(q, k, t(1, 8, 1, 8), topo)
+        elif case == "method":
+            mc.cp_attention(q, k, v, topo, method="ulysses")
+        elif case == "format":
+            mc.cp_attention(q, k, v, topo, qkv_format="thd")
+        elif case == "device":
+            m = lambda x: x.to("meta")  # noqa: E731
+            mc.cp_attention(m(q), m(k), m(v), topo)
+        elif case == "rpn_divide":
+            mc.CPTopology.build(None, ranks_per_node=3)
+        elif case == "unequal_nodes":
+            os.environ["MEGATRON_CHARM_NODE_ID"] = "a" if r < 2 else "b"
+            try:
+                mc.CPTopology.build(None)
+            finally:
+                del os.environ["MEGATRON_CHARM_NODE_ID"]
+        else:
+            raise AssertionError(case)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def dead_rank(ctx, timeout_s: float = 5.0):
+    """Rank 1 dies; rank 0 must get an error, not hang. Returns (exception name, seconds)."""
+    import megatron_charm as mc
+
+    topo = ctx.topology(None, timeout_s=timeout_s)
+    q = torch.randn(1, 8, 2, 8)
+    if ctx.rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        mc.cp_attention(q, q, q, topo, method="charm")
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        return type(exc).__name__, time.monotonic() - start, str(exc)[:300]
+    return None, time.monotonic() - start, ""

@@ -1,0 +1,25 @@
+"""The executor moves exactly the bytes the planner counts, per rank and channel."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_charm.plan import Layout, build_plan
+from megatron_charm.plan.cost import AttnShape, plan_bytes
+from tests.gloo import tasks
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "method,p", [("ring", 4), ("merge", 4), ("rm+", 4), ("charm", 2), ("charm", 1)]
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_executor_bytes_equal_plan(pools, method, p, causal):
+    n = 4
+    got = pools(n).run(tasks.bytes_moved, method=method, ranks_per_node=p, causal=causal)
+    layout = Layout(n // p, p) if method == "charm" else Layout(1, n)
+    shape = AttnShape(b=1, s_local=8, h=4, h_kv=2, d=8, itemsize=2)
+    want_fwd, want_bwd = plan_bytes(build_plan(method, layout, causal), shape)
+    for x in range(n):
+        assert got[x][0] == want_fwd.get(x, {}), f"forward, cp_rank {x}"
+        assert got[x][1] == want_bwd.get(x, {}), f"backward, cp_rank {x}"

@@ -1,0 +1,53 @@
+"""Bad input raises ValueError naming the value and the fix; a dead rank raises, never hangs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gloo import tasks
+from tests.gloo.pool import WorkerPool
+
+CASES = {
+    "odd_causal": "even local sequence",
+    "lengths_differ": "different local shapes",
+    "methods_differ": "different local shapes or settings",
+    "heads": "multiple of kv heads",
+    "dtype": "share one dtype",
+    "head_dim": "head dim",
+    "kv_shapes": "same shape",
+    "method": "unknown CP attention method 'ulysses'",
+    "format": "unknown qkv_format 'thd'",
+    "device": "cannot be communicated",
+    "rpn_divide": "ranks_per_node=3",
+}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_value_errors(pools, case):
+    messages = pools(4).run(tasks.expect_value_error, case=case)
+    for msg in messages:
+        assert msg is not None, f"{case}: no ValueError"
+        assert CASES[case] in msg, msg
+
+
+@pytest.mark.gloo
+def test_unequal_nodes(pools):
+    messages = pools(3).run(tasks.expect_value_error, case="unequal_nodes")
+    for msg in messages:
+        assert msg is not None and "unequal numbers of CP ranks" in msg, msg
+
+
+@pytest.mark.gloo
+def test_dead_rank_raises_within_timeout():
+    pool = WorkerPool(2)
+    try:
+        got = pool.run_raw(tasks.dead_rank, timeout=120, timeout_s=5.0)
+    finally:
+        pool.close()
+    assert 1 not in got, "rank 1 should have died"
+    ok, value = got[0]
+    assert ok, value
+    name, seconds, message = value
+    assert name is not None, "rank 0 returned normally although its peer died"
+    assert seconds < 60, f"rank 0 needed {seconds:.1f}s to notice the dead peer"

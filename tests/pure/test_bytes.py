@@ -1,0 +1,89 @@
+"""Bytes per rank and channel: the planner's count against closed forms.
+
+Units: ``c`` = half the local tokens; per token, q carries ``qe = b*h*d`` and kv
+``kve = 2*b*h_kv*d`` elements of the input dtype (``E`` bytes); an lse ``b*h`` float32 values.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_charm.plan import Layout, build_plan
+from megatron_charm.plan.cost import AttnShape, plan_bytes
+from megatron_charm.plan.partners import partner_tasks
+
+SHAPE = AttnShape(b=2, s_local=16, h=8, h_kv=2, d=4, itemsize=2)
+E = SHAPE.itemsize
+C = SHAPE.s_local // 2
+QE = SHAPE.b * SHAPE.h * SHAPE.d
+KVE = 2 * SHAPE.b * SHAPE.h_kv * SHAPE.d
+LSE = SHAPE.b * SHAPE.h * 4
+
+
+def _total(per_rank: dict, channel: str) -> int:
+    return sum(ch.get(channel, 0) for ch in per_rank.values())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring(n, causal):
+    fwd, bwd = plan_bytes(build_plan("ring", Layout(1, n), causal), SHAPE)
+    for x in range(n):
+        assert fwd[x] == {"full.kv": (n - 1) * 2 * C * KVE * E}
+        # dkv: the first hop holds one block (input dtype), later hops are merged (float32)
+        assert bwd[x] == {
+            "full.kv": (n - 1) * 2 * C * KVE * E,
+            "full.o": 2 * C * KVE * (E + (n - 1) * 4),
+        }
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_merge_causal_sends_only_used_halves(n):
+    fwd, _ = plan_bytes(build_plan("merge", Layout(1, n), True), SHAPE)
+    for x in range(n):
+        # to higher ranks the first half of kv, to lower ranks all of it
+        assert fwd[x] == {"full.kv": ((n - 1 - x) * C + x * 2 * C) * KVE * E}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_rmplus_totals(n):
+    kv_pairs, q_pairs = n * n // 4, n * n // 4 - n // 2
+    fwd, _ = plan_bytes(build_plan("rm+", Layout(1, n), False), SHAPE)
+    assert _total(fwd, "full.kv") == kv_pairs * 2 * (2 * C) * KVE * E
+    assert _total(fwd, "full.q") == q_pairs * 2 * (2 * C) * QE * E
+    assert _total(fwd, "full.o") == q_pairs * 2 * (2 * C) * (QE * E + LSE)
+    # causal: a pair moves a half one way and a whole the other way: 3c instead of 4c
+    fwd, _ = plan_bytes(build_plan("rm+", Layout(1, n), True), SHAPE)
+    assert _total(fwd, "full.kv") == kv_pairs * 3 * C * KVE * E
+    assert _total(fwd, "full.q") == q_pairs * 3 * C * QE * E
+    assert _total(fwd, "full.o") == q_pairs * 3 * C * (QE * E + LSE)
+
+
+@pytest.mark.parametrize("m,p", [(1, 4), (2, 1), (2, 2), (2, 4), (4, 2), (3, 2), (8, 1)])
+def test_charm_per_rank(m, p):
+    fwd, _ = plan_bytes(build_plan("charm", Layout(m, p), False), SHAPE)
+    rounds = 1 if m <= 2 else m
+    for x in range(m * p):
+        tasks = partner_tasks(x % p, p, split=True)
+        k = sum(t.exchange_kv for t in tasks)
+        q = len(tasks) - k
+        want = {
+            "intra.kv": rounds * k * 2 * C * KVE * E,
+            "intra.q": m * q * 2 * C * QE * E,
+            "intra.o": m * q * 2 * C * (QE * E + LSE),
+            "cross.q": (m - 1) * 2 * C * QE * E,
+            # the foreign rank returns its node's merged output: float32 unless it is one block
+            "cross.o": (m - 1) * 2 * C * (QE * (E if p == 1 else 4) + LSE),
+        }
+        assert fwd[x] == {ch: b for ch, b in want.items() if b}
+
+
+def test_charm_keeps_kv_inside_nodes():
+    for causal in (True, False):
+        plan = build_plan("charm", Layout(4, 2), causal)
+        for prog in plan.forward + plan.backward:
+            for ex in prog.exchanges():
+                if ex.channel.startswith("cross"):
+                    assert all(op.payload.kind.value not in ("kv", "dkv") for op in ex.ops)
+                else:
+                    assert all(op.peer // 2 == prog.cp_rank // 2 for op in ex.ops)
