@@ -93,9 +93,14 @@ class Accumulator:
                 acc[sl].add_(t)
 
     def wire(self, raw: bool) -> list[Tensor]:
-        """Tensors to send; ``raw`` is the plan's decision and must match this state."""
-        assert raw == self.raw, "accumulator precision differs from the plan"
-        return [t.contiguous() for t in self.tensors]
+        """Tensors to send: in the input dtype when the plan says ``raw`` (the lse stays float32),
+        else float32."""
+        assert raw or not self.raw, "a single block result would travel in float32"
+        tensors = self.tensors
+        if raw and not self.raw:
+            keep = 1 if self.kind == Kind.O else len(tensors)
+            tensors = [t.to(self.dims.dtype) if i < keep else t for i, t in enumerate(tensors)]
+        return [t.contiguous() for t in tensors]
 
 
 def part_of(tensor: Tensor, held: Part, want: Part, length: int) -> Tensor:

@@ -1,7 +1,8 @@
 """Sizes of payloads and the bytes each rank sends per channel (pure; no torch).
 
 Inputs (q, kv, the backward bundle) travel in the input dtype; the lse in float32. A partial result
-that holds a single block travels as the kernel produced it (input dtype); a merged one in float32.
+that holds a single block travels as the kernel produced it (input dtype); a merged one in float32,
+except on the cross-node return channel, where it makes its only hop in the input dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ INPUT, FP32 = "input", "fp32"
 
 @dataclass(frozen=True)
 class AttnShape:
-    """Local problem size: batch ``b``, ``s_local`` tokens per rank, heads, head dim, input bytes."""
+    """Local problem: batch ``b``, ``s_local`` tokens per rank, heads, head dim, input bytes."""
 
     b: int
     s_local: int

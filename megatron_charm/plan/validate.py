@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from megatron_charm.plan.layout import block_cost, block_parts
 from megatron_charm.plan.types import Compute, Exchange, Kind, Part, Payload, Plan, Program, Reduce
 
+# Channels whose merged partials travel in the input dtype: they make one hop to their owner,
+# so they are rounded once (a ring's dkv makes n hops and stays float32). The cross-node link is
+# the slow one; float32 would double its largest payload.
+COMPACT_CHANNELS = frozenset({"cross.o"})
+
 
 class ScheduleError(RuntimeError):
     """A plan violates an invariant (internal error: plans are generated, not user input)."""
@@ -112,7 +117,9 @@ def simulate(plan: Plan, backward: bool = False) -> Report:
                             acc = r.accs.pop((p.kind, p.owner), None)
                             if acc is None or acc.part != p.part:
                                 raise r.err(f"sends {p} but holds {acc and acc.part}")
-                            raw = acc.from_compute and len(acc.pairs) == 1
+                            raw = (acc.from_compute and len(acc.pairs) == 1) or (
+                                ins.channel in COMPACT_CHANNELS
+                            )
                             report.raw[(r.x, ins.handle, k)] = raw
                             msgs.append(acc)
                         else:

@@ -72,8 +72,8 @@ def test_charm_per_rank(m, p):
             "intra.q": m * q * 2 * C * QE * E,
             "intra.o": m * q * 2 * C * (QE * E + LSE),
             "cross.q": (m - 1) * 2 * C * QE * E,
-            # the foreign rank returns its node's merged output: float32 unless it is one block
-            "cross.o": (m - 1) * 2 * C * (QE * (E if p == 1 else 4) + LSE),
+            # the foreign rank returns its node's merged output in the input dtype (one hop)
+            "cross.o": (m - 1) * 2 * C * (QE * E + LSE),
         }
         assert fwd[x] == {ch: b for ch, b in want.items() if b}
 

@@ -1,0 +1,119 @@
+"""Text drawings of plans for the docs and for debugging.
+
+Two views: the block matrix (who computes block (q of x, kv of y), and how the inputs met), and
+one rank's program as a list of instructions.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_charm.plan import Layout, build_plan
+from megatron_charm.plan.cost import AttnShape, plan_bytes
+from megatron_charm.plan.types import Compute, Exchange, Plan, Reduce, Wait
+
+
+def block_matrix(plan: Plan) -> str:
+    """Rows: q owner x; columns: kv owner y. Cell: computing rank and how inputs met there.
+
+    ``D`` diagonal, ``k`` kv came to the q owner, ``q`` q went to the kv owner, ``x`` q crossed
+    nodes, ``r`` ring step (kv forwarded).
+    """
+    n = plan.layout.cp_size
+    where: dict[tuple[int, int], int] = {}
+    for prog in plan.forward:
+        for ins in prog.instrs:
+            if isinstance(ins, Compute):
+                where[(ins.q_owner, ins.kv_owner)] = prog.cp_rank
+    p = plan.layout.ranks_per_node if plan.method == "charm" else n
+    width = len(str(n - 1)) + 2
+    lines = ["q\\kv " + "".join(f"{y:>{width}}" for y in range(n))]
+    for x in range(n):
+        cells = []
+        for y in range(n):
+            c = where[(x, y)]
+            if x == y:
+                tag = "D"
+            elif plan.method == "ring":
+                tag = "r"
+            elif x // p != y // p:
+                tag = "x"
+            elif c == x:
+                tag = "k"
+            else:
+                tag = "q"
+            cells.append(f"{tag}{c}".rjust(width))
+        lines.append(f"{x:>4} " + "".join(cells))
+    return "\n".join(lines)
+
+
+def program_listing(plan: Plan, cp_rank: int, backward: bool = False) -> str:
+    prog = (plan.backward if backward else plan.forward)[cp_rank]
+    out = []
+    for ins in prog.instrs:
+        if isinstance(ins, Exchange):
+            ops = ", ".join(f"{'->' if op.send else '<-'}{op.peer} {op.payload}" for op in ins.ops)
+            out.append(f"  post #{ins.handle:<2} {ins.channel:<9} {ops}")
+        elif isinstance(ins, Wait):
+            out.append(f"  wait #{ins.handle}")
+        elif isinstance(ins, Compute):
+            mask = " causal" if ins.masked else ""
+            out.append(
+                f"  compute q{ins.q_owner}.{ins.q_part.value} x kv{ins.kv_owner}."
+                f"{ins.kv_part.value}{mask}"
+            )
+        elif isinstance(ins, Reduce):
+            out.append(f"  merge {ins.payload} (from #{ins.handle})")
+    return "\n".join(out)
+
+
+def bytes_table(n: int, p: int, causal: bool, shape: AttnShape) -> str:
+    """Markdown table: KiB sent per rank (mean over ranks), per method, pass and channel kind."""
+    kinds = ("kv", "q", "o", "cross.q", "cross.o")
+    rows = [
+        "| method | pass | kv | q / bundle | out / grads | cross q | cross out | total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method in ("ring", "merge", "rm+", "charm"):
+        layout = Layout(n // p, p) if method == "charm" else Layout(1, n)
+        fwd, bwd = plan_bytes(build_plan(method, layout, causal), shape)
+        for name, per_rank in (("fwd", fwd), ("bwd", bwd)):
+            sums = dict.fromkeys(kinds, 0)
+            for chans in per_rank.values():
+                for ch, b in chans.items():
+                    key = ch if ch.startswith("cross") else ch.split(".")[1]
+                    sums[key] += b
+            cols = [sums[k] / n for k in kinds]
+            cells = " | ".join(_kib(c) for c in [*cols, sum(cols)])
+            rows.append(f"| {method} | {name} | {cells} |")
+    return "\n".join(rows)
+
+
+def _kib(b: float) -> str:
+    return "-" if b == 0 else f"{b / 1024:.0f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="charm")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=None, help="also list this rank's program")
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--bytes", action="store_true", help="print the bytes table instead")
+    args = ap.parse_args(argv)
+    if args.bytes:
+        shape = AttnShape(b=1, s_local=4096, h=8, h_kv=8, d=64, itemsize=2)
+        n = args.nodes * args.ranks_per_node
+        print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape))
+        return
+    plan = build_plan(args.method, Layout(args.nodes, args.ranks_per_node), not args.non_causal)
+    print(block_matrix(plan))
+    if args.rank is not None:
+        print(f"\ncp_rank {args.rank}, {'backward' if args.backward else 'forward'}:")
+        print(program_listing(plan, args.rank, args.backward))
+
+
+if __name__ == "__main__":
+    main()
