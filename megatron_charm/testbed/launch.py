@@ -1,0 +1,243 @@
+"""Run a command as the ranks of a testbed, each inside its node's namespace (torchrun-like env)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from megatron_charm.testbed.config import (
+    TestbedConfig,
+    namespace,
+    rank_address,
+    rank_ifname,
+)
+from megatron_charm.testbed.net import TestbedError
+
+#: Seconds between SIGTERM and SIGKILL when ranks are stopped.
+KILL_GRACE_S = 3.0
+_POLL_S = 0.05
+
+
+@dataclass
+class RankResult:
+    """How one rank ended."""
+
+    rank: int
+    node: int
+    local: int
+    returncode: int | None
+    """Exit status (negative: killed by that signal); ``None`` only if it could not be reaped."""
+    killed: bool = False
+    """The launcher stopped it (another rank failed, timeout or interrupt)."""
+    stdout: str | None = None
+    """Captured output when the run captured it."""
+    stderr: str | None = None
+
+
+@dataclass
+class RunResult:
+    """Outcome of one launch."""
+
+    ranks: list[RankResult]
+    elapsed_s: float
+    timed_out: bool = False
+    first_failure: int | None = None
+    """Rank whose non-zero exit made the launcher stop the others."""
+    log_dir: str | None = None
+    cmd: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.returncode == 0 for r in self.ranks)
+
+    def check(self) -> RunResult:
+        """Raise ``TestbedError`` unless every rank exited 0; returns ``self`` otherwise."""
+        if self.ok:
+            return self
+        if self.timed_out:
+            why = f"timed out after {self.elapsed_s:.1f} s"
+        else:
+            bad = next(r for r in self.ranks if r.rank == self.first_failure)
+            why = f"rank {bad.rank} exited with {bad.returncode}"
+            if bad.stderr:
+                why += ":\n" + bad.stderr[-2000:]
+        where = f" (logs in {self.log_dir})" if self.log_dir else ""
+        raise TestbedError(f"{' '.join(self.cmd)}: {why}{where}")
+
+
+def rank_env(
+    cfg: TestbedConfig,
+    rank: int,
+    node: int,
+    local: int,
+    world_size: int,
+    local_world_size: int,
+    master: tuple[str, int],
+    link_info: Mapping[str, str],
+) -> dict[str, str]:
+    """Environment of one rank.
+
+    ``GLOO_SOCKET_IFNAME`` names the rank's own interface, so gloo binds to and advertises the
+    rank's address: peers on the same node reach it through the node's loopback, peers on other
+    nodes through the shaped veth. ``MEGATRON_CHARM_NODE_ID`` is the namespace name, because all
+    namespaces share the host name that node detection would otherwise use.
+    """
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node),
+        "NODE_RANK": str(node),
+        "MASTER_ADDR": master[0],
+        "MASTER_PORT": str(master[1]),
+        "GLOO_SOCKET_IFNAME": rank_ifname(local),
+        "TP_SOCKET_IFNAME": rank_ifname(local),
+        "MEGATRON_CHARM_NODE_ID": namespace(cfg.name, node),
+        "MEGATRON_CHARM_TESTBED_ADDR": rank_address(node, local),
+    }
+    env.update(link_info)
+    return env
+
+
+def launch(
+    cfg: TestbedConfig,
+    cmd: Sequence[str],
+    *,
+    placements: Sequence[tuple[int, int]] | None = None,
+    timeout_s: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    capture: bool = False,
+    log_dir: str | None = None,
+    link_info: Mapping[str, str] | None = None,
+    master_port: int | None = None,
+) -> RunResult:
+    """Start ``cmd`` once per rank and wait for all of them.
+
+    ``placements`` lists ``(node, local index)`` per rank (default: every slot, rank
+    ``node * ranks_per_node + local``). If a rank exits non-zero, or ``timeout_s`` passes, or the
+    caller is interrupted, every other rank is stopped (SIGTERM to its process group, SIGKILL after
+    ``KILL_GRACE_S``). ``capture`` keeps each rank's output in the result; ``log_dir`` writes it to
+    ``rank<r>.out/.err`` there; with neither, ranks share the caller's terminal.
+    """
+    if not cmd:
+        raise ValueError("cmd is empty: give the command each rank runs")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s!r}: must be positive")
+    if placements is None:
+        placements = [(n, i) for n in range(cfg.nodes) for i in range(cfg.ranks_per_node)]
+    for node, local in placements:
+        if not (0 <= node < cfg.nodes and 0 <= local < cfg.ranks_per_node):
+            raise ValueError(
+                f"placement {(node, local)!r} is outside the {cfg.nodes} x "
+                f"{cfg.ranks_per_node} testbed"
+            )
+    world = len(placements)
+    per_node = {n: sum(1 for m, _ in placements if m == n) for n, _ in placements}
+    # Ports below the kernel's ephemeral range, so the store never races a client socket.
+    port = master_port or int(os.environ.get("MASTER_PORT", 0)) or random.randint(20000, 30000)
+    master = (rank_address(*placements[0]), port)
+    own_dir = capture and log_dir is None
+    if own_dir:
+        log_dir = tempfile.mkdtemp(prefix="mctb-logs-")
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+
+    procs: list[subprocess.Popen] = []
+    files = []
+    killed: set[int] = set()
+    start = time.monotonic()
+    timed_out = False
+    first_failure = None
+    try:
+        for rank, (node, local) in enumerate(placements):
+            renv = dict(os.environ)
+            renv.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per host
+            if env:
+                renv.update(env)
+            renv.update(
+                rank_env(cfg, rank, node, local, world, per_node[node], master, link_info or {})
+            )
+            out = err = None
+            if log_dir is not None:
+                out = open(os.path.join(log_dir, f"rank{rank}.out"), "w")
+                err = open(os.path.join(log_dir, f"rank{rank}.err"), "w")
+                files += [out, err]
+            argv = ["ip", "netns", "exec", namespace(cfg.name, node), *cmd]
+            procs.append(
+                subprocess.Popen(argv, env=renv, stdout=out, stderr=err, start_new_session=True)
+            )
+        deadline = start + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad or time.monotonic() > deadline:
+                if bad:
+                    first_failure = bad[0]
+                else:
+                    timed_out = True
+                killed |= _stop(procs)
+                break
+            time.sleep(_POLL_S)
+    except BaseException:
+        killed |= _stop(procs)
+        raise
+    finally:
+        for f in files:
+            f.close()
+    elapsed = time.monotonic() - start
+    if first_failure is None and not timed_out:
+        # Several ranks may have failed within one poll; blame the lowest.
+        first_failure = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+
+    results = []
+    for rank, ((node, local), proc) in enumerate(zip(placements, procs, strict=True)):
+        res = RankResult(rank, node, local, proc.returncode, killed=rank in killed)
+        if capture:
+            res.stdout = _read(os.path.join(log_dir, f"rank{rank}.out"))
+            res.stderr = _read(os.path.join(log_dir, f"rank{rank}.err"))
+        results.append(res)
+    if own_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        log_dir = None
+    return RunResult(results, elapsed, timed_out, first_failure, log_dir, list(cmd))
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> set[int]:
+    """Terminate every still-running rank (its whole process group); returns their indices."""
+    running = {r for r, p in enumerate(procs) if p.poll() is None}
+    for r in running:
+        _signal_group(procs[r], signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline and any(procs[r].poll() is None for r in running):
+        time.sleep(_POLL_S)
+    for r in running:
+        if procs[r].poll() is None:
+            _signal_group(procs[r], signal.SIGKILL)
+    for r in running:
+        try:
+            procs[r].wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass  # unkillable (D state); reported as returncode None
+    return running
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
