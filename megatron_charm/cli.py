@@ -1,0 +1,324 @@
+"""The ``megatron-charm`` command.
+
+Subcommands:
+
+``patch-megatron PATH [--check] [--patch FILE]``
+    Apply megatron-charm's patch to a Megatron-LM checkout so that ``pretrain_gpt.py
+    --cp-comm-type charm`` builds the CHARM+ attention spec. The patch was made against Megatron-LM
+    tag ``core_v0.16.1``; other versions get a warning and a dry run before anything is written.
+    Re-running on a patched tree is a no-op.
+
+``megatron-args [--config CONFIG] [section.key=value ...] [--lines]``
+    Print the Megatron-LM ``pretrain_gpt.py`` flags equivalent to a ``megatron-charm-train`` YAML
+    config, so one config drives both trainers (the Megatron-LM launchers use this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+#: The Megatron-LM release the shipped patch was made against.
+MEGATRON_TAG = "core_v0.16.1"
+MEGATRON_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+PATCH_NAME = f"megatron-lm-{MEGATRON_TAG}.patch"
+
+
+class CliError(Exception):
+    """A user-facing failure: printed without a traceback, exit status 1."""
+
+
+def default_patch_path() -> Path:
+    """Locate the shipped Megatron-LM patch.
+
+    Looked up inside the package (package data), in the installation's data folder
+    (``share/megatron-charm/patches``, setuptools data-files), then in the source tree's top-level
+    ``patches/`` folder (editable installs and source checkouts).
+    """
+    here = Path(__file__).resolve().parent
+    candidates = (
+        here / "patches",
+        Path(sysconfig.get_path("data")) / "share" / "megatron-charm" / "patches",
+        here.parent / "patches",
+    )
+    for folder in candidates:
+        if (folder / PATCH_NAME).is_file():
+            return folder / PATCH_NAME
+    raise CliError(
+        f"the Megatron-LM patch {PATCH_NAME} is not installed with this copy of megatron-charm; "
+        "pass it explicitly with --patch FILE (it is patches/" + PATCH_NAME + " in the source tree)"
+    )
+
+
+def _run(cmd: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a command, returning its exit status and combined output."""
+    proc = subprocess.run(
+        list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return proc.returncode, proc.stdout.strip()
+
+
+def _git_toplevel(path: Path) -> Path | None:
+    """Return the git work tree root containing ``path``, or None without git or a repository."""
+    if shutil.which("git") is None:
+        return None
+    rc, out = _run(["git", "rev-parse", "--show-toplevel"], path)
+    return Path(out).resolve() if rc == 0 and out else None
+
+
+def describe_checkout(path: Path) -> str | None:
+    """Return ``"<commit> (<tag>)"`` for a git checkout, or None when it cannot be told."""
+    rc, commit = _run(["git", "rev-parse", "HEAD"], path)
+    if rc != 0:
+        return None
+    rc, tag = _run(["git", "describe", "--tags", "--exact-match", "HEAD"], path)
+    return f"{commit} ({tag})" if rc == 0 and tag else commit
+
+
+@dataclass
+class _Applier:
+    """The dry-run/apply commands of one tool, run in the Megatron-LM root."""
+
+    check: list[str]
+    reverse_check: list[str]
+    apply: list[str]
+    env: dict[str, str] | None = None
+
+    @classmethod
+    def for_tree(cls, root: Path, patch: Path, in_git_repo: bool) -> _Applier:
+        if in_git_repo:
+            git = ["git", "apply"]
+            return cls(
+                git + ["--check", str(patch)],
+                git + ["--reverse", "--check", str(patch)],
+                git + [str(patch)],
+            )
+        if shutil.which("patch") is not None:
+            base = ["patch", "-p1", "--batch", "--silent", "-i", str(patch)]
+            return cls(
+                base + ["--forward", "--dry-run"],
+                base + ["--reverse", "--dry-run"],
+                base + ["--forward"],
+            )
+        if shutil.which("git") is not None:
+            # Outside a repository `git apply` works like patch(1); the ceiling stops git from
+            # adopting a repository that merely contains this folder.
+            env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
+            git = ["git", "apply"]
+            return cls(
+                git + ["--check", str(patch)],
+                git + ["--reverse", "--check", str(patch)],
+                git + [str(patch)],
+                env,
+            )
+        raise CliError("neither `git` nor `patch` is installed; install one of them")
+
+
+def patch_megatron(
+    path: Path,
+    *,
+    patch: Path | None = None,
+    check_only: bool = False,
+    expected_commit: str = MEGATRON_COMMIT,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> str:
+    """Apply the patch to the Megatron-LM checkout at ``path``.
+
+    Returns ``"applied"``, ``"already-applied"`` or ``"applicable"`` (``check_only``).
+
+    Raises:
+        CliError: ``path`` is not a Megatron-LM checkout, or the patch does not apply.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise CliError(f"{path}: no such directory; pass the root of a Megatron-LM clone")
+    if not (root / "pretrain_gpt.py").is_file():
+        raise CliError(
+            f"{path} is not a Megatron-LM checkout (pretrain_gpt.py not found); pass the folder "
+            f"created by `git clone --branch {MEGATRON_TAG} https://github.com/NVIDIA/Megatron-LM`"
+        )
+    patch_file = Path(patch).resolve() if patch is not None else default_patch_path()
+    if not patch_file.is_file():
+        raise CliError(f"patch file {patch} does not exist")
+
+    # Only a repository rooted exactly here lets `git apply` use the patch's paths as they are.
+    in_git_repo = _git_toplevel(root) == root
+    if in_git_repo:
+        where = describe_checkout(root)
+        print(f"Megatron-LM checkout: {root} at {where}", file=out)
+        if where is not None and not where.startswith(expected_commit):
+            print(
+                f"warning: the patch was made for Megatron-LM {MEGATRON_TAG} "
+                f"({expected_commit[:8]}); this checkout is at {where}. It may not apply or may "
+                f"need review; `git checkout {MEGATRON_TAG}` gives the tested version.",
+                file=err,
+            )
+    else:
+        print(f"Megatron-LM tree: {root} (not a git checkout; version unknown)", file=out)
+
+    tool = _Applier.for_tree(root, patch_file, in_git_repo)
+    rc, forward_log = _run(tool.check, root, tool.env)
+    if rc != 0:
+        rc_rev, _ = _run(tool.reverse_check, root, tool.env)
+        if rc_rev == 0:
+            print(f"{patch_file.name} is already applied to {root}; nothing to do.", file=out)
+            return "already-applied"
+        raise CliError(
+            f"{patch_file.name} does not apply to {root}:\n{forward_log}\n"
+            f"Use a clean checkout of Megatron-LM {MEGATRON_TAG} "
+            f"(`git -C {root} status` shows local changes)."
+        )
+    if check_only:
+        print(f"{patch_file.name} applies cleanly to {root} (--check: nothing written).", file=out)
+        return "applicable"
+    rc, log = _run(tool.apply, root, tool.env)
+    if rc != 0:
+        raise CliError(f"applying {patch_file.name} failed after a clean dry run:\n{log}")
+    print(f"Applied {patch_file.name} to {root}.", file=out)
+    return "applied"
+
+
+# Megatron-LM cannot read megatron-charm's byte-tokenized corpus; it ships with the package only.
+_SHIPPED_CORPUS = "tiny"
+
+
+def megatron_lm_args(cfg: Any) -> list[str]:
+    """Megatron-LM ``pretrain_gpt.py`` flags for a ``megatron_charm.train`` ``Config``.
+
+    Tokenizer flags for real (indexed) data depend on the corpus; pass them after the config.
+
+    Raises:
+        ValueError: the config uses something only megatron-charm-train provides.
+    """
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    flags: list[Any] = [
+        "--num-layers", m.num_layers,
+        "--hidden-size", m.hidden_size,
+        "--num-attention-heads", m.num_attention_heads,
+        "--seq-length", m.seq_length,
+        "--max-position-embeddings", m.seq_length,
+        "--attention-dropout", m.attention_dropout,
+        "--hidden-dropout", m.hidden_dropout,
+        "--init-method-std", m.init_method_std,
+        "--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by,
+        "--transformer-impl", m.transformer_impl,
+        "--context-parallel-size", p.context_parallel_size,
+        "--cp-comm-type", p.cp_comm_type,
+        "--distributed-timeout-minutes", max(1, int(p.timeout_s // 60)),
+        "--seed", cfg.run.seed,
+        "--micro-batch-size", t.micro_batch_size,
+        "--global-batch-size", t.global_batch_size,
+        "--train-iters", t.train_iters,
+        "--lr", t.lr,
+        "--min-lr", t.min_lr,
+        "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", t.lr_warmup_iters,
+        "--weight-decay", t.weight_decay,
+        "--adam-beta1", t.adam_beta1,
+        "--adam-beta2", t.adam_beta2,
+        "--adam-eps", t.adam_eps,
+        "--clip-grad", t.clip_grad,
+        "--log-interval", cfg.logging.log_interval,
+    ]  # fmt: skip
+    if m.num_query_groups is not None:
+        flags += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    if m.ffn_hidden_size is not None:
+        flags += ["--ffn-hidden-size", m.ffn_hidden_size]
+    if p.ranks_per_node is not None:
+        flags += ["--charm-ranks-per-node", p.ranks_per_node]
+    if p.hierarchical_context_parallel_sizes:
+        flags += ["--hierarchical-context-parallel-sizes", *p.hierarchical_context_parallel_sizes]
+    if t.lr_decay_iters is not None:
+        flags += ["--lr-decay-iters", t.lr_decay_iters]
+    if t.exit_interval is not None:
+        flags += ["--exit-interval", t.exit_interval]
+    if t.precision in ("auto", "bf16"):
+        flags.append("--bf16")  # Megatron-LM trains on GPUs only, where auto means bf16
+    if d.kind == "mock":
+        flags += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 256]
+    elif d.path == [_SHIPPED_CORPUS]:
+        raise ValueError(
+            f"data.path=[{_SHIPPED_CORPUS}] is megatron-charm's byte-level test corpus, which "
+            "Megatron-LM cannot tokenize; set data.kind=mock, or data.path to your own "
+            "Megatron .bin/.idx prefixes and pass their tokenizer flags after the config"
+        )
+    else:
+        flags += ["--data-path", *d.path]
+    if cfg.checkpoint.save:
+        ckpt = str(cfg.checkpoint_dir)
+        interval = cfg.checkpoint.save_interval or t.train_iters
+        flags += ["--save", ckpt, "--save-interval", interval]
+        if cfg.checkpoint.resume:
+            flags += ["--load", ckpt]
+    return [str(f) for f in flags]
+
+
+def _print_megatron_args(config: str | None, overrides: Sequence[str], lines: bool) -> None:
+    from megatron_charm.train.config import load_config
+
+    try:
+        flags = megatron_lm_args(load_config(config, list(overrides)))
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    print("\n".join(flags) if lines else shlex.join(flags))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``megatron-charm`` command."""
+    parser = argparse.ArgumentParser(
+        prog="megatron-charm", description="megatron-charm utilities for Megatron-LM users."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "patch-megatron",
+        help=f"patch a Megatron-LM {MEGATRON_TAG} checkout for --cp-comm-type charm",
+        description=(
+            f"Apply megatron-charm's patch to a Megatron-LM checkout (made for {MEGATRON_TAG}). "
+            "Runs a dry run first; does nothing if the patch is already applied."
+        ),
+    )
+    p.add_argument("path", type=Path, help="root of the Megatron-LM checkout")
+    p.add_argument("--check", action="store_true", help="only test whether the patch applies")
+    p.add_argument("--patch", type=Path, default=None, help="patch file (default: the shipped one)")
+    a = sub.add_parser(
+        "megatron-args",
+        help="print Megatron-LM pretrain_gpt.py flags for a megatron-charm-train config",
+        description=(
+            "Translate a megatron-charm-train YAML config into Megatron-LM pretrain_gpt.py "
+            "flags (shell-quoted on one line, or one per line with --lines)."
+        ),
+    )
+    a.add_argument("--config", help="YAML config (default: the embedded gpt-tiny-cpu config)")
+    a.add_argument("--lines", action="store_true", help="one flag or value per line")
+    a.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``megatron-charm`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "patch-megatron":
+            patch_megatron(args.path, patch=args.patch, check_only=args.check)
+        elif args.command == "megatron-args":
+            _print_megatron_args(args.config, args.overrides, args.lines)
+    except CliError as exc:
+        print(f"megatron-charm: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
