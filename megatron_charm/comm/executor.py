@@ -24,10 +24,67 @@ Tensor = torch.Tensor
 
 @dataclass
 class RunStats:
-    """What one pass moved and held; filled by the executor."""
+    """What one pass moved and held; filled by the executor.
+
+    ``peak_buffer_bytes`` is the largest total, after any instruction, of what the pass allocates
+    beyond the caller's tensors: received inputs still to be used, receive buffers in flight,
+    accumulators and received partials.
+    """
 
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     peak_buffer_bytes: int = 0
+
+
+def release_points(program: Program, own: set[tuple[Kind, int]]) -> dict[int, list]:
+    """Instruction index -> received input keys whose last use is that instruction (pure).
+
+    A key can be received again later (CHARM+ rounds fetch kv anew); each delivery starts a new
+    lifetime that ends at its last use before the next delivery.
+    """
+    last: dict[tuple[Kind, int], int] = {}
+    out: dict[int, list] = defaultdict(list)
+    recv_keys: dict[int, list] = {}
+    for i, ins in enumerate(program.instrs):
+        if isinstance(ins, Exchange):
+            recv_keys[ins.handle] = [
+                (op.payload.kind, op.payload.owner)
+                for op in ins.ops
+                if not op.send and not op.payload.kind.is_partial
+            ]
+            used = [
+                (op.payload.kind, op.payload.owner)
+                for op in ins.ops
+                if op.send and not op.payload.kind.is_partial
+            ]
+        elif isinstance(ins, Wait):
+            for key in recv_keys.get(ins.handle, []):
+                if key in last:
+                    out[last.pop(key)].append(key)
+            used = recv_keys.get(ins.handle, [])
+        elif isinstance(ins, Compute):
+            qkind = Kind.QB if program.instrs and _is_backward(program) else Kind.Q
+            used = [(qkind, ins.q_owner), (Kind.KV, ins.kv_owner)]
+        else:
+            used = []
+        for key in used:
+            if key not in own:
+                last[key] = i
+    for key, i in last.items():
+        out[i].append(key)
+    return out
+
+
+def _is_backward(program: Program) -> bool:
+    return any(
+        op.payload.kind in (Kind.QB, Kind.DQ, Kind.DKV)
+        for ins in program.instrs
+        if isinstance(ins, Exchange)
+        for op in ins.ops
+    )
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class DistributedError(RuntimeError):
@@ -152,9 +209,18 @@ class ProgramRunner:
         part, bufs, _ = self.partials.pop((r.handle, r.payload.kind, r.payload.owner))
         self._acc(r.payload.kind, r.payload.owner).add(part, bufs, from_compute=False)
 
+    def _held_bytes(self, own: set) -> int:
+        total = sum(_nbytes(t) for k, (_, t) in self.held.items() if k not in own)
+        total += sum(_nbytes(b) for _, recvs in self.pending.values() for _, b, _ in recvs)
+        total += sum(_nbytes(a.tensors) for a in self.accs.values())
+        total += sum(_nbytes(b) for _, b, _ in self.partials.values())
+        return total
+
     def run(self) -> dict[tuple[Kind, int], Accumulator]:
         ex_by_handle = {}
-        for ins in self.prog.instrs:
+        own = set(self.held)
+        release = release_points(self.prog, own)
+        for i, ins in enumerate(self.prog.instrs):
             if isinstance(ins, Exchange):
                 ex_by_handle[ins.handle] = ins
                 self._exchange(ins)
@@ -164,5 +230,9 @@ class ProgramRunner:
                 self._compute(ins)
             elif isinstance(ins, Reduce):
                 self._reduce(ins)
+            peak = self._held_bytes(own)
+            self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, peak)
+            for key in release.get(i, ()):
+                self.held.pop(key, None)
         assert not self.pending and not self.partials
         return self.accs
