@@ -1,0 +1,228 @@
+"""``CharmDotProductAttention``: megatron-core's ``core_attention`` backed by CHARM+.
+
+It is a drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` inside a GPT layer spec
+(see :mod:`megatron_charm.megatron.spec`). Every call runs context-parallel attention over the CP
+group with one of the CHARM+ methods (``charm``, ``rm+``, ``merge``, ``ring``); with a CP group of
+one rank it is plain local attention, so a config that says ``charm`` also trains on one rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_charm.megatron.compat import check_megatron_compat
+from megatron_charm.megatron.groups import get_charm_topology
+
+#: Values of ``cp_comm_type`` served by this module.
+CHARM_METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring")
+
+
+def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | None) -> str:
+    """Pick the CHARM+ method from megatron's ``cp_comm_type`` plumbing.
+
+    megatron-core passes ``cp_comm_type`` to core_attention only when CP > 1, so with one CP rank
+    the method falls back to the config's value and then to the spec's default.
+
+    Raises:
+        ValueError: for per-layer lists and for values that are not CHARM+ methods.
+    """
+    if isinstance(config_cp_comm_type, (list, tuple)) or isinstance(cp_comm_type, (list, tuple)):
+        raise ValueError(
+            f"cp_comm_type={config_cp_comm_type!r}: a per-layer list of communication types is "
+            "not supported with CHARM+ (megatron-core 0.16.1 also indexes that list off by one). "
+            f"Pass a single value, e.g. --cp-comm-type charm (one of {', '.join(CHARM_METHODS)})."
+        )
+    for candidate in (cp_comm_type, config_cp_comm_type, default, "charm"):
+        if candidate is not None:
+            method = str(candidate)
+            break
+    if method not in CHARM_METHODS:
+        raise ValueError(
+            f"cp_comm_type={method!r} is not served by CharmDotProductAttention, which implements "
+            f"{', '.join(CHARM_METHODS)}. Use one of those with --cp-comm-type, or build the model "
+            "with the stock Transformer Engine spec for p2p/a2a/all_gather."
+        )
+    return method
+
+
+class CharmDotProductAttention(MegatronModule):
+    """Context-parallel core attention with the CHARM+ schedules.
+
+    Constructor keywords follow megatron-core 0.16.1's ``CoreAttentionBuilder``; ``k_channels`` and
+    ``v_channels`` are accepted for MLA. ``method`` and ``ranks_per_node`` are extra keywords that
+    spec helpers set through ``ModuleSpec.params``.
+
+    Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
+    MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. Everything else raises a
+    ``ValueError`` that says what to change.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        method: str | None = None,
+        ranks_per_node: int | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        check_megatron_compat()
+        self.config: TransformerConfig = config
+        self.layer_number = max(1, layer_number)
+        self.method = resolve_method(cp_comm_type, getattr(config, "cp_comm_type", None), method)
+        _check_config(config, attention_type, attn_mask_type, attention_dropout)
+
+        head_dim_k = k_channels if k_channels is not None else config.kv_channels
+        head_dim_v = v_channels if v_channels is not None else config.kv_channels
+        if head_dim_k != head_dim_v:
+            raise ValueError(
+                f"k_channels={head_dim_k} differs from v_channels={head_dim_v}: CHARM+ needs one "
+                "head dimension for q, k and v (MLA with distinct value heads is not supported). "
+                "Use standard attention, or set the MLA head dims equal."
+            )
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim_k)
+        )
+        # megatron-core reads this when qk_clip / max-logit logging is on; we refuse those options
+        # above, but keep the attribute so the surrounding code finds what it expects.
+        self.current_max_attn_logits = None
+        self.pg_collection = pg_collection
+        # Built here, at model construction, while every rank is present (see groups.py).
+        self.topology = get_charm_topology(
+            pg_collection,
+            ranks_per_node=ranks_per_node,
+            hierarchical_cp_sizes=getattr(config, "hierarchical_context_parallel_sizes", None),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        /,
+        *,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any | None = None,
+    ) -> torch.Tensor:
+        """Attention over the whole (context-parallel) sequence.
+
+        Args:
+            query: ``[s_local, b, np, hn]``.
+            key: ``[s_local, b, ng, hn]`` with ``np % ng == 0``.
+            value: ``[s_local, b, ng, hn]``.
+            attention_mask: ignored: causal attention uses the zigzag layout's implicit mask
+                (as Transformer Engine does), no-mask attention has none.
+            attn_mask_type: overrides the constructor's mask type (``causal`` or ``no_mask``).
+            attention_bias: must be ``None``.
+            packed_seq_params: must be ``None`` (THD/packed sequences are not supported).
+
+        Returns:
+            ``[s_local, b, np * hn]`` in the dtype of ``query``.
+        """
+        from megatron_charm import cp_attention
+
+        if packed_seq_params is not None:
+            raise ValueError(
+                "packed_seq_params was given: CHARM+ does not support packed (THD) sequences. "
+                "Train with padded/fixed-length sequences (drop --reset-attention-mask / "
+                "packed-sequence options)."
+            )
+        if attention_bias is not None:
+            raise ValueError(
+                "attention_bias was given: CHARM+ does not support an additive attention bias "
+                "(e.g. ALiBi). Use learned absolute or rotary position embeddings instead."
+            )
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = _is_causal(mask_type)
+        if query.dim() != 4 or key.shape != value.shape or query.shape[:2] != key.shape[:2]:
+            raise ValueError(
+                f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
+                "expected [s_local, b, heads, head_dim] self-attention tensors with equal s_local "
+                "and batch, and key/value of one shape."
+            )
+        out = cp_attention(
+            query,
+            key,
+            value,
+            self.topology,
+            method=self.method,
+            causal=causal,
+            softmax_scale=self.softmax_scale,
+            qkv_format="sbhd",
+        )
+        s_local, batch = out.shape[0], out.shape[1]
+        return out.reshape(s_local, batch, -1)
+
+    def extra_repr(self) -> str:
+        topo = self.topology
+        return (
+            f"method={self.method}, cp_size={topo.cp_size}, nodes={topo.num_nodes}x"
+            f"{topo.ranks_per_node}, softmax_scale={self.softmax_scale:.4g}"
+        )
+
+
+def _is_causal(mask_type: AttnMaskType) -> bool:
+    if mask_type == AttnMaskType.causal:
+        return True
+    if mask_type == AttnMaskType.no_mask:
+        return False
+    raise ValueError(
+        f"attn_mask_type={mask_type}: CHARM+ supports only AttnMaskType.causal and "
+        "AttnMaskType.no_mask (padding, arbitrary and bottom-right masks are not supported). Use a "
+        "causal GPT layer spec."
+    )
+
+
+def _check_config(
+    config: TransformerConfig,
+    attention_type: str,
+    attn_mask_type: AttnMaskType,
+    attention_dropout: float | None,
+) -> None:
+    """Refuse the options that CHARM+ does not implement, saying which setting to change."""
+    if attention_type != "self":
+        raise ValueError(
+            f"attention_type={attention_type!r}: CHARM+ implements self-attention only; keep the "
+            "stock core_attention for cross-attention layers."
+        )
+    _is_causal(attn_mask_type)
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout and dropout > 0:
+        raise ValueError(
+            f"attention_dropout={dropout}: CHARM+ does not implement attention dropout (Megatron's "
+            "default is 0.1). Set --attention-dropout 0 (config key model.attention_dropout: 0.0)."
+        )
+    window = getattr(config, "window_size", None)
+    if window is not None:
+        raise ValueError(
+            f"window_size={window}: sliding-window attention is not supported by CHARM+. Unset "
+            "--window-size."
+        )
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        raise ValueError(
+            f"softmax_type={softmax_type!r}: CHARM+ implements the vanilla softmax only. Set "
+            "--softmax-type vanilla."
+        )
+    if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+        raise ValueError(
+            "qk_clip / log_max_attention_logit need per-head max logits, which CHARM+ does not "
+            "compute. Turn off --qk-clip and --log-max-attention-logit."
+        )

@@ -1,0 +1,209 @@
+"""Process setup: torchrun / Slurm environment, self-spawned local ranks, torch.distributed init.
+
+``megatron-charm-train`` works three ways:
+
+* under ``torchrun`` (or any launcher exporting ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+  ``MASTER_ADDR``/``MASTER_PORT``): it joins that job;
+* under Slurm ``srun`` with several tasks: it maps ``SLURM_PROCID``/``SLURM_NTASKS``/
+  ``SLURM_LOCALID`` to those variables (``MASTER_ADDR`` defaults to the first node of the job);
+* otherwise: it starts ``parallel.nproc`` ranks on this machine itself and waits for them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_charm.train.config import Config
+
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_externally(env: Mapping[str, str]) -> bool:
+    """True when a launcher (torchrun, Slurm with several tasks, ...) started this rank."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return True
+    return int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env
+
+
+def _first_slurm_host(env: Mapping[str, str]) -> str:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    if nodelist:
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=30,
+            ).stdout.split()
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+        # "node[01-04],other" -> "node01": good enough for the common single-range case.
+        head = nodelist.split(",")[0]
+        if "[" in head:
+            base, rest = head.split("[", 1)
+            return base + rest.rstrip("]").split(",")[0].split("-")[0]
+        return head
+    return "127.0.0.1"
+
+
+def apply_slurm_env(env: MutableMapping[str, str]) -> None:
+    """Fill torch.distributed's variables from Slurm's when Slurm started several tasks."""
+    if "RANK" in env or int(env.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in env:
+        return
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    if "SLURM_NTASKS_PER_NODE" in env:
+        env.setdefault("LOCAL_WORLD_SIZE", env["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    env.setdefault("MASTER_ADDR", _first_slurm_host(env))
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_local_ranks(nproc: int, argv: Sequence[str], module: str) -> int:
+    """Run ``python -m module argv`` as ``nproc`` local ranks; return the first failing status.
+
+    If one rank fails, the others are stopped instead of waiting on a collective forever.
+    """
+    port = free_port()
+    procs = []
+    for local_rank in range(nproc):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(local_rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        # One compute thread per rank: the ranks share this machine's cores.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
+    status = 0
+    try:
+        while procs:
+            for proc in list(procs):
+                code = proc.poll()
+                if code is None:
+                    continue
+                procs.remove(proc)
+                if code != 0 and status == 0:
+                    status = code
+                    _stop(procs)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _stop(procs)
+        status = 130
+    return status
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@dataclass
+class DistContext:
+    """What the training loop needs to know about the job."""
+
+    on_gpu: bool
+    device: torch.device
+    global_rank: int
+    world_size: int
+    cp_size: int
+    cp_rank: int
+    dp_size: int
+    dp_rank: int
+    dp_cp_group: dist.ProcessGroup
+
+
+def use_gpu() -> bool:
+    """GPU when CUDA is available, unless ``MEGATRON_CHARM_DEVICE=cpu``."""
+    return torch.cuda.is_available() and os.environ.get("MEGATRON_CHARM_DEVICE", "") != "cpu"
+
+
+def setup_distributed(cfg: Config) -> DistContext:
+    """Initialise torch.distributed (if needed) and megatron-core's parallel state for ``cfg``."""
+    from megatron.core import parallel_state
+
+    on_gpu = use_gpu()
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            # A single rank without a launcher (tests, notebooks): a private rendezvous.
+            os.environ.update(
+                RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+            )
+        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
+    world = dist.get_world_size()
+    cp = cfg.parallel.context_parallel_size
+    if world % cp != 0:
+        raise ValueError(
+            f"parallel.context_parallel_size={cp} does not divide the number of ranks {world}. "
+            f"Start a multiple of {cp} ranks (parallel.nproc, torchrun --nproc-per-node, or "
+            "Slurm tasks), or change parallel.context_parallel_size."
+        )
+    dp = world // cp
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        raise ValueError(
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}."
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    from megatron_charm.megatron import clear_topology_cache
+    from megatron_charm.megatron.groups import ENV_TIMEOUT
+
+    clear_topology_cache()
+    # CHARM+ communication gets the same timeout as every other collective of the run.
+    os.environ[ENV_TIMEOUT] = str(cfg.parallel.timeout_s)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=cfg.parallel.hierarchical_context_parallel_sizes,
+        distributed_timeout_minutes=max(1, int(cfg.parallel.timeout_s // 60)),
+        # The default backend already is gloo on CPU; extra gloo groups would only cost time.
+        create_gloo_process_groups=on_gpu,
+    )
+    return DistContext(
+        on_gpu=on_gpu,
+        device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
+        global_rank=dist.get_rank(),
+        world_size=world,
+        cp_size=cp,
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_size=dp,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
