@@ -17,7 +17,8 @@ run:
 parallel:
   context_parallel_size: 4
   cp_comm_type: charm      # charm | rm+ | merge | ring; GPU + TE also: p2p | a2a | all_gather
-  ranks_per_node: null     # null: hierarchical_context_parallel_sizes, else detected from hostnames
+  ranks_per_node: 2        # two emulated nodes of 2 ranks, so the cross-node path runs too;
+                           # null: hierarchical_context_parallel_sizes, else from hostnames
   hierarchical_context_parallel_sizes: null
   nproc: 4                 # ranks started when launched without torchrun/Slurm
   timeout_s: 300
