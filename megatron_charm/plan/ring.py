@@ -24,48 +24,40 @@ KV = "full.kv"
 GRAD = "full.o"
 
 
+def _shift(b: ProgramBuilder, channel: str, kind: Kind, owner: int, cp_size: int) -> None:
+    """Send ``kind`` of ``owner`` to the next rank; receive the previous owner's from the last."""
+    x = b.cp_rank
+    b.exchange(
+        channel,
+        [
+            send((x + 1) % cp_size, kind, owner, Part.FULL),
+            recv((x - 1) % cp_size, kind, (owner - 1) % cp_size, Part.FULL),
+        ],
+    )
+
+
 def ring_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     b = ProgramBuilder(cp_rank)
-    nxt, prv = (cp_rank + 1) % cp_size, (cp_rank - 1) % cp_size
     for step in range(cp_size):
         owner = (cp_rank - step) % cp_size
         if step + 1 < cp_size:
-            b.exchange(
-                KV,
-                [
-                    send(nxt, Kind.KV, owner, Part.FULL),
-                    recv(prv, Kind.KV, (owner - 1) % cp_size, Part.FULL),
-                ],
-            )
+            _shift(b, KV, Kind.KV, owner, cp_size)
         b.compute(cp_rank, owner, *block_parts(cp_rank, owner, causal))
     return b.finish()
 
 
 def ring_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     b = ProgramBuilder(cp_rank)
-    nxt, prv = (cp_rank + 1) % cp_size, (cp_rank - 1) % cp_size
     for step in range(cp_size):
         owner = (cp_rank - step) % cp_size
         if step + 1 < cp_size:
-            b.exchange(
-                KV,
-                [
-                    send(nxt, Kind.KV, owner, Part.FULL),
-                    recv(prv, Kind.KV, (owner - 1) % cp_size, Part.FULL),
-                ],
-            )
+            _shift(b, KV, Kind.KV, owner, cp_size)
         b.compute(cp_rank, owner, *block_parts(cp_rank, owner, causal), q_kind=Kind.QB)
         if cp_size == 1:
             break
         if step > 0:
             b.reduce(_dkv(owner))
-        b.exchange(
-            GRAD,
-            [
-                send(nxt, Kind.DKV, owner, Part.FULL),
-                recv(prv, Kind.DKV, (owner - 1) % cp_size, Part.FULL),
-            ],
-        )
+        _shift(b, GRAD, Kind.DKV, owner, cp_size)
     if cp_size > 1:
         b.reduce(_dkv(cp_rank))
     return b.finish()
