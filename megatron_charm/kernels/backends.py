@@ -194,14 +194,21 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: str | None = N
 
     name = name or os.environ.get("MEGATRON_CHARM_KERNEL") or None
     avail = available_kernels(device)
+    # CUDA flash kernels take only half precision; float32/float64 on CUDA use the math kernel.
+    half = dtype in (torch.float16, torch.bfloat16)
     if name is None:
-        if dtype == torch.float64:
+        if dtype == torch.float64 or (device.type == "cuda" and not half):
             return _KERNELS["math"]
         return _KERNELS[avail[0]]
     if name not in _KERNELS:
         raise ValueError(
             f"unknown block kernel {name!r}; expected one of {sorted(_KERNELS)} "
             "(set kernel= or MEGATRON_CHARM_KERNEL)"
+        )
+    if device.type == "cuda" and name != "math" and not half:
+        raise ValueError(
+            f"block kernel {name!r} on CUDA needs float16 or bfloat16 inputs, got {dtype}; cast "
+            "q, k, v or use kernel='math'"
         )
     if name not in avail:
         raise ValueError(

@@ -19,6 +19,8 @@ BASE_OVERRIDES = [
     "logging.progress_interval_s=0",
     "checkpoint.save=false",
     "parallel.timeout_s=120",
+    # each test states its node split; the default config emulates 2 nodes of 2 ranks
+    "parallel.ranks_per_node=null",
 ]
 
 
