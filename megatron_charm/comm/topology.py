@@ -152,6 +152,7 @@ class CPTopology:
             made = _make_channel_groups(list(ranks), p, backend, timeout)
             if tuple(global_ranks) == ranks:
                 mine = made
+        _warm_up(mine, backend)
         topo = cls(group, cp_rank, cp_size, global_ranks, layout, backend, timeout, mine)
         if dist.get_rank() == global_ranks[0]:
             log.info("megatron-charm topology: %s", topo.describe())
@@ -166,6 +167,22 @@ class CPTopology:
                 f"{self.backend} backend (it serves {', '.join(ok)}); move q, k, v to "
                 f"{ok[0]} or build the CP group with a backend for {device.type}"
             )
+
+
+def _warm_up(channels: dict[str, dist.ProcessGroup | None], backend: str) -> None:
+    """One collective per channel group with all its members.
+
+    With NCCL, the first operation on a communicator should involve every member (communicators
+    are set up lazily); a point-to-point exchange of two ranks first can hang. It also proves every
+    group works before any attention call depends on it.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    seen: set[int] = set()
+    for group in channels.values():
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        dist.all_reduce(torch.ones(1, device=device), group=group)
 
 
 def _make_channel_groups(
