@@ -32,11 +32,14 @@ def check_method(method: str) -> None:
 
 
 @lru_cache(maxsize=256)
-def build_plan(method: str, layout: Layout, causal: bool, window: int = 2) -> Plan:
+def build_plan(
+    method: str, layout: Layout, causal: bool, window: int = 2, combine_two_nodes: bool = False
+) -> Plan:
     """Forward and backward programs of all ranks.
 
     ``layout`` is the node structure of the CP group; only ``charm`` uses it, the other methods
-    treat the CP group as one flat group.
+    treat the CP group as one flat group. ``combine_two_nodes`` selects the paper's Algorithm 2 for
+    two nodes (own and foreign q in one round) instead of split foreign rounds.
     """
     check_method(method)
     if window < 1:
@@ -47,7 +50,10 @@ def build_plan(method: str, layout: Layout, causal: bool, window: int = 2) -> Pl
         bwd = [ring_backward(r, n, causal) for r in range(n)]
     else:
         if method == "charm":
-            cfg, lay = PipelineConfig(split=True, scope="intra", window=window), layout
+            cfg = PipelineConfig(
+                split=True, scope="intra", window=window, combine_two_nodes=combine_two_nodes
+            )
+            lay = layout
         else:
             cfg = PipelineConfig(split=method == "rm+", scope="full", window=window)
             lay = Layout(1, n)

@@ -5,16 +5,20 @@ Note [CHARM+ rounds]
 ~~~~~~~~~~~~~~~~~~~~
 With ``m`` nodes of ``p`` ranks, rank ``(a, l)`` (node ``a``, local index ``l``) sends its q once to
 ``(a + o, l)`` for every offset ``o = 1..m-1`` and receives the q of ``(a - o, l)``. Each node runs
-its intra-node RM+ pipeline (see :mod:`megatron_charm.plan.partners`) over *query sets*:
+its intra-node RM+ pipeline (see :mod:`megatron_charm.plan.partners`) over *query sets*: a q owner
+and the part of its local sequence that the round covers.
 
-    m = 1       one round: [own]                               (this is RM+)
-    m = 2       one round: [own, foreign]                      (one combined pipeline)
-    m > 2       rounds [own], [from a-1], ..., [from a-m+1]    (next round's q travels meanwhile)
+A foreign q that a node needs whole travels as two halves (two cross transfers) and is processed
+in two rounds, so the first half is computed, and its output is on its way back, while the second
+half still crosses. The next offset's q travels while the current one computes::
 
-    node a          round 0             round 1              round 2
-    cross q     ---- q(a-1) arrives --- q(a-2) arrives ---
-    intra       RM+ over own q      RM+ over q(a-1)       RM+ over q(a-2)
-    cross out                       out(a-1) returns ---- out(a-2) returns ---> (exposed)
+    node a        round 0        round 1            round 2            round 3 ...
+    cross q     -- q(a-1).first -- q(a-1).second --- q(a-2) ...
+    intra       RM+ own q      RM+ q(a-1).first   RM+ q(a-1).second  ...
+    cross out                  out(a-1).first --- out(a-1).second -----------> (last exposed)
+
+``combine_two_nodes`` gives the paper's Algorithm 2 for ``m = 2`` instead: one round over both
+query sets ([own, foreign]); the foreign q must then arrive before the q exchanges start.
 
 The rank that ran a foreign query set returns its merged (out, lse), and the owner merges it. The
 backward mirrors this: the foreign rank receives (q, out, dout, lse), runs the same pipeline, keeps
@@ -34,21 +38,21 @@ from megatron_charm.plan.layout import block_parts
 from megatron_charm.plan.partners import PartnerTask, partner_tasks
 from megatron_charm.plan.types import Kind, Layout, Op, Part, Payload, Program
 
+QSet = tuple[int, Part]  # (q owner, part of its local sequence that a round covers)
+
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    split: bool  # RM+ q/kv split (False: plain merge, kv only)
-    scope: str  # channel scope of the intra-node pipeline: "intra" or "full"
-    window: int = 2  # exchanges in flight per channel
-
-
-def rounds(num_nodes: int) -> list[list[int]]:
-    """Node offsets of the query sets processed in each round."""
-    if num_nodes == 1:
-        return [[0]]
-    if num_nodes == 2:
-        return [[0, 1]]
-    return [[o] for o in range(num_nodes)]
+    split: bool
+    """RM+ q/kv split (False: the plain merge mechanism, kv only)."""
+    scope: str
+    """Channel scope of the intra-node pipeline: ``"intra"`` or ``"full"``."""
+    window: int = 2
+    """Exchanges in flight per channel."""
+    combine_two_nodes: bool = False
+    """For two nodes, run own and foreign q in one round (paper Algorithm 2)."""
+    split_foreign: bool = True
+    """Ship a foreign q that is needed whole as two halves, processed in two rounds."""
 
 
 def foreign_q_part(q_owner: int, node: int, layout: Layout, causal: bool) -> Part:
@@ -59,6 +63,15 @@ def foreign_q_part(q_owner: int, node: int, layout: Layout, causal: bool) -> Par
         part = qp if part is None else part.union(qp)
     assert part is not None
     return part
+
+
+def restrict(block_q: Part, piece: Part) -> Part | None:
+    """The q part of a block limited to a query set's piece; ``None`` if they do not overlap."""
+    if piece == Part.FULL or block_q == piece:
+        return block_q
+    if block_q == Part.FULL:
+        return piece
+    return None
 
 
 class _Pass:
@@ -74,68 +87,120 @@ class _Pass:
         self.qkind = Kind.QB if bwd else Kind.Q
         self.ret = Kind.DQ if bwd else Kind.O  # what a q exchange returns
         self.ch = {c: f"{cfg.scope}.{c}" for c in ("kv", "q", "o")}
+        self.combined = cfg.combine_two_nodes and layout.num_nodes == 2
 
-    def qsets(self, cp_rank: int, offsets: list[int]) -> list[int]:
+    # --- query sets and rounds (identical for all ranks of a node) ----------------------------
+
+    def pieces(self, q_owner: int, node: int) -> list[Part]:
+        """How q of ``q_owner`` travels to ``node``: one part, or two halves."""
+        part = foreign_q_part(q_owner, node, self.lay, self.causal)
+        if part == Part.FULL and self.cfg.split_foreign and not self.combined:
+            return [Part.FIRST, Part.SECOND]
+        return [part]
+
+    def source(self, cp_rank: int, offset: int) -> int:
         lay = self.lay
-        node, local = lay.node(cp_rank), lay.local(cp_rank)
-        return [lay.rank((node - o) % lay.num_nodes, local) for o in offsets]
+        return lay.rank((lay.node(cp_rank) - offset) % lay.num_nodes, lay.local(cp_rank))
 
-    def kv_part(self, qs: list[int], kv_owner: int) -> Part:
+    def rounds(self) -> list[list[tuple[int, int]]]:
+        """Rounds as lists of (node offset, piece index)."""
+        m = self.lay.num_nodes
+        if self.combined:
+            return [[(0, 0), (1, 0)]]
+        out = [[(0, 0)]]
+        for o in range(1, m):
+            count = len(self.pieces(self.source(self.x, o), self.lay.node(self.x)))
+            out += [[(o, i)] for i in range(count)]
+        return out
+
+    def qsets(self, cp_rank: int, rnd: list[tuple[int, int]]) -> list[QSet]:
+        node = self.lay.node(cp_rank)
+        out = []
+        for o, i in rnd:
+            if o == 0:
+                out.append((cp_rank, Part.FULL))
+            else:
+                g = self.source(cp_rank, o)
+                out.append((g, self.pieces(g, node)[i]))
+        return out
+
+    def block(self, qs: QSet, kv_owner: int) -> tuple[Part, Part, bool] | None:
+        qp, kp, masked = block_parts(qs[0], kv_owner, self.causal)
+        rq = restrict(qp, qs[1])
+        return None if rq is None else (rq, kp, masked)
+
+    def kv_part(self, qsets: list[QSet], kv_owner: int) -> Part:
         part: Part | None = None
-        for g in qs:
-            kp = block_parts(g, kv_owner, self.causal)[1]
-            part = kp if part is None else part.union(kp)
-        assert part is not None
+        for qs in qsets:
+            blk = self.block(qs, kv_owner)
+            if blk is not None:
+                part = blk[1] if part is None else part.union(blk[1])
+        assert part is not None, "a kv exchange that no block uses"
         return part
+
+    def compute(self, qs: QSet, kv_owner: int) -> None:
+        blk = self.block(qs, kv_owner)
+        if blk is not None:
+            self.b.compute(qs[0], kv_owner, *blk, q_kind=self.qkind)
+
+    def q_ops(self, peer: int, mine: list[QSet], theirs: list[QSet], kind: Kind) -> list[Op]:
+        """Swap query sets (or their results) with ``peer``, each at the part its block uses."""
+        ops = [send(peer, kind, g, blk[0]) for g, p in mine if (blk := self.block((g, p), peer))]
+        ops += [
+            recv(peer, kind, g, blk[0]) for g, p in theirs if (blk := self.block((g, p), self.x))
+        ]
+        return ops
+
+    # --- the program ----------------------------------------------------------------------------
 
     def build(self) -> Program:
         lay, x = self.lay, self.x
-        node, local = lay.node(x), lay.local(x)
-        rnds = rounds(lay.num_nodes)
-        cross_recv: dict[int, int] = {}
+        node, m = lay.node(x), lay.num_nodes
+        rnds = self.rounds()
+        posted_q: set[int] = set()
 
-        def post_cross(rnd: list[int]) -> None:
-            for o in rnd:
-                if o == 0:
+        def cross_plan(o: int) -> tuple[int, int, list[Part], list[Part]]:
+            dst, src = lay.rank((node + o) % m, lay.local(x)), self.source(x, o)
+            return dst, src, self.pieces(x, lay.node(dst)), self.pieces(src, node)
+
+        def post_cross_q(rnd: list[tuple[int, int]]) -> None:
+            for o, _ in rnd:
+                if o == 0 or o in posted_q:
                     continue
-                dst = lay.rank((node + o) % lay.num_nodes, local)
-                src = lay.rank((node - o) % lay.num_nodes, local)
-                self.b.exchange(
-                    "cross.q",
-                    [
-                        send(
-                            dst, self.qkind, x, foreign_q_part(x, lay.node(dst), lay, self.causal)
-                        ),
-                        recv(src, self.qkind, src, foreign_q_part(src, node, lay, self.causal)),
-                    ],
-                )
-                cross_recv[o] = src
+                posted_q.add(o)
+                dst, src, mine, theirs = cross_plan(o)
+                for i in range(max(len(mine), len(theirs))):
+                    ops = [send(dst, self.qkind, x, mine[i])] if i < len(mine) else []
+                    ops += [recv(src, self.qkind, src, theirs[i])] if i < len(theirs) else []
+                    self.b.exchange("cross.q", ops)
 
-        post_cross(rnds[0])
+        def post_cross_o(o: int, steps: range) -> None:
+            dst, src, mine, theirs = cross_plan(o)
+            for i in steps:
+                ops = [send(src, self.ret, src, theirs[i])] if i < len(theirs) else []
+                ops += [recv(dst, self.ret, x, mine[i])] if i < len(mine) else []
+                self.b.exchange("cross.o", ops)
+
+        post_cross_q(rnds[0])
         for r, rnd in enumerate(rnds):
             if r + 1 < len(rnds):
-                post_cross(rnds[r + 1])
+                post_cross_q(rnds[r + 1])
             self.intra_round(rnd)
-            foreign = [o for o in rnd if o != 0]
-            for o in foreign:
-                src = cross_recv[o]
-                dst = lay.rank((node + o) % lay.num_nodes, local)
-                self.b.exchange(
-                    "cross.o",
-                    [
-                        send(src, self.ret, src, foreign_q_part(src, node, lay, self.causal)),
-                        recv(dst, self.ret, x, foreign_q_part(x, lay.node(dst), lay, self.causal)),
-                    ],
-                )
-        for o in range(1, lay.num_nodes):
-            dst = lay.rank((node + o) % lay.num_nodes, local)
-            self.b.reduce(Payload(self.ret, x, foreign_q_part(x, lay.node(dst), lay, self.causal)))
+            for o, i in rnd:
+                if o == 0:
+                    continue
+                _, _, mine, theirs = cross_plan(o)
+                last = i == len(theirs) - 1
+                post_cross_o(o, range(i, max(len(mine), len(theirs)) if last else i + 1))
+        for o in range(1, m):
+            for part in cross_plan(o)[2]:
+                self.b.reduce(Payload(self.ret, x, part))
         return self.b.finish()
 
-    def intra_round(self, offsets: list[int]) -> None:
+    def intra_round(self, rnd: list[tuple[int, int]]) -> None:
         lay, x, b = self.lay, self.x, self.b
         node = lay.node(x)
-        my_qs = self.qsets(x, offsets)
+        my_qs = self.qsets(x, rnd)
         tasks = partner_tasks(lay.local(x), lay.ranks_per_node, self.cfg.split)
         # Compute order: by level, q exchanges first (their outputs must travel back), then by j.
         order = sorted(tasks, key=lambda t: (t.level, t.exchange_kv, t.j))
@@ -150,54 +215,61 @@ class _Pass:
             for c in channels:
                 lst = per_channel[c]
                 while posted[c] < len(lst) and posted[c] < done[c] + self.cfg.window:
-                    self.post(lst[posted[c]], my_qs, offsets)
+                    self.post(lst[posted[c]], my_qs, rnd)
                     posted[c] += 1
 
         # kv exchanges carry only home tensors, so they start before the diagonal block; q
         # exchanges may carry a foreign query set that is still crossing the node boundary.
         top_up(("kv",))
-        for g in my_qs:
-            if g == x:
-                b.compute(g, x, *block_parts(g, x, self.causal), q_kind=self.qkind)
+        for qs in my_qs:
+            if qs[0] == x:
+                self.compute(qs, x)
         top_up(("q",))
-        for g in my_qs:
-            if g != x:
-                b.compute(g, x, *block_parts(g, x, self.causal), q_kind=self.qkind)
+        for qs in my_qs:
+            if qs[0] != x:
+                self.compute(qs, x)
         returns: list[Payload] = []
         for t in order:
             c = "kv" if t.exchange_kv else "q"
             top_up()
             y = lay.rank(node, t.peer_local)
-            peer_qs = self.qsets(y, offsets)
+            peer_qs = self.qsets(y, rnd)
             if t.exchange_kv:
-                for g in my_qs:
-                    b.compute(g, y, *block_parts(g, y, self.causal), q_kind=self.qkind)
+                for qs in my_qs:
+                    self.compute(qs, y)
                 if self.bwd:
+                    mine, theirs = self.kv_part(my_qs, y), self.kv_part(peer_qs, x)
                     b.exchange(
                         self.ch["o"],
-                        [
-                            send(y, Kind.DKV, y, self.kv_part(my_qs, y)),
-                            recv(y, Kind.DKV, x, self.kv_part(peer_qs, x)),
-                        ],
+                        [send(y, Kind.DKV, y, mine), recv(y, Kind.DKV, x, theirs)],
                     )
-                    returns.append(Payload(Kind.DKV, x, self.kv_part(peer_qs, x)))
+                    returns.append(Payload(Kind.DKV, x, theirs))
             else:
-                for g in peer_qs:
-                    b.compute(g, x, *block_parts(g, x, self.causal), q_kind=self.qkind)
-                ops: list[Op] = [
-                    send(y, self.ret, g, block_parts(g, x, self.causal)[0]) for g in peer_qs
+                for qs in peer_qs:
+                    self.compute(qs, x)
+                # results of the partner's queries go back; results of mine come from the partner
+                ops = [
+                    send(y, self.ret, g, blk[0])
+                    for g, p in peer_qs
+                    if (blk := self.block((g, p), x))
                 ]
-                ops += [recv(y, self.ret, g, block_parts(g, y, self.causal)[0]) for g in my_qs]
+                ops += [
+                    recv(y, self.ret, g, blk[0]) for g, p in my_qs if (blk := self.block((g, p), y))
+                ]
                 b.exchange(self.ch["o"], ops)
-                returns += [Payload(self.ret, g, block_parts(g, y, self.causal)[0]) for g in my_qs]
+                returns += [
+                    Payload(op.payload.kind, op.payload.owner, op.payload.part)
+                    for op in ops
+                    if not op.send
+                ]
             done[c] += 1
         for p in returns:
             b.reduce(p)
 
-    def post(self, t: PartnerTask, my_qs: list[int], offsets: list[int]) -> None:
-        lay, x = self.lay, self.x
-        y = lay.rank(lay.node(x), t.peer_local)
-        peer_qs = self.qsets(y, offsets)
+    def post(self, t: PartnerTask, my_qs: list[QSet], rnd: list[tuple[int, int]]) -> None:
+        x = self.x
+        y = self.lay.rank(self.lay.node(x), t.peer_local)
+        peer_qs = self.qsets(y, rnd)
         if t.exchange_kv:
             ops = [
                 send(y, Kind.KV, x, self.kv_part(peer_qs, x)),
@@ -205,9 +277,7 @@ class _Pass:
             ]
             self.b.exchange(self.ch["kv"], ops)
         else:
-            ops = [send(y, self.qkind, g, block_parts(g, y, self.causal)[0]) for g in my_qs]
-            ops += [recv(y, self.qkind, g, block_parts(g, x, self.causal)[0]) for g in peer_qs]
-            self.b.exchange(self.ch["q"], ops)
+            self.b.exchange(self.ch["q"], self.q_ops(y, my_qs, peer_qs, self.qkind))
 
 
 def pipeline_program(

@@ -33,7 +33,7 @@ class ScheduleError(RuntimeError):
 @dataclass
 class _Acc:
     part: Part
-    pairs: set[tuple[int, int]]
+    pairs: set[tuple[int, int, Part]]  # (q owner, kv owner, q part) of every block merged in
     from_compute: bool
 
 
@@ -81,8 +81,14 @@ def _add(acc_map, key, part, pairs, from_compute, r: _Rank) -> None:
     if acc is None:
         acc_map[key] = _Acc(part, set(pairs), from_compute)
         return
-    if acc.pairs & pairs:
-        raise r.err(f"accumulator {key} merges {sorted(acc.pairs & pairs)} twice")
+    twice = [
+        (q, kv)
+        for q, kv, part in pairs
+        for q2, kv2, part2 in acc.pairs
+        if (q, kv) == (q2, kv2) and (part.contains(part2) or part2.contains(part))
+    ]
+    if twice:
+        raise r.err(f"accumulator {key} merges blocks {sorted(twice)} twice")
     acc.pairs |= pairs
     acc.part = acc.part.union(part)
     acc.from_compute = False
@@ -94,7 +100,7 @@ def simulate(plan: Plan, backward: bool = False) -> Report:
     n = len(progs)
     ranks = [_Rank(p, backward) for p in progs]
     fifo: dict[tuple[int, str], deque[Exchange]] = {}
-    pair_count: dict[tuple[int, int], int] = {}
+    pair_parts: dict[tuple[int, int], list[Part]] = {}
     report = Report()
     qk = Kind.QB if backward else Kind.Q
 
@@ -146,21 +152,33 @@ def simulate(plan: Plan, backward: bool = False) -> Report:
                         r.partials[(ins.handle, payload.kind, payload.owner)] = acc
             elif isinstance(ins, Compute):
                 qp, kp, masked = block_parts(ins.q_owner, ins.kv_owner, plan.causal)
-                if (qp, kp, masked) != (ins.q_part, ins.kv_part, ins.masked):
+                # a block may be computed in two halves of its queries (never the masked one)
+                split = qp == Part.FULL and ins.q_part != Part.FULL and not masked
+                if (kp, masked) != (ins.kv_part, ins.masked) or not (ins.q_part == qp or split):
                     raise r.err(f"block ({ins.q_owner},{ins.kv_owner}) uses wrong parts")
                 if not have(r, qk, ins.q_owner, ins.q_part):
                     raise r.err(f"computes with q{ins.q_owner}.{ins.q_part.value} not received")
                 if not have(r, Kind.KV, ins.kv_owner, ins.kv_part):
                     raise r.err(f"computes with kv{ins.kv_owner}.{ins.kv_part.value} not received")
                 pair = (ins.q_owner, ins.kv_owner)
-                pair_count[pair] = pair_count.get(pair, 0) + 1
-                report.cost[r.x] = report.cost.get(r.x, 0.0) + block_cost(*pair, plan.causal)
+                pair_parts.setdefault(pair, []).append(ins.q_part)
+                share = ins.q_part.fraction / qp.fraction
+                report.cost[r.x] = report.cost.get(r.x, 0.0) + share * block_cost(
+                    *pair, plan.causal
+                )
                 report.blocks[r.x] = report.blocks.get(r.x, 0) + 1
                 if backward:
-                    _add(r.accs, (Kind.DQ, ins.q_owner), ins.q_part, {pair}, True, r)
-                    _add(r.accs, (Kind.DKV, ins.kv_owner), ins.kv_part, {pair}, True, r)
+                    _add(r.accs, (Kind.DQ, ins.q_owner), ins.q_part, {(*pair, ins.q_part)}, True, r)
+                    _add(
+                        r.accs,
+                        (Kind.DKV, ins.kv_owner),
+                        ins.kv_part,
+                        {(*pair, ins.q_part)},
+                        True,
+                        r,
+                    )
                 else:
-                    _add(r.accs, (Kind.O, ins.q_owner), ins.q_part, {pair}, True, r)
+                    _add(r.accs, (Kind.O, ins.q_owner), ins.q_part, {(*pair, ins.q_part)}, True, r)
             elif isinstance(ins, Reduce):
                 p = ins.payload
                 acc = r.partials.pop((ins.handle, p.kind, p.owner), None)
@@ -229,17 +247,18 @@ def simulate(plan: Plan, backward: bool = False) -> Report:
     if stuck:
         detail = "; ".join(f"cp_rank {x} at {ranks[x].prog.instrs[ranks[x].pc]}" for x in stuck[:4])
         raise ScheduleError(f"deadlock: {len(stuck)} rank(s) blocked: {detail}")
-    _final_checks(plan, ranks, pair_count, backward)
+    _final_checks(plan, ranks, pair_parts, report, backward)
     return report
 
 
-def _final_checks(plan: Plan, ranks: list[_Rank], pair_count, backward: bool) -> None:
+def _final_checks(plan: Plan, ranks: list[_Rank], pair_parts, report: Report, backward: bool):
     n = len(ranks)
-    for pair, count in pair_count.items():
-        if count != 1:
-            raise ScheduleError(f"block {pair} computed {count} times")
-    if len(pair_count) != n * n:
-        raise ScheduleError(f"{n * n - len(pair_count)} blocks never computed")
+    for pair, parts in pair_parts.items():
+        whole = block_parts(*pair, plan.causal)[0]
+        if sorted(parts) != sorted([whole]) and sorted(parts) != sorted([Part.FIRST, Part.SECOND]):
+            raise ScheduleError(f"block {pair} computed as {[p.value for p in parts]}")
+    if len(pair_parts) != n * n:
+        raise ScheduleError(f"{n * n - len(pair_parts)} blocks never computed")
     for r in ranks:
         if r.partials:
             raise ScheduleError(
@@ -252,16 +271,16 @@ def _final_checks(plan: Plan, ranks: list[_Rank], pair_count, backward: bool) ->
             }
         else:
             want = {(Kind.O, r.x): {(r.x, y) for y in range(n)}}
-        got = {k: a.pairs for k, a in r.accs.items()}
+        got = {k: {(q, kv) for q, kv, _ in a.pairs} for k, a in r.accs.items()}
         if got != want:
             extra = {k: sorted(v) for k, v in got.items() if want.get(k) != v}
             raise ScheduleError(f"cp_rank {r.x} ends with wrong accumulators: {extra}")
         for k, a in r.accs.items():
             if a.part != Part.FULL:
                 raise ScheduleError(f"cp_rank {r.x} accumulator {k} covers only {a.part}")
-    costs = {x: sum(1 for i in ranks[x].prog.instrs if isinstance(i, Compute)) for x in range(n)}
+    costs = {x: round(report.cost.get(x, 0.0), 9) for x in range(n)}
     if len(set(costs.values())) > 1:
-        raise ScheduleError(f"unbalanced block counts: {costs}")
+        raise ScheduleError(f"unbalanced work: {costs}")
 
 
 def validate(plan: Plan) -> tuple[Report, Report]:

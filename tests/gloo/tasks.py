@@ -43,6 +43,7 @@ def compare_with_reference(
     d: int = 16,
     seed: int = 0,
     qkv_format: str = "bshd",
+    combine_two_nodes: bool = False,
 ):
     """Run ``method`` for each (causal, h_kv, dtype) variant; return per-variant max errors.
 
@@ -52,13 +53,24 @@ def compare_with_reference(
     topo = ctx.topology(ranks_per_node)
     return [
         _one_variant(
-            topo, method, causal, h_kv, getattr(torch, dt), b, s_local, h, d, seed, qkv_format
+            topo,
+            method,
+            causal,
+            h_kv,
+            getattr(torch, dt),
+            b,
+            s_local,
+            h,
+            d,
+            seed,
+            qkv_format,
+            combine_two_nodes,
         )
         for causal, h_kv, dt in variants
     ]
 
 
-def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_format):
+def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_format, combine):
     import megatron_charm as mc
 
     n, x = topo.cp_size, topo.cp_rank
@@ -88,6 +100,7 @@ def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_
             qkv_format=qkv_format,
             return_lse=True,
             softmax_scale=scale,
+            combine_two_nodes=combine,
         )
         if qkv_format == "sbhd":
             out = out.transpose(0, 1)

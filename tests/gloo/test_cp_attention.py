@@ -83,3 +83,18 @@ def test_float16(pools):
     )
     for rank_results in results:
         check(rank_results)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("n,p", [(4, 2), (8, 4)])
+def test_charm_combined_two_nodes(pools, n, p):
+    """The paper's Algorithm 2 variant for two nodes (own and foreign q in one pipeline)."""
+    results = pools(n).run(
+        tasks.compare_with_reference,
+        method="charm",
+        ranks_per_node=p,
+        variants=VARIANTS,
+        combine_two_nodes=True,
+    )
+    for rank_results in results:
+        check(rank_results)

@@ -20,11 +20,18 @@ def test_every_plan_validates(n, p, causal):
     for method in METHODS:
         if method != "charm" and p != n:
             continue  # flat methods ignore the node split
-        plan = build_plan(method, Layout(n // p, p), causal)
-        fwd, bwd = validate(plan)
-        # balanced: every rank computes n blocks of equal cost
-        assert set(fwd.blocks.values()) == {n} and set(bwd.blocks.values()) == {n}
-        assert len(set(fwd.cost.values())) == 1
+        variants = [False, True] if method == "charm" and n // p == 2 else [False]
+        for combine in variants:
+            _check_balanced(build_plan(method, Layout(n // p, p), causal, 2, combine), n, causal)
+
+
+def _check_balanced(plan, n, causal):
+    fwd, bwd = validate(plan)
+    # balanced: every rank does the work of n blocks (a block may run as two query halves)
+    unit = 0.5 if causal else 1.0
+    for report in (fwd, bwd):
+        assert {round(c, 9) for c in report.cost.values()} == {n * unit}
+        assert min(report.blocks.values()) >= n
 
 
 def _algorithm1(x: int, n: int) -> tuple[list[int], list[int]]:
