@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
 from megatron_charm.plan.layout import block_parts, zigzag_positions
 from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
 from megatron_charm.plan.ring import ring_backward, ring_forward
-from megatron_charm.plan.types import Layout, Part, Plan
+from megatron_charm.plan.types import Layout, Part, Plan, Program
 
 METHODS = ("charm", "rm+", "merge", "ring")
 
@@ -31,11 +32,15 @@ def check_method(method: str) -> None:
         )
 
 
-@lru_cache(maxsize=256)
-def build_plan(
-    method: str, layout: Layout, causal: bool, window: int = 2, combine_two_nodes: bool = False
-) -> Plan:
-    """Forward and backward programs of all ranks.
+def rank_programs(
+    method: str,
+    layout: Layout,
+    causal: bool,
+    cp_ranks: Iterable[int],
+    window: int = 2,
+    combine_two_nodes: bool = False,
+) -> tuple[list[Program], list[Program]]:
+    """Forward and backward programs of ``cp_ranks`` only (a simulator may replay one node).
 
     ``layout`` is the node structure of the CP group; only ``charm`` uses it, the other methods
     treat the CP group as one flat group. ``combine_two_nodes`` selects the paper's Algorithm 2 for
@@ -44,21 +49,32 @@ def build_plan(
     check_method(method)
     if window < 1:
         raise ValueError(f"prefetch window {window} must be >= 1")
-    n = layout.cp_size
+    n, ranks = layout.cp_size, list(cp_ranks)
     if method == "ring":
-        fwd = [ring_forward(r, n, causal) for r in range(n)]
-        bwd = [ring_backward(r, n, causal) for r in range(n)]
+        return [ring_forward(r, n, causal) for r in ranks], [
+            ring_backward(r, n, causal) for r in ranks
+        ]
+    if method == "charm":
+        cfg = PipelineConfig(
+            split=True, scope="intra", window=window, combine_two_nodes=combine_two_nodes
+        )
+        lay = layout
     else:
-        if method == "charm":
-            cfg = PipelineConfig(
-                split=True, scope="intra", window=window, combine_two_nodes=combine_two_nodes
-            )
-            lay = layout
-        else:
-            cfg = PipelineConfig(split=method == "rm+", scope="full", window=window)
-            lay = Layout(1, n)
-        fwd = [pipeline_program(r, lay, causal, cfg, backward=False) for r in range(n)]
-        bwd = [pipeline_program(r, lay, causal, cfg, backward=True) for r in range(n)]
+        cfg = PipelineConfig(split=method == "rm+", scope="full", window=window)
+        lay = Layout(1, n)
+    return [pipeline_program(r, lay, causal, cfg, backward=False) for r in ranks], [
+        pipeline_program(r, lay, causal, cfg, backward=True) for r in ranks
+    ]
+
+
+@lru_cache(maxsize=256)
+def build_plan(
+    method: str, layout: Layout, causal: bool, window: int = 2, combine_two_nodes: bool = False
+) -> Plan:
+    """Forward and backward programs of all ranks (see :func:`rank_programs`)."""
+    fwd, bwd = rank_programs(
+        method, layout, causal, range(layout.cp_size), window, combine_two_nodes
+    )
     used = {e.channel for prog in fwd + bwd for e in prog.exchanges()}
     return Plan(method, layout, causal, fwd, bwd, {c: CHANNELS[c] for c in sorted(used)})
 
@@ -71,6 +87,7 @@ __all__ = [
     "Plan",
     "block_parts",
     "build_plan",
+    "rank_programs",
     "check_method",
     "zigzag_positions",
 ]

@@ -25,7 +25,7 @@ class ProgramBuilder:
         self.cp_rank = cp_rank
         self.program = Program(cp_rank)
         self._next_handle = 0
-        self._unwaited: list[int] = []
+        self._unwaited: dict[int, None] = {}  # insertion-ordered set
         # (kind, owner) -> receives not yet waited for, oldest first. Several can be in flight:
         # partials come from several senders, and kv is fetched again in every CHARM+ round.
         self._inflight: dict[tuple[Kind, int], list[tuple[Part, int]]] = {}
@@ -39,7 +39,7 @@ class ProgramBuilder:
         handle = self._next_handle
         self._next_handle += 1
         self.program.instrs.append(Exchange(handle, channel, tuple(ops)))
-        self._unwaited.append(handle)
+        self._unwaited[handle] = None
         for op in ops:
             if not op.send:
                 key = (op.payload.kind, op.payload.owner)
@@ -48,7 +48,7 @@ class ProgramBuilder:
 
     def wait(self, handle: int) -> None:
         if handle in self._unwaited:
-            self._unwaited.remove(handle)
+            del self._unwaited[handle]
             self.program.instrs.append(Wait(handle))
 
     def need(self, payload: Payload) -> int | None:

@@ -25,7 +25,8 @@ backward mirrors this: the foreign rank receives (q, out, dout, lse), runs the s
 dk/dv at home and returns dq.
 
 Inside a round, rank ``x`` prefetches ``window`` exchanges per channel ahead of its computation and
-computes each block as soon as its own inputs arrived; q-exchange blocks come first in a level so
+computes each block as soon as its own inputs arrived; a partner's kv that an earlier round brought
+is kept and reused when it covers what the round needs; q-exchange blocks come first in a level so
 their outputs start travelling back early (paper Appendix A).
 """
 
@@ -57,12 +58,11 @@ class PipelineConfig:
 
 def foreign_q_part(q_owner: int, node: int, layout: Layout, causal: bool) -> Part:
     """Part of q of ``q_owner`` that node ``node``'s kv can see (union over the node's ranks)."""
-    part: Part | None = None
-    for local in range(layout.ranks_per_node):
-        qp = block_parts(q_owner, layout.rank(node, local), causal)[0]
-        part = qp if part is None else part.union(qp)
-    assert part is not None
-    return part
+    first, last = layout.rank(node, 0), layout.rank(node, layout.ranks_per_node - 1)
+    if first <= q_owner <= last:
+        return Part.FULL
+    # every rank of another node is on the same side of q_owner, so one block decides
+    return block_parts(q_owner, first, causal)[0]
 
 
 def restrict(block_q: Part, piece: Part) -> Part | None:
@@ -88,6 +88,9 @@ class _Pass:
         self.ret = Kind.DQ if bwd else Kind.O  # what a q exchange returns
         self.ch = {c: f"{cfg.scope}.{c}" for c in ("kv", "q", "o")}
         self.combined = cfg.combine_two_nodes and layout.num_nodes == 2
+        # kv kept across rounds: peer -> part of kv[peer] held here, and part of kv[x] held there
+        self.kv_here: dict[int, Part] = {}
+        self.kv_there: dict[int, Part] = {}
 
     # --- query sets and rounds (identical for all ranks of a node) ----------------------------
 
@@ -271,11 +274,21 @@ class _Pass:
         y = self.lay.rank(self.lay.node(x), t.peer_local)
         peer_qs = self.qsets(y, rnd)
         if t.exchange_kv:
-            ops = [
-                send(y, Kind.KV, x, self.kv_part(peer_qs, x)),
-                recv(y, Kind.KV, y, self.kv_part(my_qs, y)),
-            ]
-            self.b.exchange(self.ch["kv"], ops)
+            # A kv that arrived in an earlier round is kept if it covers what this round needs
+            # (both sides know both holdings, so they agree on what moves).
+            ops = []
+            there, here = self.kv_part(peer_qs, x), self.kv_part(my_qs, y)
+            held_there, held_here = self.kv_there.get(y), self.kv_here.get(y)
+            if held_there is None or not held_there.contains(there):
+                there = there if held_there is None else there.union(held_there)
+                ops.append(send(y, Kind.KV, x, there))
+                self.kv_there[y] = there
+            if held_here is None or not held_here.contains(here):
+                here = here if held_here is None else here.union(held_here)
+                ops.append(recv(y, Kind.KV, y, here))
+                self.kv_here[y] = here
+            if ops:
+                self.b.exchange(self.ch["kv"], ops)
         else:
             self.b.exchange(self.ch["q"], self.q_ops(y, my_qs, peer_qs, self.qkind))
 

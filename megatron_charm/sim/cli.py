@@ -1,0 +1,175 @@
+"""``megatron-charm-sim``: predict CP attention times per method, or ``advise`` a ``cp_comm_type``.
+
+Examples::
+
+    megatron-charm-sim --gpus 2x8 --intra-bw 365 --cross-bw 42.5 --tflops 989 \\
+        --batch 16 --seq 26880 --heads 12 --head-dim 192
+    megatron-charm-sim advise --preset H100 --gpus 16x8 --batch 1 --seq 131072 --heads 16 \\
+        --head-dim 128 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_charm.plan import METHODS
+from megatron_charm.sim.compute import FlopsCompute
+from megatron_charm.sim.predict import Prediction, Problem, advise, predict
+from megatron_charm.sim.programs import MODES
+from megatron_charm.sim.topology import CROSS_LINKS, FABRICS, PRESETS, Topology, parse_gpus
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="megatron-charm-sim",
+        description="Replay the CP attention schedules of every method on a cluster model. "
+        "Start the arguments with 'advise' to get a recommended --cp-comm-type.",
+    )
+    hw = ap.add_argument_group("cluster (a --preset fills these; flags override it)")
+    hw.add_argument("--preset", choices=sorted(PRESETS), help="hardware of the paper's Table 2")
+    hw.add_argument("--gpus", help="NODESxGPUS_PER_NODE of the CP group, e.g. 2x8")
+    hw.add_argument("--intra-bw", type=float, help="intra-node P2P bandwidth, GB/s")
+    hw.add_argument("--cross-bw", type=float, help="cross-node P2P bandwidth, GB/s")
+    hw.add_argument("--tflops", type=float, help="peak TFLOPS per GPU")
+    hw.add_argument(
+        "--efficiency", type=float, help="achieved fraction of peak in attention (default 0.5)"
+    )
+    hw.add_argument("--fabric", choices=FABRICS, help="intra-node fabric (default nvlink)")
+    hw.add_argument("--cross-links", choices=CROSS_LINKS, help="cross links (default rails)")
+    hw.add_argument(
+        "--nics-per-node", type=int, help="cross links per node (overrides --cross-links)"
+    )
+    hw.add_argument("--intra-lat-us", type=float, default=5.0, help="intra-node latency, us")
+    hw.add_argument("--cross-lat-us", type=float, default=10.0, help="cross-node latency, us")
+    hw.add_argument("--mem-bw", type=float, help="GPU memory bandwidth for merges, GB/s")
+    pb = ap.add_argument_group("problem")
+    pb.add_argument("--batch", type=int, default=1, help="micro-batch size")
+    pb.add_argument("--seq", type=int, required=True, help="global sequence length")
+    pb.add_argument("--heads", type=int, required=True, help="query heads")
+    pb.add_argument("--kv-heads", type=int, help="key/value heads (GQA; default --heads)")
+    pb.add_argument("--head-dim", type=int, required=True, help="head dimension")
+    pb.add_argument("--causal", action="store_true", help="causal attention (zigzag layout)")
+    pb.add_argument("--dtype-bytes", type=int, default=2, help="bytes per q/k/v element")
+    sim = ap.add_argument_group("simulation")
+    sim.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    sim.add_argument("--mode", choices=MODES, default="auto", help="replay all ranks or one node")
+    sim.add_argument("--window", type=int, default=2, help="prefetch window of the pipelines")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return ap
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Topology, Problem, FlopsCompute, list[str]]:
+    preset = PRESETS[args.preset] if args.preset else None
+
+    def pick(value, attr: str, default=None):
+        if value is not None:
+            return value
+        if preset is not None:
+            return getattr(preset, attr)
+        if default is None:
+            flag = "--" + attr.replace("_", "-")
+            raise ValueError(
+                f"{flag} is missing: without --preset the cluster must be given in full; "
+                f"pass {flag} or --preset {{{','.join(sorted(PRESETS))}}}"
+            )
+        return default
+
+    m, p = parse_gpus(pick(args.gpus, "gpus"))
+    topo = Topology(
+        m,
+        p,
+        pick(args.intra_bw, "intra_bw"),
+        pick(args.cross_bw, "cross_bw"),
+        intra_lat=args.intra_lat_us * 1e-6,
+        cross_lat=args.cross_lat_us * 1e-6,
+        fabric=pick(args.fabric, "fabric", "nvlink"),
+        cross_links=pick(args.cross_links, "cross_links", "rails"),
+        nics_per_node=pick(args.nics_per_node, "nics_per_node", 0)
+        if args.cross_links is None or args.nics_per_node is not None
+        else 0,
+    )
+    compute = FlopsCompute(
+        pick(args.tflops, "tflops"),
+        pick(args.efficiency, "efficiency", 0.5),
+        mem_bw=pick(args.mem_bw, "mem_bw", 2000.0),
+    )
+    problem = Problem(
+        args.batch,
+        args.seq,
+        args.heads,
+        args.head_dim,
+        args.kv_heads,
+        args.causal,
+        args.dtype_bytes,
+    )
+    methods = [x.strip() for x in args.methods.split(",") if x.strip()]
+    bad = [x for x in methods if x not in METHODS]
+    if bad or not methods:
+        raise ValueError(
+            f"--methods {args.methods!r}: {bad or 'empty'} not in {', '.join(METHODS)}; "
+            "pass a comma-separated subset"
+        )
+    if "ring" not in methods:
+        methods.insert(0, "ring")  # speedups are relative to ring
+    return topo, problem, compute, methods
+
+
+def format_table(pred: Prediction) -> str:
+    t, pr = pred.topo, pred.problem
+    lines = [
+        f"{t.num_nodes}x{t.ranks_per_node} GPUs, intra {t.intra_bw:g} GB/s ({t.fabric}), "
+        f"cross {t.cross_bw:g} GB/s ({t.nics} per node); batch {pr.batch}, seq {pr.seq} "
+        f"(local {pred.shape.s_local}), heads {pr.heads}x{pr.head_dim}"
+        f"{', causal' if pr.causal else ''}",
+        f"CCR forward {pred.ccr_forward:.3f}, backward {pred.ccr_backward:.3f}",
+        "",
+        f"{'method':<7} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
+        f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",
+    ]
+    order = [m for m in ("ring", "merge", "rm+", "charm") if m in pred.methods]
+    for name in order:
+        mp = pred.methods[name]
+        f, b = mp.forward, mp.backward
+        nodes = len(f.ranks) / t.ranks_per_node  # simulated nodes (one in symmetric mode)
+        cross = (f.link_bytes().get("cross", 0) + b.link_bytes().get("cross", 0)) / nodes
+        lines.append(
+            f"{name:<7} {f.makespan * 1e3:9.3f} {pred.speedup(name):7.2f}x "
+            f"{f.exposed_mean * 1e3:9.3f} {b.makespan * 1e3:9.3f} "
+            f"{pred.speedup(name, True):7.2f}x {b.exposed_mean * 1e3:9.3f} {cross / 1e9:14.3f}"
+        )
+    if any(not mp.forward.exact for mp in pred.methods.values()):
+        lines.append(
+            "note: causal plans on many nodes are replayed for one node with node symmetry; "
+            "per-node traffic is approximated (see docs/simulator.md)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "predict"
+    if argv and argv[0] in ("advise", "predict"):
+        command = argv.pop(0)
+    args = build_parser().parse_args(argv)
+    try:
+        topo, problem, compute, methods = _resolve(args)
+        pred = predict(topo, problem, compute, tuple(methods), args.mode, args.window)
+    except ValueError as err:
+        print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
+        return 2
+    if command == "advise":
+        adv = advise(pred)
+        if args.json:
+            print(json.dumps({"cp_comm_type": adv.method, "reasons": adv.reasons}, indent=2))
+        else:
+            print(f"recommended: --cp-comm-type {adv.method}")
+            for r in adv.reasons:
+                print(f"  - {r}")
+        return 0
+    if args.json:
+        print(json.dumps(pred.to_dict(), indent=2, default=str))
+    else:
+        print(format_table(pred))
+    return 0

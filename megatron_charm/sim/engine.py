@@ -1,0 +1,419 @@
+"""Event-driven replay of one pass of a plan on a topology and compute model.
+
+Note [Replay semantics]
+~~~~~~~~~~~~~~~~~~~~~~~
+Every rank is one compute stream that runs its program in order:
+
+* ``Exchange``: posted at the stream's current time (the executor enqueues it behind the work
+  before it), never blocks the stream;
+* ``Wait``: blocks the stream until the exchange has completed; the blocked time is the rank's
+  *exposed communication* (the paper's ``O``);
+* ``Compute`` / ``Reduce``: occupy the stream for the modelled block / merge time.
+
+Communication follows the rule that :func:`megatron_charm.plan.validate.simulate` checks
+symbolically (NCCL's strict ordering), with time: the exchanges of one rank on one channel run one
+after another in posting order (one communicator, one stream), an exchange *starts* when it is
+posted and its predecessor on the channel has completed, the ``i``-th send from ``x`` to ``y`` on a
+channel meets the ``i``-th receive of ``y`` from ``x`` on it, and that transfer starts when both
+sides' exchanges have started. An exchange completes when all its transfers have. Channels run
+concurrently and interact only through link resources (:mod:`megatron_charm.sim.topology`).
+The symbolic replay couples a whole connected group of matching exchanges into one completion;
+here each exchange completes with its own transfers, which is what the GPU kernels do.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from megatron_charm.plan.cost import AttnShape, payload_bytes
+from megatron_charm.plan.types import Compute, Exchange, Kind, Program, Reduce, Wait
+from megatron_charm.plan.validate import COMPACT_CHANNELS
+from megatron_charm.sim.compute import ComputeModel
+from megatron_charm.sim.programs import ProgramSet
+from megatron_charm.sim.topology import Topology
+
+_EXCH, _WAIT, _BUSY = 0, 1, 2
+_RESUME, _ACTIVATE, _FINISH = 0, 1, 2
+
+
+@dataclass
+class RankResult:
+    """What one rank did during one pass (times in seconds)."""
+
+    cp_rank: int
+    finish: float
+    """When the rank's last instruction ended."""
+    busy: float
+    """Time its stream spent in blocks and merges."""
+    exposed: float
+    """Time its stream was blocked in waits: exposed communication (the paper's ``O``)."""
+    idle: float = 0.0
+    """``makespan - busy``: exposed communication plus waiting for the slowest rank."""
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    """Bytes sent per channel."""
+    link_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes sent per link class (``"intra"``, ``"cross"``)."""
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)
+    """``(start, end, label)`` of every block (``C``), merge (``R``) and wait (``W``)."""
+    transfers: list[tuple[float, float, str]] = field(default_factory=list)
+    """``(start, end, channel)`` of every exchange of the rank."""
+
+
+@dataclass
+class PassResult:
+    """One simulated pass of one method."""
+
+    method: str
+    backward: bool
+    makespan: float
+    ranks: list[RankResult]
+    exact: bool
+    """False when a symmetric replay of a causal plan approximated the per-node traffic."""
+
+    @property
+    def exposed_mean(self) -> float:
+        return sum(r.exposed for r in self.ranks) / len(self.ranks)
+
+    @property
+    def exposed_max(self) -> float:
+        return max(r.exposed for r in self.ranks)
+
+    @property
+    def busy_mean(self) -> float:
+        return sum(r.busy for r in self.ranks) / len(self.ranks)
+
+    @property
+    def idle_mean(self) -> float:
+        return sum(r.idle for r in self.ranks) / len(self.ranks)
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes sent per link class, summed over the simulated ranks."""
+        out: dict[str, int] = defaultdict(int)
+        for r in self.ranks:
+            for k, v in r.link_bytes.items():
+                out[k] += v
+        return dict(out)
+
+
+def raw_flags(prog: Program, backward: bool) -> dict[tuple[int, int], bool]:
+    """``(handle, op index) -> travels in the input dtype`` for every partial the rank sends.
+
+    Same rule as the validator: a partial that holds exactly one computed block travels as the
+    kernel produced it; merged partials travel in float32, except on the compact channels.
+    """
+    accs: dict[tuple[Kind, int], list] = {}  # key -> [blocks, from_compute_only]
+    out: dict[tuple[int, int], bool] = {}
+    for ins in prog.instrs:
+        if isinstance(ins, Compute):
+            keys = (
+                [(Kind.DQ, ins.q_owner), (Kind.DKV, ins.kv_owner)]
+                if backward
+                else [(Kind.O, ins.q_owner)]
+            )
+            for key in keys:
+                acc = accs.setdefault(key, [0, True])
+                acc[0] += 1
+        elif isinstance(ins, Reduce):
+            acc = accs.setdefault((ins.payload.kind, ins.payload.owner), [0, True])
+            acc[0] += 1
+            acc[1] = False
+        elif isinstance(ins, Exchange):
+            for k, op in enumerate(ins.ops):
+                if op.send and op.payload.kind.is_partial:
+                    acc = accs.pop((op.payload.kind, op.payload.owner), [0, False])
+                    out[(ins.handle, k)] = (acc[1] and acc[0] == 1) or (
+                        ins.channel in COMPACT_CHANNELS
+                    )
+    return out
+
+
+class _Flow:
+    __slots__ = ("remaining", "rate", "last", "version", "res", "bw", "ends")
+
+    def __init__(self, nbytes: float, res: tuple, bw: float, ends: list) -> None:
+        self.remaining = float(nbytes)
+        self.rate = bw
+        self.last = 0.0
+        self.version = 0
+        self.res = res
+        self.bw = bw
+        self.ends = ends
+
+
+class Engine:
+    """Replays one pass of a :class:`ProgramSet`; see Note [Replay semantics]."""
+
+    def __init__(
+        self,
+        progs: ProgramSet,
+        topo: Topology,
+        shape: AttnShape,
+        compute: ComputeModel,
+        backward: bool,
+        record: bool = False,
+    ) -> None:
+        lay = progs.layout
+        if (lay.num_nodes, lay.ranks_per_node) != (topo.num_nodes, topo.ranks_per_node):
+            raise ValueError(
+                f"plan layout {lay.num_nodes}x{lay.ranks_per_node} does not match topology "
+                f"{topo.num_nodes}x{topo.ranks_per_node}"
+            )
+        self.progs = progs
+        self.topo = topo
+        self.shape = shape
+        self.compute = compute
+        self.backward = backward
+        self.record = record
+        programs = progs.backward if backward else progs.forward
+        self.cp_ranks = [p.cp_rank for p in programs]
+        self.index = {r: i for i, r in enumerate(self.cp_ranks)}
+        self.results = [RankResult(r, 0.0, 0.0, 0.0) for r in self.cp_ranks]
+        self.code = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
+
+    # -- compilation ----------------------------------------------------------------------------
+
+    def _key(self, channel: str, src: int, dst: int, seq: int) -> tuple:
+        sym = self.progs.symmetry
+        if sym == "none":
+            return (channel, src, dst, seq)
+        p, m = self.topo.ranks_per_node, self.topo.num_nodes
+        a, b = src // p, dst // p
+        dist = (b - a) % m if sym == "shift" else a ^ b
+        return (channel, src % p, dst % p, dist, seq)
+
+    def _canon_res(self, res: tuple) -> tuple:
+        if self.progs.symmetry == "none":
+            return res
+        p, k = self.topo.ranks_per_node, self.topo.nics
+        # Map the resource to its copy on the simulated node (ranks -> local index, links ->
+        # link index within the node).
+        return tuple((kind, idx % (k if kind.startswith("nic") else p)) for kind, idx in res)
+
+    def _compile(self, prog: Program, rr: RankResult) -> list[tuple]:
+        shape, topo, x = self.shape, self.topo, prog.cp_rank
+        raw = raw_flags(prog, self.backward)
+        seq: dict[tuple, int] = defaultdict(int)
+        code: list[tuple] = []
+        for ins in prog.instrs:
+            if isinstance(ins, Exchange):
+                ops = []
+                for k, op in enumerate(ins.ops):
+                    src, dst = (x, op.peer) if op.send else (op.peer, x)
+                    n = seq[(ins.channel, op.send, op.peer)]
+                    seq[(ins.channel, op.send, op.peer)] = n + 1
+                    cls = topo.link_class(src, dst)
+                    if op.send:
+                        is_raw = raw.get((ins.handle, k), True)
+                        nbytes = payload_bytes(op.payload, shape, is_raw)
+                        rr.bytes_sent[ins.channel] = rr.bytes_sent.get(ins.channel, 0) + nbytes
+                        rr.link_bytes[cls] = rr.link_bytes.get(cls, 0) + nbytes
+                    elif self.progs.exact:
+                        nbytes = 0  # the sender's side sets the size
+                    else:
+                        # Approximate symmetric replay: this side stands for a different copy of
+                        # the transfer class than the sender's side (parts differ between nodes
+                        # under causal attention); a matched class takes the larger size. The
+                        # receiver cannot know whether a partial is merged: assume input dtype.
+                        nbytes = payload_bytes(op.payload, shape, True)
+                    res = self._canon_res(topo.resources(src, dst))
+                    key = self._key(ins.channel, src, dst, n)
+                    if self.progs.unmatched_cross and not topo.same_node(src, dst):
+                        # Approximate symmetric replay of causal charm: nodes differ in how
+                        # many transfers a class has, so a cross-node transfer is not matched;
+                        # it runs from when this side's exchange starts (the peer node is in the
+                        # same state by symmetry) on this side's links only.
+                        key = None
+                        direction = "_out" if op.send else "_in"
+                        res = tuple(r for r in res if r[0].endswith(direction))
+                    ops.append(
+                        (
+                            key,
+                            op.send,
+                            nbytes,
+                            res,
+                            topo.bandwidth(cls),
+                            topo.latency(cls),
+                        )
+                    )
+                code.append((_EXCH, ins.handle, ins.channel, ops))
+            elif isinstance(ins, Wait):
+                code.append((_WAIT, ins.handle))
+            elif isinstance(ins, Compute):
+                dur = self.compute.block_time(ins, shape, self.backward)
+                code.append((_BUSY, dur, f"C q{ins.q_owner}/kv{ins.kv_owner}"))
+            elif isinstance(ins, Reduce):
+                nbytes = payload_bytes(ins.payload, shape, raw=False)
+                code.append((_BUSY, self.compute.reduce_time(nbytes), f"R {ins.payload}"))
+        return code
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def run(self) -> PassResult:
+        n = len(self.code)
+        self.heap: list[tuple] = []
+        self.tick = 0
+        self.pc = [0] * n
+        self.waiting: list[int | None] = [None] * n
+        self.wait_start = [0.0] * n
+        self.remaining_ops: list[dict[int, int]] = [{} for _ in range(n)]
+        self.chan_of: list[dict[int, str]] = [{} for _ in range(n)]
+        self.ex_start: list[dict[int, float]] = [{} for _ in range(n)]
+        self.done: list[set[int]] = [set() for _ in range(n)]
+        self.queues: list[dict[str, deque]] = [defaultdict(deque) for _ in range(n)]
+        self.active: list[dict[str, bool]] = [defaultdict(bool) for _ in range(n)]
+        self.ops_of: list[dict[int, list]] = [{} for _ in range(n)]
+        self.pending: dict[tuple, tuple] = {}
+        self.res_flows: dict[tuple, set[_Flow]] = defaultdict(set)
+        self.finished = [False] * n
+        for i in range(n):
+            self._run_rank(i, 0.0)
+        heap = self.heap
+        while heap:
+            t, _, kind, obj, ver = heapq.heappop(heap)
+            if kind == _RESUME:
+                self.pc[obj] += 1
+                self._run_rank(obj, t)
+            elif kind == _ACTIVATE:
+                self._activate(obj, t)
+            elif ver == obj.version:
+                self._finish(obj, t)
+        stuck = [self.cp_ranks[i] for i in range(n) if not self.finished[i]]
+        if stuck:
+            raise RuntimeError(f"simulation deadlocked; blocked cp_ranks {stuck[:8]}")
+        makespan = max(r.finish for r in self.results)
+        for r in self.results:
+            r.idle = makespan - r.busy
+        return PassResult(
+            self.progs.method, self.backward, makespan, self.results, self.progs.exact
+        )
+
+    def _push(self, t: float, kind: int, obj, ver: int = 0) -> None:
+        self.tick += 1
+        heapq.heappush(self.heap, (t, self.tick, kind, obj, ver))
+
+    def _run_rank(self, i: int, now: float) -> None:
+        code, pc, rr = self.code[i], self.pc[i], self.results[i]
+        while pc < len(code):
+            ins = code[pc]
+            op = ins[0]
+            if op == _EXCH:
+                self._post(i, ins, now)
+                pc += 1
+            elif op == _WAIT:
+                if ins[1] in self.done[i]:
+                    pc += 1
+                    continue
+                self.waiting[i] = ins[1]
+                self.wait_start[i] = now
+                self.pc[i] = pc
+                return
+            else:
+                dur = ins[1]
+                rr.busy += dur
+                if self.record:
+                    rr.timeline.append((now, now + dur, ins[2]))
+                self.pc[i] = pc
+                self._push(now + dur, _RESUME, i)
+                return
+        self.pc[i] = pc
+        self.finished[i] = True
+        rr.finish = now
+
+    def _post(self, i: int, ins: tuple, now: float) -> None:
+        _, handle, channel, ops = ins
+        self.remaining_ops[i][handle] = len(ops)
+        self.chan_of[i][handle] = channel
+        self.ops_of[i][handle] = ops
+        if self.active[i][channel]:
+            self.queues[i][channel].append(handle)
+        else:
+            self._start(i, handle, now)
+
+    def _start(self, i: int, handle: int, now: float) -> None:
+        self.active[i][self.chan_of[i][handle]] = True
+        self.ex_start[i][handle] = now
+        pending = self.pending
+        for key, _, nbytes, res, bw, lat in self.ops_of[i][handle]:
+            if key is None:  # unmatched (see _compile)
+                self._push(now + lat, _ACTIVATE, _Flow(nbytes, res, bw, [(i, handle)]))
+                continue
+            other = pending.pop(key, None)
+            if other is None:
+                pending[key] = (i, handle, nbytes)
+                continue
+            oi, oh, obytes = other
+            flow = _Flow(max(nbytes, obytes), res, bw, [(i, handle), (oi, oh)])
+            self._push(now + lat, _ACTIVATE, flow)
+
+    def _activate(self, flow: _Flow, now: float) -> None:
+        flow.last = now
+        if not flow.res:
+            self._push(now + flow.remaining / flow.bw, _FINISH, flow, flow.version)
+            return
+        touched: set[_Flow] = set()
+        for r in flow.res:
+            flows = self.res_flows[r]
+            flows.add(flow)
+            touched |= flows
+        for f in touched:
+            self._rerate(f, now)
+
+    def _rerate(self, f: _Flow, now: float) -> None:
+        f.remaining = max(0.0, f.remaining - f.rate * (now - f.last))
+        f.last = now
+        rate = f.bw
+        for r in f.res:
+            share = self.topo.capacity(r) / len(self.res_flows[r])
+            if share < rate:
+                rate = share
+        f.rate = rate
+        f.version += 1
+        self._push(now + f.remaining / rate, _FINISH, f, f.version)
+
+    def _finish(self, flow: _Flow, now: float) -> None:
+        if flow.res:
+            touched: set[_Flow] = set()
+            for r in flow.res:
+                flows = self.res_flows[r]
+                flows.discard(flow)
+                touched |= flows
+            for f in touched:
+                self._rerate(f, now)
+        for i, handle in flow.ends:
+            left = self.remaining_ops[i][handle] - 1
+            self.remaining_ops[i][handle] = left
+            if left == 0:
+                self._complete(i, handle, now)
+
+    def _complete(self, i: int, handle: int, now: float) -> None:
+        self.done[i].add(handle)
+        channel = self.chan_of[i][handle]
+        if self.record:
+            self.results[i].transfers.append((self.ex_start[i][handle], now, channel))
+        queue = self.queues[i][channel]
+        if queue:
+            self._start(i, queue.popleft(), now)
+        else:
+            self.active[i][channel] = False
+        if self.waiting[i] == handle:
+            self.waiting[i] = None
+            rr = self.results[i]
+            rr.exposed += now - self.wait_start[i]
+            if self.record:
+                rr.timeline.append((self.wait_start[i], now, f"W {handle}"))
+            self.pc[i] += 1
+            self._run_rank(i, now)
+
+
+def simulate_pass(
+    progs: ProgramSet,
+    topo: Topology,
+    shape: AttnShape,
+    compute: ComputeModel,
+    backward: bool = False,
+    record: bool = False,
+) -> PassResult:
+    """Replay the forward (or backward) pass of ``progs``; see Note [Replay semantics]."""
+    return Engine(progs, topo, shape, compute, backward, record).run()

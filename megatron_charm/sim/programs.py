@@ -1,0 +1,118 @@
+"""Which programs the simulator replays: all ranks of a plan, or one node's ranks and symmetry.
+
+Note [Node symmetry]
+~~~~~~~~~~~~~~~~~~~~
+Building every rank's program is the dominant cost at scale (``build_plan`` for 128 x 8 ranks
+takes minutes), and replaying millions of instructions in Python is not much cheaper. But the
+schedules are symmetric under a relabelling of nodes that maps node ``a`` to node 0:
+
+* ``ring`` and ``charm``: a shift by whole nodes, ``r -> (r - a*p) mod n``;
+* ``merge`` and ``rm+``: ``r -> r XOR (a*p)`` (partners are ``x XOR j``; needs ``p`` and ``n``
+  powers of two so that no partner is skipped).
+
+In ``"symmetric"`` mode only node 0's ``p`` programs are built and replayed. A transfer is
+keyed by its endpoints' *local* indices, the node distance between them (difference or XOR of
+node indices) and its sequence number on the channel. The two local ranks holding the two ends of
+a class of transfers (the sender's side on one, the mirror of the receiver's side on the other)
+then meet under one key, and the cross-link resources of node 0 carry exactly one copy of each
+class. For non-causal attention this replays the full schedule exactly (tests check it).
+
+For causal attention the zigzag parts differ between nodes (node ``a`` sends whole queries to the
+``a`` nodes below it and second halves to the nodes above, and charm ships a whole foreign query
+as two halves in two rounds), so symmetric mode is an approximation. Matched classes take the
+larger of the sizes their two local sides name. For charm the nodes do not even agree on how many
+cross-node transfers a class has, so its cross-node transfers run unmatched: each starts when its
+own side's exchange starts and uses only its own side's links. Against full replays of 4x4, 8x2
+and 8x4 groups (shared and rails): ring exact; charm -16%..+1%; rm+ up to +15%; merge's backward
+up to +25% (its forward is exact). Compute is exact (every causal block costs half a full one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron_charm.plan import build_plan, check_method, rank_programs
+from megatron_charm.plan.types import Layout, Program
+
+MODES = ("auto", "full", "symmetric")
+
+# In "auto" mode, CP groups up to this size are replayed in full.
+FULL_MODE_MAX_RANKS = 64
+
+
+@dataclass(frozen=True)
+class ProgramSet:
+    """The programs one pass replays and how transfers to ranks outside them are matched."""
+
+    method: str
+    layout: Layout
+    causal: bool
+    forward: list[Program]
+    backward: list[Program]
+    symmetry: str
+    """``"none"`` (all ranks present); ``"shift"`` or ``"xor"``: one node (Note [Node symmetry])."""
+
+    @property
+    def cp_ranks(self) -> list[int]:
+        return [p.cp_rank for p in self.forward]
+
+    @property
+    def unmatched_cross(self) -> bool:
+        """Whether cross-node transfers run unmatched (symmetric causal charm, whose nodes
+        differ in how many cross transfers they send and receive; Note [Node symmetry])."""
+        return self.symmetry != "none" and self.causal and self.method == "charm"
+
+    @property
+    def exact(self) -> bool:
+        """Whether the replay is exact (every rank present, or a symmetric non-causal plan)."""
+        return self.symmetry == "none" or not self.causal
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def symmetry_of(method: str, layout: Layout) -> str | None:
+    """The node symmetry of ``method`` on ``layout``, or ``None`` when it has none we can use."""
+    if layout.num_nodes == 1:
+        return None
+    if method in ("ring", "charm"):
+        return "shift"
+    if _pow2(layout.ranks_per_node) and _pow2(layout.cp_size):
+        return "xor"
+    return None
+
+
+@lru_cache(maxsize=32)
+def node_programs(
+    method: str, layout: Layout, causal: bool, window: int = 2, node: int = 0
+) -> ProgramSet:
+    """Programs of one node's ranks only (``"symmetric"`` mode, Note [Node symmetry])."""
+    check_method(method)
+    sym = symmetry_of(method, layout)
+    if sym is None:
+        raise ValueError(
+            f"method {method!r} on {layout.num_nodes}x{layout.ranks_per_node} has no node "
+            "symmetry to exploit (merge/rm+ need power-of-two sizes; one node needs none); "
+            "use mode='full'"
+        )
+    p = layout.ranks_per_node
+    ranks = range(node * p, (node + 1) * p)
+    fwd, bwd = rank_programs(method, layout, causal, ranks, window)
+    return ProgramSet(method, layout, causal, fwd, bwd, sym)
+
+
+def programs(
+    method: str, layout: Layout, causal: bool, mode: str = "auto", window: int = 2
+) -> ProgramSet:
+    """Programs to replay for ``method`` on ``layout`` (see :data:`MODES`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
+    if mode == "auto":
+        small = layout.cp_size <= FULL_MODE_MAX_RANKS
+        mode = "full" if small or symmetry_of(method, layout) is None else "symmetric"
+    if mode == "symmetric" and layout.num_nodes > 1:
+        return node_programs(method, layout, causal, window)
+    plan = build_plan(method, layout, causal, window)
+    return ProgramSet(method, layout, causal, plan.forward, plan.backward, "none")

@@ -1,0 +1,216 @@
+"""Validation (b): predicted vs measured times of the attention benchmark on the CPU testbed.
+
+The benchmark (``megatron-charm-bench attention``) writes one JSON per configuration. The
+simulator is calibrated from that JSON and the testbed's link probe only:
+
+* per-block compute: the benchmark's pure-compute times of the slowest rank (forward and
+  forward+backward), divided by the blocks a rank computes (``n``, each half a full block when
+  causal) -> :class:`~megatron_charm.sim.compute.CalibratedCompute`;
+* cross-node link: the probe's measured per-link rate (``cross`` phase) when a probe JSON is
+  given; else the rate the ring's transfers reached when the benchmark ran them alone
+  (``ring_comm_alone_s``: ``n - 1`` whole-kv steps, each as slow as its cross-node hop); else the
+  configured tc rate in the result (``cross_bps``);
+* intra-node link: the probe's ``intra`` phase (loopback), else ``--intra-gbps``;
+* layout and sharing (``shared``/``rails``) and the problem shape from the result's config.
+
+Latencies and the merge bandwidth are fixed assumptions (``--intra-lat-us``, ``--cross-lat-us``,
+``--merge-gbps``), not fitted.
+
+Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
+[--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from dataclasses import dataclass
+
+from megatron_charm.plan import METHODS
+from megatron_charm.plan.cost import AttnShape, payload_bytes
+from megatron_charm.plan.types import Kind, Part, Payload
+from megatron_charm.sim.compute import CalibratedCompute
+from megatron_charm.sim.predict import Problem, predict
+from megatron_charm.sim.topology import Topology
+
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the simulator takes from one benchmark result."""
+
+    topo: Topology
+    problem: Problem
+    compute: CalibratedCompute
+    source: str
+    """Where the link rates came from."""
+
+
+def _probe_rates(probe: dict) -> tuple[float | None, float | None]:
+    """``(intra, cross)`` bytes/s from a probe JSON (``megatron_charm.testbed.probe``)."""
+    intra = cross = None
+    for ph in probe.get("phases", []):
+        if ph.get("name") == "intra":
+            intra = ph["aggregate_bps"] / 8
+        elif ph.get("name") == "cross":
+            cross = ph.get("per_link_bps", ph["aggregate_bps"]) / 8
+    return intra, cross
+
+
+def calibrate(
+    result: dict,
+    probe: dict | None = None,
+    intra_gbps: float | None = None,
+    intra_lat_us: float = 50.0,
+    cross_lat_us: float = 200.0,
+    merge_gbps: float = 5.0,
+) -> Calibration:
+    """Topology, problem and compute model of one benchmark result (see module docstring)."""
+    cfg = result["config"]
+    m, p = result["layout"]
+    n = m * p
+    intra, cross = _probe_rates(probe) if probe else (None, None)
+    source = "probe"
+    alone = (result.get("ring_comm_alone_s") or {}).get("fwd")
+    if cross is None and alone and m > 1 and n > 1:
+        kv = payload_bytes(
+            Payload(Kind.KV, 0, Part.FULL),
+            AttnShape(
+                cfg["batch"],
+                cfg["seq_local"],
+                cfg["heads"],
+                cfg.get("kv_heads") or cfg["heads"],
+                cfg["head_dim"],
+                ITEMSIZE[cfg.get("dtype", "bf16")],
+            ),
+            raw=True,
+        )
+        cross, source = (n - 1) * kv / alone, "ring transfers alone"
+    if cross is None:
+        cross, source = float(result.get("cross_bps") or 0) / 8, "configured"
+    if intra is None:
+        if intra_gbps is None:
+            raise ValueError(
+                "no intra-node rate: pass --probe PROBE.json (megatron_charm.testbed.probe) or "
+                "--intra-gbps with the measured loopback rate in GB/s"
+            )
+        intra = intra_gbps * 1e9
+    if cross <= 0:
+        cross = intra  # a loopback run has no slow link
+    topo = Topology(
+        m,
+        p,
+        intra / 1e9,
+        cross / 1e9,
+        intra_lat=intra_lat_us * 1e-6,
+        cross_lat=cross_lat_us * 1e-6,
+        fabric="nvlink",  # loopback TCP: concurrent streams of a rank do not split a fixed rate
+        cross_links=result.get("topology", "shared"),
+    )
+    causal = bool(cfg.get("causal", True))
+    area = 0.5 if causal else 1.0
+    pure = result["pure_compute_s"]
+    fwd_block = pure["fwd"] / (n * area)
+    bwd_block = (pure["fwdbwd"] - pure["fwd"]) / (n * area)
+    compute = CalibratedCompute(fwd_block, bwd_block, mem_bw=merge_gbps)
+    problem = Problem(
+        cfg["batch"],
+        cfg["seq_local"] * n,
+        cfg["heads"],
+        cfg["head_dim"],
+        cfg.get("kv_heads") or cfg["heads"],
+        causal,
+        ITEMSIZE[cfg.get("dtype", "bf16")],
+    )
+    return Calibration(topo, problem, compute, source)
+
+
+def compare(result: dict, probe: dict | None = None, **kw) -> list[dict]:
+    """Rows of predicted vs measured median seconds per method and pass (fwd, fwd+bwd)."""
+    cal = calibrate(result, probe, **kw)
+    methods = [m for m in METHODS if m in result["methods"]]
+    pred = predict(cal.topo, cal.problem, cal.compute, tuple(methods))
+    rows = []
+    for method in methods:
+        mp = pred.methods[method]
+        for tag, predicted in (("fwd", mp.forward.makespan), ("fwdbwd", mp.total)):
+            measured = result["methods"][method][tag]["median"]
+            rows.append(
+                {
+                    "method": method,
+                    "pass": tag,
+                    "measured_s": measured,
+                    "predicted_s": predicted,
+                    "error": predicted / measured - 1.0,
+                }
+            )
+    return rows
+
+
+def markdown(name: str, result: dict, rows: list[dict], cal: Calibration) -> str:
+    t = cal.topo
+    lines = [
+        f"### {name}",
+        "",
+        f"{t.num_nodes}x{t.ranks_per_node} {t.cross_links}; intra {t.intra_bw:.3g} GB/s, cross "
+        f"{t.cross_bw * 1e3:.3g} MB/s ({cal.source}; configured "
+        f"{float(result.get('cross_bps') or 0) / 8e6:.3g} MB/s); block fwd "
+        f"{cal.compute.fwd_block * 1e3:.1f} ms, bwd {cal.compute.bwd_block * 1e3:.1f} ms.",
+        "",
+        "| method | pass | measured ms | predicted ms | error |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        miss = "" if abs(r["error"]) <= 0.25 else " (miss)"
+        lines.append(
+            f"| {r['method']} | {r['pass']} | {r['measured_s'] * 1e3:.0f} | "
+            f"{r['predicted_s'] * 1e3:.0f} | {r['error']:+.0%}{miss} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="benchmark result JSON files")
+    ap.add_argument("--probe", help="link probe JSON of the same testbed")
+    ap.add_argument("--intra-gbps", type=float, help="loopback rate, GB/s (without --probe)")
+    ap.add_argument("--intra-lat-us", type=float, default=50.0)
+    ap.add_argument("--cross-lat-us", type=float, default=200.0)
+    ap.add_argument("--merge-gbps", type=float, default=5.0)
+    ap.add_argument("--out", help="write the Markdown here")
+    args = ap.parse_args(argv)
+    probe = None
+    if args.probe:
+        with open(args.probe) as fh:
+            probe = json.load(fh)
+    kw = dict(
+        intra_gbps=args.intra_gbps,
+        intra_lat_us=args.intra_lat_us,
+        cross_lat_us=args.cross_lat_us,
+        merge_gbps=args.merge_gbps,
+    )
+    parts, n_ok, n = [], 0, 0
+    for path in args.results:
+        with open(path) as fh:
+            result = json.load(fh)
+        rows = compare(result, probe, **kw)
+        cal = calibrate(result, probe, **kw)
+        n += len(rows)
+        n_ok += sum(abs(r["error"]) <= 0.25 for r in rows)
+        parts.append(markdown(path.rsplit("/", 1)[-1], result, rows, cal))
+    head = (
+        f"Generated {datetime.date.today().isoformat()}: {len(args.results)} configurations, "
+        f"{n_ok} of {n} predicted times within +-25% of the measured medians."
+    )
+    text = "\n\n".join([head, *parts]) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""Topology model: ``m`` nodes of ``p`` ranks, intra- and cross-node links, and link contention.
+
+Note [Links and contention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every transfer is a *flow* from a sender to a receiver. It first waits out the link latency, then
+moves its bytes at a rate that is the smallest fair share of the *resources* it crosses (equal
+share: ``capacity / number of active flows`` on each resource, re-evaluated whenever a flow starts
+or ends):
+
+* intra-node, ``fabric="nvlink"``: no shared resource. Every flow gets the full point-to-point
+  bandwidth, however many run at once (an NVSwitch fabric: the paper's "contention-free").
+* intra-node, ``fabric="pcie"``: each GPU's PCIe link is a resource in each direction
+  (``pcie_out[cp_rank]``, ``pcie_in[cp_rank]``), so concurrent transfers of one GPU share its
+  bandwidth (paper section 2.1). Cross-node/NUMA flows cross the endpoints' PCIe links too.
+* cross-node, ``cross_links="shared"``: one link per node and direction (``nic_out[node]``,
+  ``nic_in[node]``) shared by all ranks of the node (a NUMA interconnect, or one NIC per node).
+* cross-node, ``cross_links="rails"``: one link per rank and direction (one NIC per GPU, rail
+  optimised), so ranks with different local indices do not contend. ``nics_per_node=k`` sits in
+  between: ``p / k`` neighbouring ranks share one of ``k`` links.
+
+Channels (kv, q, out, cross q/out) are independent: they contend only through these resources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FABRICS = ("nvlink", "pcie")
+EFF_L20, EFF_H20, EFF_H100 = 0.307, 0.708, 0.172
+CROSS_LINKS = ("shared", "rails")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Cluster links for a CP group of ``num_nodes x ranks_per_node`` ranks."""
+
+    num_nodes: int
+    """``m``: nodes (or NUMA domains) in the CP group."""
+    ranks_per_node: int
+    """``p``: CP ranks per node; CP rank ``r`` lives on node ``r // p``."""
+    intra_bw: float
+    """Point-to-point bandwidth between two ranks of one node, GB/s (1e9 bytes/s), one direction."""
+    cross_bw: float
+    """Bandwidth of one cross-node link, GB/s, one direction."""
+    intra_lat: float = 5e-6
+    """Latency of an intra-node transfer, seconds (fixed cost before the bytes flow)."""
+    cross_lat: float = 10e-6
+    """Latency of a cross-node transfer, seconds."""
+    fabric: str = "nvlink"
+    """Intra-node fabric: ``"nvlink"`` (contention-free) or ``"pcie"`` (per-GPU links shared)."""
+    cross_links: str = "rails"
+    """``"rails"``: one cross link per rank; ``"shared"``: one per node, shared by its ranks."""
+    nics_per_node: int = 0
+    """Cross links per node when neither extreme fits (``k`` links, local ranks ``l * k // p``
+    share one); 0: ``cross_links`` decides (shared = 1, rails = ``p``)."""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(
+                f"topology {self.num_nodes}x{self.ranks_per_node}: nodes and ranks per node must "
+                "be >= 1; pass e.g. --gpus 2x8"
+            )
+        if self.intra_bw <= 0 or self.cross_bw <= 0:
+            raise ValueError(
+                f"bandwidths must be > 0 GB/s (intra {self.intra_bw}, cross {self.cross_bw}); "
+                "pass positive --intra-bw/--cross-bw"
+            )
+        if self.intra_lat < 0 or self.cross_lat < 0:
+            raise ValueError("latencies must be >= 0 seconds")
+        if self.fabric not in FABRICS:
+            raise ValueError(
+                f"fabric {self.fabric!r} is not one of {FABRICS}; use --fabric nvlink or pcie"
+            )
+        if self.nics_per_node and self.ranks_per_node % self.nics_per_node:
+            raise ValueError(
+                f"nics_per_node {self.nics_per_node} must divide ranks_per_node "
+                f"{self.ranks_per_node}; pass a divisor or 0"
+            )
+        if self.cross_links not in CROSS_LINKS:
+            raise ValueError(
+                f"cross_links {self.cross_links!r} is not one of {CROSS_LINKS}; "
+                "use --cross-links shared or rails"
+            )
+
+    @property
+    def cp_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    def node(self, cp_rank: int) -> int:
+        return cp_rank // self.ranks_per_node
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.ranks_per_node == b // self.ranks_per_node
+
+    def link_class(self, src: int, dst: int) -> str:
+        """``"intra"`` or ``"cross"`` for a transfer from ``src`` to ``dst`` (CP ranks)."""
+        return "intra" if self.same_node(src, dst) else "cross"
+
+    def bandwidth(self, link_class: str) -> float:
+        """Bytes per second of an uncontended flow of ``link_class``."""
+        return (self.intra_bw if link_class == "intra" else self.cross_bw) * 1e9
+
+    def latency(self, link_class: str) -> float:
+        return self.intra_lat if link_class == "intra" else self.cross_lat
+
+    def resources(self, src: int, dst: int) -> tuple[tuple[str, int], ...]:
+        """Shared resources a flow from ``src`` to ``dst`` crosses (Note [Links and contention])."""
+        res: list[tuple[str, int]] = []
+        if self.fabric == "pcie":
+            res += [("pcie_out", src), ("pcie_in", dst)]
+        if not self.same_node(src, dst):
+            res += [("nic_out", self.nic(src)), ("nic_in", self.nic(dst))]
+        return tuple(res)
+
+    @property
+    def nics(self) -> int:
+        """Cross links per node and direction."""
+        if self.nics_per_node:
+            return self.nics_per_node
+        return 1 if self.cross_links == "shared" else self.ranks_per_node
+
+    def nic(self, cp_rank: int) -> int:
+        """Global index of the cross link that ``cp_rank`` uses."""
+        p, k = self.ranks_per_node, self.nics
+        return self.node(cp_rank) * k + (cp_rank % p) * k // p
+
+    def capacity(self, resource: tuple[str, int]) -> float:
+        """Bytes per second of a resource."""
+        kind = resource[0]
+        return (self.intra_bw if kind.startswith("pcie") else self.cross_bw) * 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU system from the paper's Table 2 (plus link assumptions the table does not give)."""
+
+    name: str
+    """GPU type."""
+    tflops: float
+    """Peak dense bf16 TFLOPS (Table 2)."""
+    intra_bw: float
+    """Measured intra-node (or intra-NUMA) P2P bandwidth, GB/s (Table 2)."""
+    cross_bw: float
+    """Measured cross-node (or cross-NUMA) P2P bandwidth, GB/s (Table 2)."""
+    fabric: str
+    """``"nvlink"`` or ``"pcie"`` (Table 2's NVLink column)."""
+    cross_links: str
+    """Assumed cross-link sharing (Table 2 does not say; see docs/simulator.md)."""
+    nics_per_node: int
+    """Cross links per node (0: as ``cross_links`` says). Inferred from the paper's own timings
+    for H20/H100 (docs/results/sim_validation_paper.md), not from Table 2."""
+    gpus: str
+    """Default ``m x p`` (Table 2's GPU count as the paper splits it)."""
+    mem_bw: float
+    """HBM/GDDR bandwidth, GB/s (vendor data sheets), for the cost of merging partial results."""
+    efficiency: float
+    """Achieved fraction of ``tflops`` in attention blocks, fitted once against the paper (see
+    docs/results/sim_validation_paper.md); 0.5 where not fitted."""
+
+
+# Efficiencies are the values fitted by megatron_charm.sim.validation.fit_efficiency on the paper's
+# Table 4 (L20, H20) and Table 5 (H100), searched in [0.02, 0.8]; the command and the fit are in
+# docs/results/sim_validation_paper.md.
+PRESETS: dict[str, Hardware] = {
+    "L20": Hardware("L20", 119.5, 24.0, 14.7, "pcie", "shared", 0, "2x4", 864.0, EFF_L20),
+    "H20": Hardware("H20", 148.0, 297.2, 42.6, "nvlink", "rails", 2, "2x8", 4000.0, EFF_H20),
+    "H100": Hardware("H100", 989.0, 365.1, 42.5, "nvlink", "rails", 2, "4x8", 3350.0, EFF_H100),
+}
+
+
+def parse_gpus(spec: str) -> tuple[int, int]:
+    """``"2x8"`` -> ``(2, 8)`` (nodes, ranks per node)."""
+    parts = spec.lower().split("x")
+    try:
+        m, p = (int(x) for x in parts)
+    except ValueError:
+        m = p = 0
+    if len(parts) != 2 or m < 1 or p < 1:
+        raise ValueError(
+            f"--gpus {spec!r} is not NODESxRANKS_PER_NODE with positive integers; "
+            "write e.g. --gpus 2x8 (2 nodes of 8 GPUs)"
+        )
+    return m, p

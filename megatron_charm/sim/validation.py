@@ -1,0 +1,228 @@
+"""Validation (a): predicted vs published speedups (paper Tables 4 and 5).
+
+Inputs are only Table 2 (bandwidths, TFLOPS, NVLink or PCIe) and one achieved-efficiency factor
+per GPU type, fitted once by :func:`fit_efficiency` (least squares on log speedup over that GPU's
+rows). Table 4 does not state batch size or heads; speedups do not depend on them (compute and
+traffic both scale with ``b * h * d``; only the fixed latencies do not), so Table 4 rows use
+``batch 16, 12 heads x 128``. Table 5 states ``12 x 192`` heads and its batch sizes.
+
+Run: ``python -m megatron_charm.sim.validation [--cross-links rails|shared] [--causal]
+[--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+
+from megatron_charm.sim.compute import FlopsCompute
+from megatron_charm.sim.predict import Prediction, Problem, predict
+from megatron_charm.sim.topology import PRESETS, Topology
+
+
+@dataclass(frozen=True)
+class PaperRow:
+    """One published measurement: times in ms (``None`` where the paper has none)."""
+
+    table: str
+    gpu: str
+    gpus: tuple[int, int]
+    batch: int
+    seq: int
+    heads: int
+    head_dim: int
+    ring_fwd: float
+    rmp_fwd: float | None
+    charm_fwd: float | None
+    ring_bwd: float | None = None
+    charm_bwd: float | None = None
+
+
+def _t4(gpu: str, gpus: tuple[int, int], seq: int, ring: float, rmp: float, ours=None):
+    return PaperRow("4", gpu, gpus, 16, seq, 12, 128, ring, rmp, ours)
+
+
+def _t5(gpus: tuple[int, int], batch: int, seq: int, fwd: tuple, bwd: tuple):
+    return PaperRow("5", "H100", gpus, batch, seq, 12, 192, fwd[0], None, fwd[1], *bwd)
+
+
+# Table 4 (forward ms: ring, rm+, CHARM+) and Table 5 (forward and backward ms: ring, CHARM+).
+PAPER_ROWS: tuple[PaperRow, ...] = (
+    _t4("L20", (1, 4), 1792, 9.35, 10.29),
+    _t4("L20", (1, 4), 7168, 36.86, 39.66),
+    _t4("L20", (2, 4), 1792, 17.61, 25.91, 14.81),
+    _t4("L20", (2, 4), 7168, 69.85, 98.49, 52.40),
+    _t4("H20", (1, 4), 1792, 5.38, 4.76),
+    _t4("H20", (1, 4), 7168, 38.62, 33.20),
+    _t4("H20", (1, 8), 1792, 5.51, 3.65),
+    _t4("H20", (1, 8), 7168, 26.79, 13.84),
+    _t4("H20", (2, 8), 1792, 32.17, 39.04, 12.16),
+    _t4("H20", (2, 8), 7168, 84.58, 98.98, 28.91),
+    _t5((2, 8), 16, 26880, (149.97, 63.93), (449.58, 141.52)),
+    _t5((2, 8), 16, 13440, (72.65, 31.84), (226.46, 65.35)),
+    _t5((2, 8), 64, 6720, (141.75, 61.80), (448.84, 123.32)),
+    _t5((2, 8), 128, 3360, (140.55, 61.54), (450.01, 121.99)),
+    _t5((4, 8), 16, 31744, (185.42, 68.17), (559.34, 146.01)),
+    _t5((4, 8), 16, 15872, (89.27, 34.64), (279.85, 70.62)),
+    _t5((4, 8), 64, 7936, (179.13, 66.48), (556.25, 134.48)),
+    _t5((4, 8), 128, 3968, (178.51, 66.43), (560.63, 133.05)),
+)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted vs published speedup over ring of one method and pass of one row."""
+
+    row: PaperRow
+    method: str
+    backward: bool
+    paper: float
+    predicted: float
+    ring_ms: float
+    method_ms: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the predicted speedup."""
+        return self.predicted / self.paper - 1.0
+
+
+def row_topology(row: PaperRow, cross_links: str | None = None) -> Topology:
+    """Table 2 links of the row's GPU; ``cross_links``: "rails", "shared" or "nics:K"."""
+    hw = PRESETS[row.gpu]
+    links, nics = cross_links or hw.cross_links, 0 if cross_links else hw.nics_per_node
+    if links.startswith("nics:"):
+        links, nics = "rails", int(links.split(":")[1])
+        if row.gpus[0] == 1 or row.gpus[1] % nics:
+            nics = 0
+    return Topology(
+        *row.gpus, hw.intra_bw, hw.cross_bw, fabric=hw.fabric, cross_links=links, nics_per_node=nics
+    )
+
+
+def compare_row(
+    row: PaperRow, efficiency: float, cross_links: str | None = None, causal: bool = False
+) -> list[Comparison]:
+    """Simulate one paper row and pair every published speedup with its prediction."""
+    hw = PRESETS[row.gpu]
+    topo = row_topology(row, cross_links)
+    problem = Problem(row.batch, row.seq, row.heads, row.head_dim, causal=causal)
+    compute = FlopsCompute(hw.tflops, efficiency, mem_bw=hw.mem_bw)
+    wanted = [("rm+", False, row.rmp_fwd), ("charm", False, row.charm_fwd)]
+    wanted.append(("charm", True, row.charm_bwd))
+    wanted = [w for w in wanted if w[2] is not None]
+    methods = tuple(sorted({"ring", *(m for m, _, _ in wanted)}))
+    pred: Prediction = predict(topo, problem, compute, methods)
+    out = []
+    for method, bwd, paper_ms in wanted:
+        ring_paper = row.ring_bwd if bwd else row.ring_fwd
+        assert ring_paper is not None and paper_ms is not None
+        ring_res = pred.methods["ring"].backward if bwd else pred.methods["ring"].forward
+        res = pred.methods[method].backward if bwd else pred.methods[method].forward
+        out.append(
+            Comparison(
+                row,
+                method,
+                bwd,
+                ring_paper / paper_ms,
+                ring_res.makespan / res.makespan,
+                ring_res.makespan * 1e3,
+                res.makespan * 1e3,
+            )
+        )
+    return out
+
+
+def _loss(comps: list[Comparison]) -> float:
+    return sum(math.log(c.predicted / c.paper) ** 2 for c in comps)
+
+
+def fit_efficiency(
+    gpu: str,
+    cross_links: str | None = None,
+    causal: bool = False,
+    lo: float = 0.02,
+    hi: float = 0.8,
+) -> tuple[float, list[Comparison]]:
+    """Golden-section search of the efficiency that best fits ``gpu``'s rows (log speedups).
+
+    The upper end is a prior: attention kernels reach at most about 75% of peak.
+    """
+    rows = [r for r in PAPER_ROWS if r.gpu == gpu]
+
+    def run(eff: float) -> list[Comparison]:
+        return [c for r in rows for c in compare_row(r, eff, cross_links, causal)]
+
+    a, b = lo, hi
+    g = (math.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = _loss(run(c)), _loss(run(d))
+    for _ in range(14):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = _loss(run(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = _loss(run(d))
+    eff = round((a + b) / 2, 3)
+    return eff, run(eff)
+
+
+def markdown(
+    fits: dict[str, tuple[float, list[Comparison]]], cross_links: str | None, causal: bool
+) -> str:
+    """The validation table (a) as Markdown."""
+    lines = [
+        "| table | GPU | m x p | batch | seq | method | pass | paper speedup | predicted | "
+        "error | predicted ring ms | paper ring ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    n_ok = n = 0
+    for gpu, (_, comps) in fits.items():
+        for c in comps:
+            r = c.row
+            ring_paper = r.ring_bwd if c.backward else r.ring_fwd
+            ok = abs(c.error) <= 0.25
+            n_ok += ok
+            n += 1
+            lines.append(
+                f"| {r.table} | {gpu} | {r.gpus[0]}x{r.gpus[1]} | {r.batch} | {r.seq} | {c.method}"
+                f" | {'bwd' if c.backward else 'fwd'} | {c.paper:.2f} | {c.predicted:.2f} | "
+                f"{c.error:+.0%}{'' if ok else ' (miss)'} | {c.ring_ms:.2f} | {ring_paper:.2f} |"
+            )
+    head = [
+        f"Cross links: {cross_links or 'presets (L20: one shared NUMA link; H20/H100: 2/node)'}; "
+        f"causal: {causal}.",
+        "",
+        "Fitted efficiency (fraction of Table 2 TFLOPS): "
+        + ", ".join(f"{g} {e:.3f}" for g, (e, _) in fits.items())
+        + f". Within +-25%: {n_ok} of {n}.",
+        "",
+    ]
+    return "\n".join(head + lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cross-links", help="override the presets: rails, shared or nics:K")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--gpus", default="L20,H20,H100", help="GPU types to fit")
+    ap.add_argument("--out", help="append the Markdown table to this file")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    fits = {g: fit_efficiency(g, args.cross_links, args.causal) for g in args.gpus.split(",")}
+    text = markdown(fits, args.cross_links, args.causal)
+    print(text)
+    print(f"\n({time.time() - t0:.1f} s)")
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write(text + "\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

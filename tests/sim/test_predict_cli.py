@@ -1,0 +1,126 @@
+"""predict/advise, the CLI, and the scale target."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megatron_charm.plan import METHODS
+from megatron_charm.sim import FlopsCompute, Problem, Topology, advise, predict
+from megatron_charm.sim.cli import main
+from megatron_charm.sim.topology import PRESETS, parse_gpus
+
+PROBLEM = Problem(batch=2, seq=8192, heads=8, head_dim=64, causal=True)
+
+
+def test_advise_picks_ring_when_communication_is_free() -> None:
+    topo = Topology(2, 4, 1e9, 1e9, intra_lat=0.0, cross_lat=0.0)
+    pred = predict(topo, PROBLEM, FlopsCompute(100.0, 0.5, mem_bw=1e9))
+    for mp in pred.methods.values():  # nothing to hide: every method is its compute
+        assert mp.forward.exposed_max < 1e-9
+    adv = advise(pred)
+    assert adv.method == "ring"
+    assert any("high CCR" in r for r in adv.reasons)
+
+
+def test_advise_picks_charm_when_cross_links_are_slow() -> None:
+    topo = Topology(4, 4, 300.0, 5.0)
+    pred = predict(topo, PROBLEM, FlopsCompute(400.0, 0.5))
+    adv = advise(pred)
+    assert adv.method == "charm"
+    assert pred.speedup("charm") > 1.5 and pred.speedup("charm", backward=True) > 1.5
+    assert pred.methods["charm"].forward.exposed_mean < pred.methods["ring"].forward.exposed_mean
+
+
+def test_charm_moves_less_across_nodes_than_ring_when_causal() -> None:
+    pred = predict(Topology(2, 4, 300.0, 20.0), PROBLEM, FlopsCompute(400.0, 0.5))
+    cross = {m: pred.methods[m].forward.link_bytes()["cross"] for m in METHODS}
+    assert cross["charm"] < cross["ring"] < cross["rm+"]
+
+
+def test_ccr_scales_with_local_sequence() -> None:
+    compute = FlopsCompute(400.0, 0.5)
+    topo = Topology(2, 4, 300.0, 20.0, intra_lat=0.0, cross_lat=0.0)
+    a = predict(topo, Problem(1, 8192, 8, 64), compute, ("ring",))
+    b = predict(topo, Problem(1, 16384, 8, 64), compute, ("ring",))
+    assert b.ccr_forward == pytest.approx(2 * a.ccr_forward)
+
+
+def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = "--gpus 2x4 --intra-bw 365 --cross-bw 42.5 --tflops 989 --batch 2 --seq 8192 "
+    args += "--heads 12 --head-dim 128 --causal"
+    assert main(args.split()) == 0
+    out = capsys.readouterr().out
+    for m in METHODS:
+        assert f"\n{m} " in out
+    assert "CCR forward" in out
+    assert main([*args.split(), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["methods"]) == set(METHODS)
+    assert data["methods"]["ring"]["forward"]["speedup_vs_ring"] == pytest.approx(1.0)
+    assert data["s_local"] == 1024
+
+
+def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    args = "advise --preset H100 --gpus 4x8 --batch 1 --seq 65536 --heads 16 --head-dim 128"
+    assert main([*args.split(), "--causal", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cp_comm_type"] in METHODS and data["reasons"]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--seq", "1001"], "must be divisible by"),
+        (["--gpus", "2by8"], "NODESxRANKS_PER_NODE"),
+        (["--cross-bw", "0"], "must be > 0"),
+        (["--methods", "ring,zigzag"], "not in"),
+    ],
+)
+def test_cli_rejects_bad_input(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = {"--gpus": "2x4", "--seq": "8192", "--cross-bw": "42.5", "--methods": "ring"}
+    for k, v in zip(extra[::2], extra[1::2], strict=True):
+        base[k] = v
+    argv = ["--preset", "H100", "--heads", "8", "--head-dim", "64"]
+    argv += [x for kv in base.items() for x in kv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_requires_cluster_without_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main("--gpus 2x4 --seq 8192 --heads 8 --head-dim 64".split()) == 2
+    assert "--intra-bw is missing" in capsys.readouterr().err
+
+
+def test_presets_hold_table_2() -> None:
+    assert (PRESETS["H100"].tflops, PRESETS["H100"].intra_bw, PRESETS["H100"].cross_bw) == (
+        989.0,
+        365.1,
+        42.5,
+    )
+    assert PRESETS["L20"].fabric == "pcie" and PRESETS["H20"].fabric == "nvlink"
+    assert parse_gpus("16x8") == (16, 8)
+
+
+def _scale(method: str) -> float:
+    topo = Topology(128, 8, 365.1, 42.5)
+    start = time.process_time()
+    pred = predict(topo, Problem(1, 4096 * 1024, 16, 128, causal=True), FlopsCompute(989.0, 0.5),
+                   (method,))  # fmt: skip
+    assert pred.methods[method].forward.makespan > 0
+    return time.process_time() - start
+
+
+def test_128x8_charm_under_10_s() -> None:
+    # CPU time, so that a loaded machine does not fail it; build + forward + backward.
+    assert _scale("charm") < 10.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ring", "merge", "rm+"])
+def test_128x8_other_methods_under_10_s(method: str) -> None:
+    assert _scale(method) < 10.0

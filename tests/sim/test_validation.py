@@ -1,0 +1,70 @@
+"""Validation helpers: the paper-row comparison and the testbed calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_charm.sim.testbed import calibrate, compare
+from megatron_charm.sim.validation import PAPER_ROWS, compare_row
+
+
+def test_paper_rows_and_comparison() -> None:
+    assert len(PAPER_ROWS) == 18
+    row = next(r for r in PAPER_ROWS if r.gpu == "H20" and r.gpus == (2, 8) and r.seq == 1792)
+    comps = compare_row(row, efficiency=0.5)
+    assert [(c.method, c.backward) for c in comps] == [("rm+", False), ("charm", False)]
+    assert comps[1].paper == pytest.approx(32.17 / 12.16)
+    assert comps[1].predicted > 1.0  # charm beats ring across nodes on H20 links
+
+
+def _result(fwd_ms: dict[str, float]) -> dict:
+    return {
+        "layout": [2, 2],
+        "topology": "shared",
+        "cross_bps": 100e6,
+        "pure_compute_s": {"fwd": 0.4, "fwdbwd": 2.4},
+        "config": {
+            "batch": 1,
+            "seq_local": 1024,
+            "heads": 4,
+            "kv_heads": 4,
+            "head_dim": 64,
+            "dtype": "bf16",
+            "causal": True,
+        },
+        "methods": {
+            m: {"fwd": {"median": t / 1e3}, "fwdbwd": {"median": 3 * t / 1e3}}
+            for m, t in fwd_ms.items()
+        },
+    }
+
+
+def test_testbed_calibration_uses_probe_and_blocks() -> None:
+    probe = {
+        "phases": [
+            {"name": "intra", "aggregate_bps": 8e9},
+            {"name": "cross", "aggregate_bps": 9e7, "per_link_bps": 9e7},
+        ]
+    }
+    cal = calibrate(_result({"ring": 1000.0}), probe)
+    assert cal.topo.intra_bw == pytest.approx(1.0) and cal.topo.cross_bw == pytest.approx(0.01125)
+    # 4 ranks, 4 causal blocks each of half a full block: 0.4 s / 2 full blocks.
+    assert cal.compute.fwd_block == pytest.approx(0.2)
+    assert cal.compute.bwd_block == pytest.approx(1.0)
+    assert cal.problem.seq == 4096 and cal.source == "probe"
+
+
+def test_testbed_compare_rows() -> None:
+    rows = compare(_result({"ring": 1000.0, "charm": 700.0}), intra_gbps=1.0)
+    assert {(r["method"], r["pass"]) for r in rows} == {
+        (m, p) for m in ("ring", "charm") for p in ("fwd", "fwdbwd")
+    }
+    for r in rows:
+        assert r["predicted_s"] > 0 and r["error"] == pytest.approx(
+            r["predicted_s"] / r["measured_s"] - 1
+        )
+
+
+def test_testbed_needs_an_intra_rate() -> None:
+    with pytest.raises(ValueError, match="--intra-gbps"):
+        calibrate(_result({"ring": 1.0}))
