@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FABRICS = ("nvlink", "pcie")
-EFF_L20, EFF_H20, EFF_H100 = 0.307, 0.708, 0.172
+EFF_L20, EFF_H20, EFF_H100 = 0.359, 0.697, 0.172
 CROSS_LINKS = ("shared", "rails")
 
 
