@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first, so that nothing pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,dev]'
+	# The outside baseline of the attention benchmark; --no-deps: it declares a CUDA torch.
+	$(PY) -m pip install -q --no-deps ring-flash-attn==0.1.8
 	touch $(STAMP)
 
 setup: $(STAMP)

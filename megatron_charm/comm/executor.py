@@ -8,6 +8,7 @@ current stream wait for the transfer; the host does not block). Nothing here cal
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -33,6 +34,25 @@ class RunStats:
 
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     peak_buffer_bytes: int = 0
+
+
+@dataclass
+class RunTrace:
+    """One pass as seen by the optional instrumentation (see :data:`RUN_LOG`).
+
+    ``events`` holds ``(instruction kind, channel or "", start, end)`` with host
+    ``time.perf_counter()`` seconds; on CUDA they are host enqueue times, not device times.
+    """
+
+    cp_rank: int
+    backward: bool
+    stats: RunStats
+    events: list[tuple[str, str, float, float]]
+
+
+#: Optional instrumentation for benchmarks. ``None`` (the default) costs one test per pass; a
+#: list receives one :class:`RunTrace` per :meth:`ProgramRunner.run`.
+RUN_LOG: list[RunTrace] | None = None
 
 
 def release_points(program: Program, own: set[tuple[Kind, int]]) -> dict[int, list]:
@@ -220,7 +240,11 @@ class ProgramRunner:
         ex_by_handle = {}
         own = set(self.held)
         release = release_points(self.prog, own)
+        log = RUN_LOG
+        events: list | None = None if log is None else []
         for i, ins in enumerate(self.prog.instrs):
+            if events is not None:
+                t0 = time.perf_counter()
             if isinstance(ins, Exchange):
                 ex_by_handle[ins.handle] = ins
                 self._exchange(ins)
@@ -230,9 +254,16 @@ class ProgramRunner:
                 self._compute(ins)
             elif isinstance(ins, Reduce):
                 self._reduce(ins)
+            if events is not None:
+                channel = ins.channel if isinstance(ins, Exchange) else ""
+                if isinstance(ins, Wait):
+                    channel = ex_by_handle[ins.handle].channel
+                events.append((type(ins).__name__, channel, t0, time.perf_counter()))
             peak = self._held_bytes(own)
             self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, peak)
             for key in release.get(i, ()):
                 self.held.pop(key, None)
         assert not self.pending and not self.partials
+        if log is not None:
+            log.append(RunTrace(self.prog.cp_rank, self.backward, self.stats, events))
         return self.accs

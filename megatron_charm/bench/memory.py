@@ -1,0 +1,161 @@
+"""``megatron-charm-bench memory``: the paper's Table 3 (ring vs CHARM+ memory) from real runs.
+
+For one attention layer, on ``m x p`` local gloo ranks, every method runs forward and backward
+once at the full shape (memory does not depend on link speed: the executor's accounting follows
+program order). Per method and rank it records:
+
+* ``fwd_peak``: the executor's ``peak_buffer_bytes`` of the forward (received inputs still to be
+  used, receive buffers in flight, accumulators, received partials);
+* ``saved``: what autograd keeps from forward to backward beyond the caller's q, k, v (out, lse;
+  inputs are passed in ``sbhd`` so no layout copies are made);
+* ``bwd_peak``: the executor's backward peak;
+* ``peak``: ``max(fwd_peak, saved + bwd_peak)``, the attention's own memory at its peak, and
+  ``with_inputs``: that plus q, k, v and the output gradient (identical for every method).
+
+Shapes: ``tiny`` is ``configs/gpt-tiny-cpu.yaml`` (micro batch 4, seq 128, 4 heads of 16, CP 4 as
+2 x 2); ``gpt350m`` is GPT-3 350M's attention (16 heads of 64) at batch 1 and a 16K sequence on
+CP 8 (2 x 4), like the paper's 8-GPU setup. Both in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SHAPES = {
+    # name: (nodes, ranks_per_node, batch, global seq, heads, head dim)
+    "tiny": (2, 2, 4, 128, 4, 16),
+    "gpt350m": (2, 4, 1, 16384, 16, 64),
+}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--shapes", default="tiny,gpt350m", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--methods", default="ring,charm,rm+,merge")
+    ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--md", dest="md_out", default=None)
+
+
+def _rank_main(cp_rank: int, shape: tuple, methods: list[str], store: str, out_path: str) -> None:
+    import megatron_charm as mc
+    from megatron_charm.bench.worker import _saved_bytes
+    from megatron_charm.comm import executor
+    from megatron_charm.plan import zigzag_positions
+
+    torch.set_num_threads(1)
+    m, p, b, seq, h, d = shape
+    world = m * p
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=cp_rank, world_size=world,
+        timeout=timedelta(seconds=600),
+    )  # fmt: skip
+    topo = mc.CPTopology.build(None, ranks_per_node=p)
+    s_local = seq // world
+    gen = torch.Generator().manual_seed(cp_rank)
+    q, k, v, dout = (
+        torch.randn(s_local, b, h, d, generator=gen).to(torch.bfloat16) for _ in range(4)
+    )
+    inputs_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, dout))
+    del zigzag_positions  # random local data: memory does not depend on values
+    rows = {}
+    for method in methods:
+        lq, lk, lv = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def call(lq=lq, lk=lk, lv=lv, method=method):
+            return mc.cp_attention(lq, lk, lv, topo, method=method, qkv_format="sbhd")
+
+        executor.RUN_LOG = []
+        saved_total, saved = _saved_bytes(call, [lq, lk, lv])
+        out = call()
+        out.backward(dout)
+        traces, executor.RUN_LOG = executor.RUN_LOG, None
+        # traces: the forward inside _saved_bytes, then this forward and its backward.
+        fwd_peak = max(t.stats.peak_buffer_bytes for t in traces if not t.backward)
+        bwd_peak = max(t.stats.peak_buffer_bytes for t in traces if t.backward)
+        rows[method] = {
+            "fwd_peak": fwd_peak,
+            "saved": saved,
+            "bwd_peak": bwd_peak,
+            "peak": max(fwd_peak, saved + bwd_peak),
+            "with_inputs": max(fwd_peak, saved + bwd_peak) + inputs_bytes,
+        }
+        del out
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, rows)
+    if cp_rank == 0:
+        worst = {
+            method: {key: max(r[method][key] for r in everyone) for key in everyone[0][method]}
+            for method in methods
+        }
+        with open(out_path, "w") as f:
+            json.dump({"per_rank": everyone, "max_over_ranks": worst}, f)
+    dist.destroy_process_group()
+
+
+def _mib(x: int) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def markdown(results: dict) -> str:
+    """Table 3's layout (ring vs CHARM+) plus the parts of each number, MiB per rank."""
+    lines = [
+        "| shape | B | Seq | Heads | d | m x p | Ring (MiB) | CHARM+ (MiB) | CHARM+ / Ring "
+        "| with q, k, v, dout: Ring / CHARM+ (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        m, p, b, seq, h, d = SHAPES[name]
+        w = res["max_over_ranks"]
+        if "ring" in w and "charm" in w:
+            r, c = w["ring"], w["charm"]
+            lines.append(
+                f"| {name} | {b} | {seq} | {h} | {d} | {m} x {p} | {_mib(r['peak'])} | "
+                f"{_mib(c['peak'])} | {c['peak'] / r['peak']:.3f} | "
+                f"{_mib(r['with_inputs'])} / {_mib(c['with_inputs'])} |"
+            )
+    lines += [
+        "",
+        "| shape | method | fwd peak | saved (out, lse) | bwd peak "
+        "| peak = max(fwd, saved + bwd) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        for method, row in res["max_over_ranks"].items():
+            lines.append(
+                f"| {name} | {method} | {_mib(row['fwd_peak'])} | {_mib(row['saved'])} | "
+                f"{_mib(row['bwd_peak'])} | {_mib(row['peak'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_memory(ns: argparse.Namespace) -> dict:
+    """Run every requested shape; returns ``{shape: {"max_over_ranks": ..., "per_rank": ...}}``."""
+    shapes = [s for s in ns.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        raise ValueError(f"--shapes: unknown {bad}; choose from {', '.join(SHAPES)}")
+    methods = [m for m in ns.methods.split(",") if m]
+    results = {}
+    for name in shapes:
+        tmp = tempfile.mkdtemp(prefix="mc-memory-")
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        m, p = SHAPES[name][:2]
+        mp.spawn(_rank_main, args=(SHAPES[name], methods, store, out), nprocs=m * p)
+        with open(out) as f:
+            results[name] = json.load(f)
+    md = markdown(results)
+    if ns.json_out:
+        with open(ns.json_out, "w") as f:
+            json.dump({"shapes": {k: SHAPES[k] for k in shapes}, "results": results}, f, indent=1)
+    if ns.md_out:
+        with open(ns.md_out, "w") as f:
+            f.write(md)
+    print(md)
+    return results

@@ -1,0 +1,207 @@
+"""The attention implementations a benchmark compares, behind one calling convention.
+
+Each :class:`Contender` owns its inputs in its native layout (``sbhd`` for ours, as Megatron
+calls it; ``bshd`` for ring-flash-attention and TE), prepared once outside the timed region, and
+returns outputs and gradients in ``bshd`` so that they can be compared.
+
+* ``charm``, ``rm+``, ``merge``, ``ring``: :func:`megatron_charm.cp_attention`.
+* ``ring-flash``: ring-flash-attention's ``zigzag_ring_flash_attn_func`` (causal) or
+  ``ring_flash_attn_func`` (non-causal; the zigzag variant refuses it). On CPU it runs on the
+  flash-attn shim of :mod:`megatron_charm.bench.flash_shim`.
+* ``te-p2p``: Transformer Engine's ``attn_forward_func_with_cp(cp_comm_type="p2p")``, CUDA only,
+  imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+OURS = ("charm", "rm+", "merge", "ring")
+BASELINES = ("ring-flash", "te-p2p")
+Tensor = torch.Tensor
+
+
+@dataclass
+class Inputs:
+    """One rank's share of a global problem, in ``bshd``: ``q, dout [b, s_local, h, d]``,
+    ``k, v [b, s_local, h_kv, d]`` (zigzag order when causal); ``idx`` the global positions."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    dout: Tensor
+    idx: Tensor
+
+
+class Contender:
+    """Runs one implementation on fixed inputs: :meth:`forward` and :meth:`forward_backward`."""
+
+    name: str
+
+    def __init__(self, name: str, inp: Inputs, causal: bool, scale: float) -> None:
+        self.name, self.causal, self.scale = name, causal, scale
+        self.inp = inp
+
+    def forward(self) -> Tensor:
+        raise NotImplementedError
+
+    def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(out, dq, dk, dv)`` in ``bshd``."""
+        raise NotImplementedError
+
+
+class Ours(Contender):
+    def __init__(self, name, inp, causal, scale, topo, kernel=None, window=2) -> None:
+        super().__init__(name, inp, causal, scale)
+        self.topo, self.kernel, self.window = topo, kernel, window
+        # Megatron's native layout, so cp_attention makes no layout copies.
+        self.q, self.k, self.v = (
+            t.transpose(0, 1).contiguous().requires_grad_() for t in (inp.q, inp.k, inp.v)
+        )
+        self.dout = inp.dout.transpose(0, 1).contiguous()
+
+    def _call(self) -> Tensor:
+        from megatron_charm import cp_attention
+
+        return cp_attention(
+            self.q,
+            self.k,
+            self.v,
+            self.topo,
+            method=self.name,
+            causal=self.causal,
+            softmax_scale=self.scale,
+            qkv_format="sbhd",
+            kernel=self.kernel,
+            window=self.window,
+        )
+
+    def forward(self) -> Tensor:
+        return self._call().transpose(0, 1)
+
+    def forward_backward(self):
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        out = self._call()
+        out.backward(self.dout)
+        return tuple(t.transpose(0, 1) for t in (out, self.q.grad, self.k.grad, self.v.grad))
+
+
+class RingFlash(Contender):
+    def __init__(self, name, inp, causal, scale, use_shim: bool) -> None:
+        super().__init__(name, inp, causal, scale)
+        from megatron_charm.bench.flash_shim import load_zigzag_ring
+
+        zigzag, ring = load_zigzag_ring(use_shim)
+        self.fn = zigzag if causal else ring
+        self.q, self.k, self.v = (
+            t.detach().clone().requires_grad_() for t in (inp.q, inp.k, inp.v)
+        )
+
+    def _call(self) -> Tensor:
+        return self.fn(self.q, self.k, self.v, softmax_scale=self.scale, causal=self.causal)
+
+    def forward(self) -> Tensor:
+        return self._call()
+
+    def forward_backward(self):
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        out = self._call()
+        out.backward(self.inp.dout)
+        return out, self.q.grad, self.k.grad, self.v.grad
+
+
+def _te_cp_function() -> Callable:
+    """TE's ``attn_forward_func_with_cp``; its module moved between TE releases."""
+    for mod in (
+        "transformer_engine.pytorch.attention.dot_product_attention.context_parallel",
+        "transformer_engine.pytorch.attention",
+    ):
+        try:
+            fn = getattr(importlib.import_module(mod), "attn_forward_func_with_cp", None)
+        except ImportError:
+            continue
+        if fn is not None:
+            return fn
+    raise RuntimeError(
+        "te-p2p needs Transformer Engine with attn_forward_func_with_cp (pip install "
+        "transformer_engine[pytorch]); leave te-p2p out of --methods otherwise"
+    )
+
+
+class TransformerEngineP2P(Contender):
+    """TE's p2p context parallelism on the same zigzag inputs (CUDA; not run on CPU)."""
+
+    def __init__(self, name, inp, causal, scale, topo) -> None:
+        super().__init__(name, inp, causal, scale)
+        if not inp.q.is_cuda:
+            raise ValueError("te-p2p runs on CUDA only; leave it out of --methods on CPU")
+        self.fn = _te_cp_function()
+        self.topo = topo
+        self.stream = torch.cuda.Stream()
+        self.q, self.k, self.v = (
+            t.detach().clone().requires_grad_() for t in (inp.q, inp.k, inp.v)
+        )
+        self.params = set(inspect.signature(self.fn).parameters)
+
+    def _call(self) -> Tensor:
+        b, s_local = self.q.shape[:2]
+        seq = s_local * self.topo.cp_size
+        cu = torch.arange(0, (b + 1) * seq, seq, dtype=torch.int32, device=self.q.device)
+        kwargs = dict(
+            is_training=True,
+            q=self.q,
+            k=self.k,
+            v=self.v,
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=seq,
+            max_seqlen_kv=seq,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            dropout_p=0.0,
+            cp_group=self.topo.cp_group,
+            cp_global_ranks=self.topo.global_ranks,
+            cp_stream=self.stream,
+            cp_comm_type="p2p",
+            softmax_scale=self.scale,
+            qkv_format="bshd",
+            attn_mask_type="causal" if self.causal else "no_mask",
+        )
+        return self.fn(**{k: v for k, v in kwargs.items() if k in self.params})
+
+    def forward(self) -> Tensor:
+        return self._call().view_as(self.q)
+
+    def forward_backward(self):
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        out = self._call().view_as(self.q)
+        out.backward(self.inp.dout)
+        return out, self.q.grad, self.k.grad, self.v.grad
+
+
+def make_contender(name: str, inp: Inputs, causal: bool, scale: float, topo, opts: dict):
+    """Build the contender ``name`` (see the module docstring); raises ``ValueError`` if unknown."""
+    if name in OURS:
+        return Ours(name, inp, causal, scale, topo, opts.get("kernel"), opts.get("window", 2))
+    if name == "ring-flash":
+        return RingFlash(name, inp, causal, scale, use_shim=not inp.q.is_cuda)
+    if name == "te-p2p":
+        return TransformerEngineP2P(name, inp, causal, scale, topo)
+    raise ValueError(
+        f"unknown benchmark method {name!r}; expected some of {OURS + BASELINES} (--methods)"
+    )
+
+
+def barrier(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()

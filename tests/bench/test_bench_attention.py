@@ -1,0 +1,83 @@
+"""The attention benchmark end to end on 2 x 1 at a tiny size, and its byte accounting.
+
+Runs on the emulated testbed when it is usable (root, ``ip netns``), else on local loopback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_charm.bench.__main__ import main
+from megatron_charm.bench.accounting import method_bytes
+from megatron_charm.plan import Layout, build_plan
+from megatron_charm.plan.cost import AttnShape, plan_bytes
+
+
+def _launcher() -> str:
+    from megatron_charm.testbed import TestbedError
+    from megatron_charm.testbed.net import check_prerequisites
+
+    try:
+        check_prerequisites()
+    except (TestbedError, OSError):
+        return "loopback"
+    return "testbed"
+
+
+@pytest.mark.parametrize("method", ["charm", "rm+", "merge", "ring"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_link_classes_add_up_to_plan_bytes(method, causal):
+    # Classifying sends by peer node must neither lose nor invent bytes.
+    shape = AttnShape(2, 64, 4, 2, 16)
+    layout = Layout(2, 4)
+    got = method_bytes(method, layout, causal, shape, "rails")
+    plan_layout = layout if method == "charm" else Layout(1, 8)
+    fwd, bwd = plan_bytes(build_plan(method, plan_layout, causal), shape)
+    for name, ref in (("fwd", fwd), ("bwd", bwd)):
+        total = sum(b for per in ref.values() for b in per.values())
+        assert got[name].intra + got[name].cross == total
+    if method == "charm":
+        # CHARM+ sends across nodes only on its cross channels.
+        cross = sum(per.get("cross.q", 0) + per.get("cross.o", 0) for per in fwd.values())
+        assert got["fwd"].cross == cross
+
+
+def test_attention_benchmark_2x1(tmp_path):
+    out = tmp_path / "res.json"
+    main(
+        [
+            "attention",
+            "--launcher", _launcher(),
+            "--nodes", "2", "--ranks-per-node", "1", "--cross-rate", "1gbit",
+            "--seq-local", "64", "--heads", "2", "--head-dim", "16", "--batch", "1",
+            "--iters", "2", "--warmup", "0", "--reference", "--quiet",
+            "--timeout", "50",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    res = json.loads(out.read_text())
+    methods = res["methods"]
+    assert set(methods) == {"charm", "rm+", "merge", "ring", "ring-flash"}
+    assert res["shim_max_diff"] < 1e-4
+    for name, r in methods.items():
+        for mode in ("fwd", "fwdbwd"):
+            assert r[mode]["n"] == 2 and 0 < r[mode]["min"] <= r[mode]["median"]
+            assert r[mode]["bound_ratio"] > 0
+        # bf16 inputs: every method is as close to float64 attention as bf16 outputs allow.
+        assert max(r["ref_err"].values()) < 0.1, (name, r["ref_err"])
+    # The outside baseline agrees with ours (bf16 rounding of out and grads).
+    agree = methods["ring-flash"]["agree"]
+    assert max(agree.values()) < 0.05, agree
+    ours, theirs = methods["charm"]["ref_err"], methods["ring-flash"]["ref_err"]
+    for key in ("out", "dq", "dk", "dv"):
+        assert ours[key] <= 2 * theirs[key] + 1e-3, (key, ours, theirs)
+    # What the executor sent equals what the plan says it sends.
+    for name in ("charm", "ring"):
+        sent = methods[name]["fwdbwd"]["sent_bytes"]
+        for p in ("fwd", "bwd"):
+            b = methods[name]["bytes"][p]
+            assert sum(sent[p].values()) == b["intra"] + b["cross"]
+    assert 0 < res["ccr"]["fwd"] and 0 < res["pure_compute_s"]["fwdbwd"]
+    assert methods["charm"]["fwdbwd"]["peak_buffer_bytes"]["bwd"] > 0
