@@ -22,13 +22,18 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 @lru_cache(maxsize=128)
 def validated_plan(
-    method: str, layout: Layout, causal: bool, window: int = 2, combine_two_nodes: bool = False
+    method: str,
+    layout: Layout,
+    causal: bool,
+    window: int = 2,
+    combine_two_nodes: bool = False,
+    compact_cross: bool = False,
 ):
     """The plan for a configuration, replayed by the validator before first use.
 
     Returns ``(plan, fwd_raw, bwd_raw)``: the raw maps say which partials travel in the input dtype.
     """
-    plan = build_plan(method, layout, causal, window, combine_two_nodes)
+    plan = build_plan(method, layout, causal, window, combine_two_nodes, compact_cross)
     fwd, bwd = validate(plan)
     return plan, fwd.raw, bwd.raw
 
@@ -157,6 +162,7 @@ def cp_attention(
     kernel: str | None = None,
     window: int = 2,
     combine_two_nodes: bool = False,
+    compact_cross: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Context-parallel attention over ``topo``'s CP group.
 
@@ -173,6 +179,8 @@ def cp_attention(
         window: exchanges in flight per channel (merge, rm+, charm).
         combine_two_nodes: charm on two nodes only: run own and foreign q in one pipeline
             (paper Algorithm 2) instead of the default split foreign rounds.
+        compact_cross: charm: send node-merged results back across nodes in the input dtype
+            instead of float32 (half the return bytes on the slow link, one more rounding).
 
     Returns:
         ``out`` shaped like ``q`` in q's dtype, or ``(out, lse)``.
@@ -188,7 +196,7 @@ def cp_attention(
         topo, (tuple(q.shape), k.shape[2], str(q.dtype), method, causal, float(scale))
     )
     layout = topo.layout if method == "charm" else Layout(1, topo.cp_size)
-    plan_info = validated_plan(method, layout, causal, window, combine_two_nodes)
+    plan_info = validated_plan(method, layout, causal, window, combine_two_nodes, compact_cross)
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
     out, lse = _CPAttention.apply(q, k, v, topo, plan_info, blk, scale)
     if qkv_format == "bshd":

@@ -1,8 +1,9 @@
 """Sizes of payloads and the bytes each rank sends per channel (pure; no torch).
 
 Inputs (q, kv, the backward bundle) travel in the input dtype; the lse in float32. A partial result
-that holds a single block travels as the kernel produced it (input dtype); a merged one in float32,
-except on the cross-node return channel, where it makes its only hop in the input dtype.
+that holds a single block travels as the kernel produced it (input dtype); a merged one in float32
+(unless the plan is built with ``compact_cross``: then charm's cross-node returns use the input
+dtype).
 """
 
 from __future__ import annotations

@@ -91,6 +91,9 @@ class _Pass:
         # kv kept across rounds: peer -> part of kv[peer] held here, and part of kv[x] held there
         self.kv_here: dict[int, Part] = {}
         self.kv_there: dict[int, Part] = {}
+        # Partials for this rank's own q and kv are merged one round late (or at the end), so
+        # that a round never waits for a partner's result it does not need to finish.
+        self.late: list[Payload] = []
 
     # --- query sets and rounds (identical for all ranks of a node) ----------------------------
 
@@ -188,6 +191,7 @@ class _Pass:
         for r, rnd in enumerate(rnds):
             if r + 1 < len(rnds):
                 post_cross_q(rnds[r + 1])
+            earlier, self.late = self.late, []
             self.intra_round(rnd)
             for o, i in rnd:
                 if o == 0:
@@ -195,6 +199,10 @@ class _Pass:
                 _, _, mine, theirs = cross_plan(o)
                 last = i == len(theirs) - 1
                 post_cross_o(o, range(i, max(len(mine), len(theirs)) if last else i + 1))
+            for payload in earlier:
+                self.b.reduce(payload)
+        for payload in self.late:
+            self.b.reduce(payload)
         for o in range(1, m):
             for part in cross_plan(o)[2]:
                 self.b.reduce(Payload(self.ret, x, part))
@@ -266,8 +274,12 @@ class _Pass:
                     if not op.send
                 ]
             done[c] += 1
+        # a foreign query set's partials must be merged before its result crosses back
         for p in returns:
-            b.reduce(p)
+            if p.owner == x:
+                self.late.append(p)
+            else:
+                b.reduce(p)
 
     def post(self, t: PartnerTask, my_qs: list[QSet], rnd: list[tuple[int, int]]) -> None:
         x = self.x

@@ -162,3 +162,5 @@ class Plan:
     forward: list[Program]
     backward: list[Program]
     channels: dict[str, str]  # channel name -> scope: "intra", "cross" or "full"
+    # channels whose merged partials travel in the input dtype instead of float32
+    compact_channels: frozenset[str] = frozenset()

@@ -20,11 +20,6 @@ from dataclasses import dataclass, field
 from megatron_charm.plan.layout import block_cost, block_parts
 from megatron_charm.plan.types import Compute, Exchange, Kind, Part, Payload, Plan, Program, Reduce
 
-# Channels whose merged partials travel in the input dtype: they make one hop to their owner,
-# so they are rounded once (a ring's dkv makes n hops and stays float32). The cross-node link is
-# the slow one; float32 would double its largest payload.
-COMPACT_CHANNELS = frozenset({"cross.o"})
-
 
 class ScheduleError(RuntimeError):
     """A plan violates an invariant (internal error: plans are generated, not user input)."""
@@ -124,7 +119,7 @@ def simulate(plan: Plan, backward: bool = False) -> Report:
                             if acc is None or acc.part != p.part:
                                 raise r.err(f"sends {p} but holds {acc and acc.part}")
                             raw = (acc.from_compute and len(acc.pairs) == 1) or (
-                                ins.channel in COMPACT_CHANNELS
+                                ins.channel in plan.compact_channels
                             )
                             report.raw[(r.x, ins.handle, k)] = raw
                             msgs.append(acc)

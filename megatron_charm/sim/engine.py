@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 from megatron_charm.plan.cost import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Kind, Program, Reduce, Wait
-from megatron_charm.plan.validate import COMPACT_CHANNELS
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import Topology
@@ -97,7 +96,9 @@ class PassResult:
         return dict(out)
 
 
-def raw_flags(prog: Program, backward: bool) -> dict[tuple[int, int], bool]:
+def raw_flags(
+    prog: Program, backward: bool, compact: frozenset[str] = frozenset()
+) -> dict[tuple[int, int], bool]:
     """``(handle, op index) -> travels in the input dtype`` for every partial the rank sends.
 
     Same rule as the validator: a partial that holds exactly one computed block travels as the
@@ -123,9 +124,7 @@ def raw_flags(prog: Program, backward: bool) -> dict[tuple[int, int], bool]:
             for k, op in enumerate(ins.ops):
                 if op.send and op.payload.kind.is_partial:
                     acc = accs.pop((op.payload.kind, op.payload.owner), [0, False])
-                    out[(ins.handle, k)] = (acc[1] and acc[0] == 1) or (
-                        ins.channel in COMPACT_CHANNELS
-                    )
+                    out[(ins.handle, k)] = (acc[1] and acc[0] == 1) or (ins.channel in compact)
     return out
 
 

@@ -73,8 +73,8 @@ def test_charm_per_rank(m, p):
             "intra.q": m * q * 2 * C * QE * E,
             "intra.o": m * q * 2 * C * (QE * E + LSE),
             "cross.q": (m - 1) * 2 * C * QE * E,
-            # the foreign rank returns its node's merged output in the input dtype (one hop)
-            "cross.o": (m - 1) * 2 * C * (QE * E + LSE),
+            # the foreign rank returns its node's merged output: float32 unless it is one block
+            "cross.o": (m - 1) * 2 * C * (QE * (E if p == 1 else 4) + LSE),
         }
         assert fwd[x] == {ch: b for ch, b in want.items() if b}
 
@@ -88,3 +88,14 @@ def test_charm_keeps_kv_inside_nodes():
                     assert all(op.payload.kind.value not in ("kv", "dkv") for op in ex.ops)
                 else:
                     assert all(op.peer // 2 == prog.cp_rank // 2 for op in ex.ops)
+
+
+def test_compact_cross_halves_cross_returns():
+    exact, _ = plan_bytes(build_plan("charm", Layout(2, 2), False), SHAPE)
+    compact, _ = plan_bytes(build_plan("charm", Layout(2, 2), False, compact_cross=True), SHAPE)
+    for x in range(4):
+        assert exact[x]["cross.o"] == 2 * C * (QE * 4 + LSE)
+        assert compact[x]["cross.o"] == 2 * C * (QE * E + LSE)
+        assert {k: v for k, v in exact[x].items() if k != "cross.o"} == {
+            k: v for k, v in compact[x].items() if k != "cross.o"
+        }
