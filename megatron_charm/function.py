@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -17,6 +18,7 @@ from megatron_charm.plan.validate import validate
 
 Tensor = torch.Tensor
 FORMATS = ("bshd", "sbhd")
+COMPACT_ENV = "MEGATRON_CHARM_COMPACT_CROSS"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -162,7 +164,7 @@ def cp_attention(
     kernel: str | None = None,
     window: int = 2,
     combine_two_nodes: bool = False,
-    compact_cross: bool = False,
+    compact_cross: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Context-parallel attention over ``topo``'s CP group.
 
@@ -181,11 +183,15 @@ def cp_attention(
             (paper Algorithm 2) instead of the default split foreign rounds.
         compact_cross: charm: send node-merged results back across nodes in the input dtype
             instead of float32 (half the return bytes on the slow link, one more rounding).
+            ``None`` reads ``MEGATRON_CHARM_COMPACT_CROSS`` (``1`` enables it), so that it can be
+            chosen without code changes under Megatron.
 
     Returns:
         ``out`` shaped like ``q`` in q's dtype, or ``(out, lse)``.
     """
     check_method(method)
+    if compact_cross is None:
+        compact_cross = os.environ.get(COMPACT_ENV, "0").lower() in ("1", "true", "yes")
     _check_inputs(q, k, v, qkv_format, causal)
     topo.check_device(q.device)
     if qkv_format == "bshd":

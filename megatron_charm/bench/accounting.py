@@ -11,9 +11,11 @@ physical link of the testbed topology:
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 
+from megatron_charm.function import COMPACT_ENV
 from megatron_charm.plan import Layout, build_plan
 from megatron_charm.plan.cost import AttnShape, payload_bytes
 from megatron_charm.plan.validate import Report, validate
@@ -55,7 +57,9 @@ def method_bytes(
     """``{"fwd": LinkBytes, "bwd": LinkBytes}`` of ``method`` on ``layout`` (as ``cp_attention``
     plans it: only ``charm`` sees the node structure)."""
     plan_layout = layout if method == "charm" else Layout(1, layout.cp_size)
-    fwd, bwd = validate(build_plan(method, plan_layout, causal, window))
+    # the same wire precision as cp_attention's default (MEGATRON_CHARM_COMPACT_CROSS)
+    compact = os.environ.get(COMPACT_ENV, "0").lower() in ("1", "true", "yes")
+    fwd, bwd = validate(build_plan(method, plan_layout, causal, window, False, compact))
     return {
         "fwd": classify(fwd, shape, layout, topology),
         "bwd": classify(bwd, shape, layout, topology),

@@ -44,6 +44,7 @@ def compare_with_reference(
     seed: int = 0,
     qkv_format: str = "bshd",
     combine_two_nodes: bool = False,
+    compact_cross: bool = False,
 ):
     """Run ``method`` for each (causal, h_kv, dtype) variant; return per-variant max errors.
 
@@ -64,13 +65,13 @@ def compare_with_reference(
             d,
             seed,
             qkv_format,
-            combine_two_nodes,
+            (combine_two_nodes, compact_cross),
         )
         for causal, h_kv, dt in variants
     ]
 
 
-def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_format, combine):
+def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_format, options):
     import megatron_charm as mc
 
     n, x = topo.cp_size, topo.cp_rank
@@ -100,7 +101,8 @@ def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_
             qkv_format=qkv_format,
             return_lse=True,
             softmax_scale=scale,
-            combine_two_nodes=combine,
+            combine_two_nodes=options[0],
+            compact_cross=options[1],
         )
         if qkv_format == "sbhd":
             out = out.transpose(0, 1)
