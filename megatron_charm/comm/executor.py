@@ -55,12 +55,13 @@ class RunTrace:
 RUN_LOG: list[RunTrace] | None = None
 
 
-def release_points(program: Program, own: set[tuple[Kind, int]]) -> dict[int, list]:
+def release_points(program: Program, own: set[tuple[Kind, int]], backward: bool) -> dict[int, list]:
     """Instruction index -> received input keys whose last use is that instruction (pure).
 
     A key can be received again later (CHARM+ rounds fetch kv anew); each delivery starts a new
     lifetime that ends at its last use before the next delivery.
     """
+    qkind = Kind.QB if backward else Kind.Q
     last: dict[tuple[Kind, int], int] = {}
     out: dict[int, list] = defaultdict(list)
     recv_keys: dict[int, list] = {}
@@ -82,7 +83,6 @@ def release_points(program: Program, own: set[tuple[Kind, int]]) -> dict[int, li
                     out[last.pop(key)].append(key)
             used = recv_keys.get(ins.handle, [])
         elif isinstance(ins, Compute):
-            qkind = Kind.QB if program.instrs and _is_backward(program) else Kind.Q
             used = [(qkind, ins.q_owner), (Kind.KV, ins.kv_owner)]
         else:
             used = []
@@ -92,15 +92,6 @@ def release_points(program: Program, own: set[tuple[Kind, int]]) -> dict[int, li
     for key, i in last.items():
         out[i].append(key)
     return out
-
-
-def _is_backward(program: Program) -> bool:
-    return any(
-        op.payload.kind in (Kind.QB, Kind.DQ, Kind.DKV)
-        for ins in program.instrs
-        if isinstance(ins, Exchange)
-        for op in ins.ops
-    )
 
 
 def _nbytes(tensors) -> int:
@@ -239,7 +230,7 @@ class ProgramRunner:
     def run(self) -> dict[tuple[Kind, int], Accumulator]:
         ex_by_handle = {}
         own = set(self.held)
-        release = release_points(self.prog, own)
+        release = release_points(self.prog, own, self.backward)
         log = RUN_LOG
         events: list | None = None if log is None else []
         for i, ins in enumerate(self.prog.instrs):
