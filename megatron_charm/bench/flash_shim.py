@@ -25,20 +25,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megatron_charm.kernels.backends import expand_kv_heads, fold_kv_heads
+
 Tensor = torch.Tensor
 
 #: Seconds spent in the shim's kernels since the last reset (forward, backward).
 KERNEL_SECONDS = [0.0, 0.0]
-
-
-def _expand(t: Tensor, heads: int) -> Tensor:
-    # flash-attn handles GQA natively; the CPU op needs equal head counts.
-    return t if t.shape[2] == heads else t.repeat_interleave(heads // t.shape[2], dim=2)
-
-
-def _fold(g: Tensor, kv_heads: int) -> Tensor:
-    b, s, h, d = g.shape
-    return g if h == kv_heads else g.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
 
 
 def _flash_attn_forward(
@@ -58,7 +50,7 @@ def _flash_attn_forward(
     _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     t0 = time.perf_counter()
     h = q.shape[2]
-    qq, kk, vv = (x.transpose(1, 2) for x in (q, _expand(k, h), _expand(v, h)))
+    qq, kk, vv = (x.transpose(1, 2) for x in (q, expand_kv_heads(k, h), expand_kv_heads(v, h)))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qq, kk, vv, 0.0, causal, attn_mask=None, scale=softmax_scale
     )
@@ -96,8 +88,8 @@ def _flash_attn_backward(
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         bhsd(dout),
         bhsd(q),
-        bhsd(_expand(k, h)),
-        bhsd(_expand(v, h)),
+        bhsd(expand_kv_heads(k, h)),
+        bhsd(expand_kv_heads(v, h)),
         bhsd(out),
         softmax_lse.contiguous(),
         0.0,
@@ -105,7 +97,7 @@ def _flash_attn_backward(
         attn_mask=None,
         scale=softmax_scale,
     )
-    grads = (bhsd(gq), _fold(bhsd(gk), h_kv), _fold(bhsd(gv), h_kv))
+    grads = (bhsd(gq), fold_kv_heads(bhsd(gk), h_kv), fold_kv_heads(bhsd(gv), h_kv))
     for dst, g in zip((dq, dk, dv), grads, strict=True):
         if dst is not None:
             dst.copy_(g)

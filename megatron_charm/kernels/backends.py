@@ -23,12 +23,14 @@ import torch
 Tensor = torch.Tensor
 
 
-def _expand_kv(t: Tensor, heads: int) -> Tensor:
+def expand_kv_heads(t: Tensor, heads: int) -> Tensor:
+    """``[x, y, h_kv, d]`` -> ``[x, y, heads, d]`` (query head ``i`` uses kv head ``i // g``)."""
     groups = heads // t.shape[2]
     return t if groups == 1 else t.repeat_interleave(groups, dim=2)
 
 
-def _fold_kv(g: Tensor, kv_heads: int) -> Tensor:
+def fold_kv_heads(g: Tensor, kv_heads: int) -> Tensor:
+    """Sum a gradient ``[x, y, h, d]`` over each kv head's query group -> ``[x, y, h_kv, d]``."""
     s, b, h, d = g.shape
     if h == kv_heads:
         return g
@@ -56,7 +58,7 @@ def _math_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
 
 def _math_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     h = q.shape[2]
-    k, v = _expand_kv(k, h), _expand_kv(v, h)
+    k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
     s = _math_scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -66,7 +68,7 @@ def _math_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tu
 
 def _math_bwd(dout, q, k, v, out, lse, causal, scale):
     h, hkv = q.shape[2], k.shape[2]
-    ke, ve = _expand_kv(k, h).double(), _expand_kv(v, h).double()
+    ke, ve = expand_kv_heads(k, h).double(), expand_kv_heads(v, h).double()
     s = _math_scores(q, ke, causal, scale)
     p = torch.exp(s - lse.permute(1, 2, 0).double().unsqueeze(-1))
     do = dout.double()
@@ -76,7 +78,7 @@ def _math_bwd(dout, q, k, v, out, lse, causal, scale):
     ds = p * (dp - delta) * scale
     dq = torch.einsum("bhqk,kbhd->qbhd", ds, ke)
     dk = torch.einsum("bhqk,qbhd->kbhd", ds, q.double())
-    return dq.to(q.dtype), _fold_kv(dk, hkv).to(k.dtype), _fold_kv(dv, hkv).to(v.dtype)
+    return dq.to(q.dtype), fold_kv_heads(dk, hkv).to(k.dtype), fold_kv_heads(dv, hkv).to(v.dtype)
 
 
 # --- torch flash-attention ops ---------------------------------------------------------------
@@ -86,7 +88,7 @@ def _torch_fwd(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     h = q.shape[2]
-    qq, kk, vv = _bhsd(q), _bhsd(_expand_kv(k, h)), _bhsd(_expand_kv(v, h))
+    qq, kk, vv = _bhsd(q), _bhsd(expand_kv_heads(k, h)), _bhsd(expand_kv_heads(v, h))
     if q.is_cuda:
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             qq, kk, vv, 0.0, causal, False, scale=scale
@@ -101,7 +103,7 @@ def _torch_fwd(
 
 def _torch_bwd(dout, q, k, v, out, lse, causal, scale):
     h, hkv = q.shape[2], k.shape[2]
-    qq, kk, vv = _bhsd(q), _bhsd(_expand_kv(k, h)), _bhsd(_expand_kv(v, h))
+    qq, kk, vv = _bhsd(q), _bhsd(expand_kv_heads(k, h)), _bhsd(expand_kv_heads(v, h))
     oo, do = _bhsd(out), _bhsd(dout)
     ll = lse.permute(1, 2, 0).contiguous()
     if q.is_cuda:
@@ -115,7 +117,7 @@ def _torch_bwd(dout, q, k, v, out, lse, causal, scale):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, qq, kk, vv, oo, ll, 0.0, causal, attn_mask=None, scale=scale
         )
-    return _sbhd(dq), _fold_kv(_sbhd(dk), hkv), _fold_kv(_sbhd(dv), hkv)
+    return _sbhd(dq), fold_kv_heads(_sbhd(dk), hkv), fold_kv_heads(_sbhd(dv), hkv)
 
 
 # --- flash-attn (CUDA, optional) ---------------------------------------------------------------
