@@ -25,12 +25,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_charm.constants import DEFAULT_TIMEOUT
 from megatron_charm.plan import CHANNELS, Layout
 
 log = logging.getLogger(__name__)
 
 NODE_ID_ENV = "MEGATRON_CHARM_NODE_ID"
-DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def node_identity() -> str:
