@@ -17,8 +17,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_charm.megatron.compat import check_megatron_compat
-from megatron_charm.plan import METHODS
 from megatron_charm.megatron.groups import get_charm_topology
+from megatron_charm.plan import METHODS
 
 #: Values of ``cp_comm_type`` served by this module.
 CHARM_METHODS: tuple[str, ...] = METHODS
