@@ -4,9 +4,9 @@ Public API::
 
     import megatron_charm as mc
 
-    topo = mc.CPTopology.build(cp_group, ranks_per_node=None, timeout=timedelta(minutes=5))
-    out = mc.cp_attention(q, k, v, topo, method="charm", causal=True, softmax_scale=None,
-                          qkv_format="bshd", return_lse=False)
+    topo = mc.CPTopology.build(cp_group, ranks_per_node=None)
+    out = mc.cp_attention(q, k, v, topo, options=mc.PlanOptions(method="charm"), causal=True,
+                          softmax_scale=None, qkv_format="bshd", return_lse=False)
 
 ``q`` is ``[b, s_local, h, d]`` (``"bshd"``) or ``[s_local, b, h, d]`` (``"sbhd"``); ``k`` and ``v``
 have ``h_kv`` heads with ``h % h_kv == 0``. With ``causal=True`` the local sequence must be in the
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_charm.plan import METHODS
+from megatron_charm.plan import METHODS, PlanOptions
 
-__all__ = ["CPTopology", "cp_attention", "METHODS"]
+__all__ = ["CPTopology", "cp_attention", "METHODS", "PlanOptions"]
 __version__ = "0.1.0"
 
 

@@ -2,42 +2,30 @@
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
-from megatron_charm.comm.buffers import Dims
-from megatron_charm.comm.executor import DistributedError, ProgramRunner
+from megatron_charm.comm.agreement import CallKey, check_agreement
+from megatron_charm.comm.buffers import TensorSpace
+from megatron_charm.comm.executor import ProgramRunner, RunTrace
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel, select_kernel
-from megatron_charm.plan import METHODS, Layout, Plan, build_plan, check_method
-from megatron_charm.plan.types import Kind, Part
+from megatron_charm.plan import METHODS, AttnShape, Layout, Plan, PlanOptions, build_plan
+from megatron_charm.plan.types import Kind, Part, Program
 from megatron_charm.plan.validate import validate
 
 Tensor = torch.Tensor
 FORMATS = ("bshd", "sbhd")
-COMPACT_ENV = "MEGATRON_CHARM_COMPACT_CROSS"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @lru_cache(maxsize=128)
-def validated_plan(
-    method: str,
-    layout: Layout,
-    causal: bool,
-    window: int = 2,
-    combine_two_nodes: bool = False,
-    compact_cross: bool = False,
-):
-    """The plan for a configuration, replayed by the validator before first use.
-
-    Returns ``(plan, fwd_raw, bwd_raw)``: the raw maps say which partials travel in the input dtype.
-    """
-    plan = build_plan(method, layout, causal, window, combine_two_nodes, compact_cross)
-    fwd, bwd = validate(plan)
-    return plan, fwd.raw, bwd.raw
+def validated_plan(options: PlanOptions, layout: Layout, causal: bool) -> Plan:
+    """The plan for a configuration, replayed by the validator before its first use."""
+    plan = build_plan(options, layout, causal)
+    validate(plan)
+    return plan
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, qkv_format: str, causal: bool) -> None:
@@ -81,6 +69,12 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, qkv_format: str, causal: bool
             "change num_query_groups / the kv head count"
         )
     s_local = q.shape[1] if qkv_format == "bshd" else q.shape[0]
+    if min(q.shape) == 0 or min(k.shape) == 0:
+        raise ValueError(
+            f"q {tuple(q.shape)} / k {tuple(k.shape)} ({qkv_format}) has an empty dimension; "
+            "every rank needs at least one token, batch entry, head and head channel (check "
+            "the sequence length, micro-batch size and head counts)"
+        )
     if causal and s_local % 2 != 0:
         raise ValueError(
             f"causal CP attention needs an even local sequence length (two zigzag chunks), got "
@@ -88,66 +82,80 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, qkv_format: str, causal: bool
         )
 
 
-def _check_shapes_agree(topo: CPTopology, key: tuple) -> None:
-    """Once per local shape: all CP ranks must use the same shapes and settings."""
-    if key in topo.checked_shapes or topo.cp_size == 1:
-        return
-    got: list = [None] * topo.cp_size
-    try:
-        dist.all_gather_object(got, key, group=topo.cp_group)
-    except RuntimeError as exc:
-        raise DistributedError(
-            f"cp_rank {topo.cp_rank} could not agree on shapes with its CP group: {exc}. A peer "
-            "rank died or timed out"
-        ) from exc
-    if len(set(got)) != 1:
-        raise ValueError(
-            "CP ranks call cp_attention with different local shapes or settings "
-            f"(cp_rank: (shape, h_kv, dtype, method, causal)): {dict(enumerate(got))}; every "
-            "rank of the CP group must hold the same local sequence length and configuration"
-        )
-    topo.checked_shapes.add(key)
+def forward_pass(
+    topo: CPTopology,
+    program: Program,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kernel: BlockKernel,
+    scale: float,
+    trace: list[RunTrace] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Run one rank's forward program. ``q [s, b, h, d]``, ``k, v [s, b, h_kv, d]`` (contiguous);
+    returns ``out [s, b, h, d]`` in q's dtype and the float32 ``lse [s, b, h]``."""
+    space = TensorSpace(
+        AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size()),
+        q.dtype,
+        q.device,
+    )
+    x = topo.cp_rank
+    inputs = {(Kind.Q, x): (Part.FULL, [q]), (Kind.KV, x): (Part.FULL, [k, v])}
+    acc = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace).run()[
+        (Kind.O, x)
+    ]
+    out, lse = acc.tensors
+    return out.to(q.dtype), lse.contiguous()
+
+
+def backward_pass(
+    topo: CPTopology,
+    program: Program,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    kernel: BlockKernel,
+    scale: float,
+    trace: list[RunTrace] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Run one rank's backward program with the *final* ``out`` and ``lse`` of its queries
+    (shapes as :func:`forward_pass`); returns ``dq, dk, dv`` in the input dtypes."""
+    space = TensorSpace(
+        AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size()),
+        q.dtype,
+        q.device,
+    )
+    x = topo.cp_rank
+    inputs = {
+        (Kind.QB, x): (Part.FULL, [q, out, dout.contiguous(), lse]),
+        (Kind.KV, x): (Part.FULL, [k, v]),
+    }
+    accs = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace).run()
+    dq = accs[(Kind.DQ, x)].tensors[0].to(q.dtype)
+    dk, dv = (t.to(k.dtype) for t in accs[(Kind.DKV, x)].tensors)
+    return dq, dk, dv
 
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, topo, plan_info, kernel, scale):  # q, k, v: [s, b, h(_kv), d]
-        plan, fwd_raw, _ = plan_info
-        dims = Dims(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
-        x = topo.cp_rank
-        held = {(Kind.Q, x): (Part.FULL, [q]), (Kind.KV, x): (Part.FULL, [k, v])}
-        runner = ProgramRunner(topo, plan.forward[x], fwd_raw, dims, kernel, scale, False, held)
-        accs = runner.run()
-        acc = accs[(Kind.O, x)]
-        out32, lse = acc.tensors if not acc.raw else (acc.tensors[0].float(), acc.tensors[1])
-        out = out32.to(q.dtype)
-        lse = lse.contiguous()
+    def forward(ctx, q, k, v, topo, plan, kernel, scale, trace):  # q, k, v: [s, b, h(_kv), d]
+        out, lse = forward_pass(topo, plan.forward[topo.cp_rank], q, k, v, kernel, scale, trace)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.plan_info, ctx.kernel, ctx.scale, ctx.dims = (
-            topo,
-            plan_info,
-            kernel,
-            scale,
-            dims,
-        )
-        ctx.stats = runner.stats
+        ctx.topo, ctx.plan, ctx.kernel, ctx.scale, ctx.trace = topo, plan, kernel, scale, trace
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, _, bwd_raw = ctx.plan_info
-        topo, x = ctx.topo, ctx.topo.cp_rank
-        dout = dout.contiguous()
-        held = {(Kind.QB, x): (Part.FULL, [q, out, dout, lse]), (Kind.KV, x): (Part.FULL, [k, v])}
-        runner = ProgramRunner(
-            topo, plan.backward[x], bwd_raw, ctx.dims, ctx.kernel, ctx.scale, True, held
+        program = ctx.plan.backward[ctx.topo.cp_rank]
+        dq, dk, dv = backward_pass(
+            ctx.topo, program, q, k, v, out, lse, dout, ctx.kernel, ctx.scale, ctx.trace
         )
-        accs = runner.run()
-        dq = accs[(Kind.DQ, x)].tensors[0].to(q.dtype)
-        dk, dv = (t.to(k.dtype) for t in accs[(Kind.DKV, x)].tensors)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def cp_attention(
@@ -156,15 +164,14 @@ def cp_attention(
     v: Tensor,
     topo: CPTopology,
     *,
-    method: str = "charm",
+    method: str | None = None,
+    options: PlanOptions | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     qkv_format: str = "bshd",
     return_lse: bool = False,
     kernel: str | None = None,
-    window: int = 2,
-    combine_two_nodes: bool = False,
-    compact_cross: bool | None = None,
+    trace: list[RunTrace] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Context-parallel attention over ``topo``'s CP group.
 
@@ -172,43 +179,44 @@ def cp_attention(
         q: ``[b, s_local, h, d]`` (``"bshd"``) or ``[s_local, b, h, d]`` (``"sbhd"``).
         k, v: same layout with ``h_kv`` heads, ``h % h_kv == 0`` (GQA/MQA travel at ``h_kv``).
         topo: from :meth:`CPTopology.build`.
-        method: ``"charm"`` | ``"rm+"`` | ``"merge"`` | ``"ring"``.
+        method: shorthand for ``options.method``: ``"charm"`` | ``"rm+"`` | ``"merge"`` |
+            ``"ring"``; overrides the method of ``options`` when both are given.
+        options: every scheduling option (:class:`megatron_charm.PlanOptions`); defaults to
+            ``PlanOptions()`` (charm with the default settings). All ranks must pass equal options.
         causal: causal attention over the global sequence; the local sequence must then be in the
             zigzag layout (chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``) and even.
         softmax_scale: defaults to ``d ** -0.5``.
-        return_lse: also return the float32 log-sum-exp ``[b, h, s_local]``.
+        return_lse: also return the float32 log-sum-exp ``[b, h, s_local]`` (it has no gradient).
         kernel: block kernel (``"torch"``, ``"flash_attn"``, ``"math"``); default by device/dtype.
-        window: exchanges in flight per channel (merge, rm+, charm).
-        combine_two_nodes: charm on two nodes only: run own and foreign q in one pipeline
-            (paper Algorithm 2) instead of the default split foreign rounds.
-        compact_cross: charm: send node-merged results back across nodes in the input dtype
-            instead of float32 (half the return bytes on the slow link, one more rounding).
-            ``None`` reads ``MEGATRON_CHARM_COMPACT_CROSS`` (``1`` enables it), so that it can be
-            chosen without code changes under Megatron.
+        trace: a list that receives one :class:`megatron_charm.comm.executor.RunTrace` per pass
+            (forward, then backward): timelines, bytes sent and peak buffer bytes. ``None`` (the
+            default) measures nothing.
 
     Returns:
         ``out`` shaped like ``q`` in q's dtype, or ``(out, lse)``.
     """
-    check_method(method)
-    if compact_cross is None:
-        compact_cross = os.environ.get(COMPACT_ENV, "0").lower() in ("1", "true", "yes")
+    options = options if options is not None else PlanOptions()
+    if method is not None and method != options.method:
+        options = options.replace(method=method)
     _check_inputs(q, k, v, qkv_format, causal)
     topo.check_device(q.device)
     if qkv_format == "bshd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     q, k, v = (t.contiguous() for t in (q, k, v))
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    _check_shapes_agree(
-        topo, (tuple(q.shape), k.shape[2], str(q.dtype), method, causal, float(scale))
+    check_agreement(
+        topo,
+        CallKey(tuple(q.shape), k.shape[2], str(q.dtype), causal, float(scale), options),
+        device=q.device,
     )
-    layout = topo.layout if method == "charm" else Layout(1, topo.cp_size)
-    plan_info = validated_plan(method, layout, causal, window, combine_two_nodes, compact_cross)
+    plan = validated_plan(options, topo.layout, causal)
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
-    out, lse = _CPAttention.apply(q, k, v, topo, plan_info, blk, scale)
+    with topo.exclusive():
+        out, lse = _CPAttention.apply(q, k, v, topo, plan, blk, scale, trace)
     if qkv_format == "bshd":
         out = out.transpose(0, 1)
     lse = lse.permute(1, 2, 0)
     return (out, lse) if return_lse else out
 
 
-__all__ = ["METHODS", "Plan", "cp_attention"]
+__all__ = ["METHODS", "Plan", "PlanOptions", "cp_attention"]

@@ -11,13 +11,11 @@ physical link of the testbed topology:
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_charm.function import COMPACT_ENV
-from megatron_charm.plan import Layout, build_plan
-from megatron_charm.plan.cost import AttnShape, payload_bytes
+from megatron_charm.plan import Layout, PlanOptions, build_plan
+from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.validate import Report, validate
 
 
@@ -40,7 +38,7 @@ def classify(report: Report, shape: AttnShape, layout: Layout, topology: str) ->
     intra = cross = 0
     links: dict[tuple[int, int, int], int] = defaultdict(int)
     for rec in report.sends:
-        nbytes = payload_bytes(rec.payload, shape, rec.raw)
+        nbytes = payload_bytes(rec.payload, shape, rec.wire)
         src, dst = layout.node(rec.cp_rank), layout.node(rec.peer)
         if src == dst:
             intra += nbytes
@@ -52,14 +50,17 @@ def classify(report: Report, shape: AttnShape, layout: Layout, topology: str) ->
 
 
 def method_bytes(
-    method: str, layout: Layout, causal: bool, shape: AttnShape, topology: str, window: int = 2
+    method: str,
+    layout: Layout,
+    causal: bool,
+    shape: AttnShape,
+    topology: str,
+    options: PlanOptions | None = None,
 ) -> dict[str, LinkBytes]:
-    """``{"fwd": LinkBytes, "bwd": LinkBytes}`` of ``method`` on ``layout`` (as ``cp_attention``
-    plans it: only ``charm`` sees the node structure)."""
-    plan_layout = layout if method == "charm" else Layout(1, layout.cp_size)
-    # the same wire precision as cp_attention's default (MEGATRON_CHARM_COMPACT_CROSS)
-    compact = os.environ.get(COMPACT_ENV, "0").lower() in ("1", "true", "yes")
-    fwd, bwd = validate(build_plan(method, plan_layout, causal, window, False, compact))
+    """``{"fwd": LinkBytes, "bwd": LinkBytes}`` of ``method`` on ``layout`` with ``options``
+    (its method replaced), as ``cp_attention`` plans it."""
+    options = (options or PlanOptions()).replace(method=method)
+    fwd, bwd = validate(build_plan(options, layout, causal))
     return {
         "fwd": classify(fwd, shape, layout, topology),
         "bwd": classify(bwd, shape, layout, topology),

@@ -48,7 +48,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--window", type=int, default=2, help="plan option: exchanges in flight")
+    ap.add_argument(
+        "--cross-return",
+        choices=("fp32", "input"),
+        default="fp32",
+        help="plan option: precision of charm's node-merged results crossing nodes",
+    )
+    ap.add_argument(
+        "--combine-two-nodes",
+        action="store_true",
+        help="plan option: charm's two-node pipeline (paper Algorithm 2)",
+    )
     ap.add_argument("--kernel", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run")
@@ -87,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "warmup": args.warmup,
         "seed": args.seed,
         "window": args.window,
+        "cross_return": args.cross_return,
+        "combine_two_nodes": args.combine_two_nodes,
         "kernel": args.kernel,
         "device": args.device,
         "topology": args.topology,

@@ -46,7 +46,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def _rank_main(cp_rank: int, shape: tuple, methods: list[str], store: str, out_path: str) -> None:
     import megatron_charm as mc
     from megatron_charm.bench.worker import _saved_bytes
-    from megatron_charm.comm import executor
     from megatron_charm.plan import zigzag_positions
 
     torch.set_num_threads(1)
@@ -68,14 +67,14 @@ def _rank_main(cp_rank: int, shape: tuple, methods: list[str], store: str, out_p
     for method in methods:
         lq, lk, lv = (t.clone().requires_grad_() for t in (q, k, v))
 
-        def call(lq=lq, lk=lk, lv=lv, method=method):
-            return mc.cp_attention(lq, lk, lv, topo, method=method, qkv_format="sbhd")
+        traces: list = []
 
-        executor.RUN_LOG = []
+        def call(lq=lq, lk=lk, lv=lv, method=method, traces=traces):
+            return mc.cp_attention(lq, lk, lv, topo, method=method, qkv_format="sbhd", trace=traces)
+
         saved_total, saved = _saved_bytes(call, [lq, lk, lv])
         out = call()
         out.backward(dout)
-        traces, executor.RUN_LOG = executor.RUN_LOG, None
         # traces: the forward inside _saved_bytes, then this forward and its backward.
         fwd_peak = max(t.stats.peak_buffer_bytes for t in traces if not t.backward)
         bwd_peak = max(t.stats.peak_buffer_bytes for t in traces if t.backward)

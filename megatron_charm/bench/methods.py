@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_charm.plan import PlanOptions
+
 OURS = ("charm", "rm+", "merge", "ring")
 BASELINES = ("ring-flash", "te-p2p")
 Tensor = torch.Tensor
@@ -56,10 +58,22 @@ class Contender:
         raise NotImplementedError
 
 
+def plan_options(cfg: dict) -> PlanOptions:
+    """The plan options of a benchmark config (its method is set per contender)."""
+    return PlanOptions(
+        window=cfg.get("window", 2),
+        combine_two_nodes=cfg.get("combine_two_nodes", False),
+        cross_return=cfg.get("cross_return", "fp32"),
+    )
+
+
 class Ours(Contender):
-    def __init__(self, name, inp, causal, scale, topo, kernel=None, window=2) -> None:
+    def __init__(self, name, inp, causal, scale, topo, kernel=None, options=None) -> None:
         super().__init__(name, inp, causal, scale)
-        self.topo, self.kernel, self.window = topo, kernel, window
+        self.topo, self.kernel = topo, kernel
+        self.options = (options or PlanOptions()).replace(method=name)
+        # set by the benchmark to a list to record the executor's traces of the next call
+        self.trace: list | None = None
         # Megatron's native layout, so cp_attention makes no layout copies.
         self.q, self.k, self.v = (
             t.transpose(0, 1).contiguous().requires_grad_() for t in (inp.q, inp.k, inp.v)
@@ -74,12 +88,12 @@ class Ours(Contender):
             self.k,
             self.v,
             self.topo,
-            method=self.name,
+            options=self.options,
             causal=self.causal,
             softmax_scale=self.scale,
             qkv_format="sbhd",
             kernel=self.kernel,
-            window=self.window,
+            trace=self.trace,
         )
 
     def forward(self) -> Tensor:
@@ -191,7 +205,7 @@ class TransformerEngineP2P(Contender):
 def make_contender(name: str, inp: Inputs, causal: bool, scale: float, topo, opts: dict):
     """Build the contender ``name`` (see the module docstring); raises ``ValueError`` if unknown."""
     if name in OURS:
-        return Ours(name, inp, causal, scale, topo, opts.get("kernel"), opts.get("window", 2))
+        return Ours(name, inp, causal, scale, topo, opts.get("kernel"), opts.get("options"))
     if name == "ring-flash":
         return RingFlash(name, inp, causal, scale, use_shim=not inp.q.is_cuda)
     if name == "te-p2p":

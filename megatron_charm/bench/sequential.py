@@ -3,7 +3,7 @@
 The paper accumulates ring attention's computation and communication times "under sequential
 execution". Here the ``ring`` plan's programs are rewritten so that every exchange is waited for
 right after it is posted: nothing overlaps, and the executor's trace separates the two. Compute is
-the time in ``Compute`` and ``Reduce`` instructions (block kernels and merges).
+the time in ``Compute`` and ``Merge`` instructions (block kernels and merges).
 
 Communication is timed in a second sequential run whose block kernels are replaced by a kernel that
 only allocates zero results (:data:`NULL_KERNEL`): the time in ``Exchange`` and ``Wait`` is then the
@@ -17,13 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_charm.comm import executor
-from megatron_charm.comm.buffers import Dims
-from megatron_charm.comm.executor import ProgramRunner
-from megatron_charm.function import validated_plan
+from megatron_charm.comm.executor import RunTrace
+from megatron_charm.function import backward_pass, forward_pass, validated_plan
 from megatron_charm.kernels import BlockKernel, select_kernel
-from megatron_charm.plan import Layout
-from megatron_charm.plan.types import Exchange, Kind, Part, Program, Wait
+from megatron_charm.plan import PlanOptions
+from megatron_charm.plan.types import Exchange, Program, Wait
 
 Tensor = torch.Tensor
 
@@ -50,7 +48,7 @@ def sequential(program: Program) -> Program:
         out.append(ins)
         if isinstance(ins, Exchange) and ins.handle in waits:
             out.append(Wait(ins.handle))
-    return Program(program.cp_rank, out)
+    return Program(program.cp_rank, tuple(out))
 
 
 @dataclass
@@ -61,8 +59,8 @@ class SeqTimes:
     comm: float
 
 
-def _split(trace: executor.RunTrace) -> SeqTimes:
-    comp = sum(e - s for kind, _, s, e in trace.events if kind in ("Compute", "Reduce"))
+def _split(trace: RunTrace) -> SeqTimes:
+    comp = sum(e - s for kind, _, s, e in trace.events if kind in ("Compute", "Merge"))
     comm = sum(e - s for kind, _, s, e in trace.events if kind in ("Exchange", "Wait"))
     return SeqTimes(comp, comm)
 
@@ -86,30 +84,12 @@ def run_sequential_ring(
     Returns:
         ``(forward, backward)`` times of this rank.
     """
-    plan, fwd_raw, bwd_raw = validated_plan("ring", Layout(1, topo.cp_size), causal)
+    plan = validated_plan(PlanOptions(method="ring"), topo.layout, causal)
     x = topo.cp_rank
-    dims = Dims(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
     blk = kernel if isinstance(kernel, BlockKernel) else select_kernel(q.device, q.dtype, kernel)
-    saved, executor.RUN_LOG = executor.RUN_LOG, []
-    try:
-        held = {(Kind.Q, x): (Part.FULL, [q]), (Kind.KV, x): (Part.FULL, [k, v])}
-        fwd = ProgramRunner(
-            topo, sequential(plan.forward[x]), fwd_raw, dims, blk, scale, False, held
-        )
-        acc = fwd.run()[(Kind.O, x)]
-        out32, lse = acc.tensors if not acc.raw else (acc.tensors[0].float(), acc.tensors[1])
-        out = out32.to(q.dtype)
-        held = {
-            (Kind.QB, x): (Part.FULL, [q, out, dout, lse.contiguous()]),
-            (Kind.KV, x): (Part.FULL, [k, v]),
-        }
-        bwd = ProgramRunner(
-            topo, sequential(plan.backward[x]), bwd_raw, dims, blk, scale, True, held
-        )
-        bwd.run()
-        if q.is_cuda:
-            torch.cuda.synchronize()
-        traces = executor.RUN_LOG
-    finally:
-        executor.RUN_LOG = saved
+    traces: list[RunTrace] = []
+    out, lse = forward_pass(topo, sequential(plan.forward[x]), q, k, v, blk, scale, traces)
+    backward_pass(topo, sequential(plan.backward[x]), q, k, v, out, lse, dout, blk, scale, traces)
+    if q.is_cuda:
+        torch.cuda.synchronize()
     return _split(traces[0]), _split(traces[1])

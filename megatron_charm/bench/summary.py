@@ -8,8 +8,9 @@ from __future__ import annotations
 import statistics
 
 from megatron_charm.bench.accounting import lower_bound_s, method_bytes, zigzag_ring_bytes
+from megatron_charm.bench.methods import plan_options
 from megatron_charm.plan import Layout
-from megatron_charm.plan.cost import AttnShape
+from megatron_charm.plan.payloads import AttnShape
 
 MODES = ("fwd", "fwdbwd")
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -85,9 +86,9 @@ def summarise(raw: dict, cfg: dict) -> dict:
         if name in ("ring-flash", "te-p2p"):
             lb = zigzag_ring_bytes(layout, shape, topology)
         else:
-            lb = method_bytes(name, layout, cfg["causal"], shape, topology, cfg.get("window", 2))
+            lb = method_bytes(name, layout, cfg["causal"], shape, topology, plan_options(cfg))
         link_bytes[name] = {k: v.as_dict() for k, v in lb.items()}
-    charm_lb = method_bytes("charm", layout, cfg["causal"], shape, topology, cfg.get("window", 2))
+    charm_lb = method_bytes("charm", layout, cfg["causal"], shape, topology, plan_options(cfg))
     bound = {
         "fwd": lower_bound_s(_med(pure["fwd"]), charm_lb["fwd"].max_cross_link, cross_bps),
         "fwdbwd": lower_bound_s(
@@ -256,7 +257,7 @@ def format_timeline(raw: dict, method: str, mode: str, iteration: int | None = N
             )
             if kind == "Wait":
                 waits[f"{pas}:{ch}"] = waits.get(f"{pas}:{ch}", 0.0) + (e - s)
-            elif kind in ("Compute", "Reduce"):
+            elif kind in ("Compute", "Merge"):
                 compute += e - s
         lines.append(
             f"  compute {compute * 1e3:.0f} ms; waits "

@@ -22,8 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_charm.bench.methods import OURS, Inputs, barrier, make_contender
-from megatron_charm.comm import executor
+from megatron_charm.bench.methods import OURS, Inputs, barrier, make_contender, plan_options
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -105,7 +104,9 @@ def _timed(contender, backward: bool, device: torch.device) -> dict:
     from megatron_charm.bench import flash_shim
 
     ours = contender.name in OURS
-    executor.RUN_LOG = [] if ours else None
+    traces: list = []
+    if ours:
+        contender.trace = traces
     k0 = list(flash_shim.KERNEL_SECONDS)
     barrier(device)
     t0 = time.perf_counter()
@@ -118,9 +119,9 @@ def _timed(contender, backward: bool, device: torch.device) -> dict:
     wall = time.perf_counter() - t0
     rec = {"wall": wall}
     if ours:
-        traces, executor.RUN_LOG = executor.RUN_LOG, None
+        contender.trace = None
         rec["compute"] = sum(
-            e - s for tr in traces for kind, _, s, e in tr.events if kind in ("Compute", "Reduce")
+            e - s for tr in traces for kind, _, s, e in tr.events if kind in ("Compute", "Merge")
         )
         rec["peak"] = {
             ("bwd" if tr.backward else "fwd"): tr.stats.peak_buffer_bytes for tr in traces
@@ -162,7 +163,7 @@ def run(cfg: dict) -> dict | None:
         from megatron_charm.bench.flash_shim import check_shim
 
         shim_err = check_shim()  # before anything is timed; raises if wrong
-    opts = {"kernel": cfg.get("kernel"), "window": cfg.get("window", 2)}
+    opts = {"kernel": cfg.get("kernel"), "options": plan_options(cfg)}
     contenders = [make_contender(m, inp, causal, scale, topo, opts) for m in cfg["methods"]]
 
     # Agreement: every method's out and grads against the first of ours (or the first method).

@@ -1,4 +1,8 @@
-"""Tensor side of payloads: shapes, slicing and accumulators (no communication)."""
+"""Tensor side of payloads: receive buffers, slicing and accumulators (no communication).
+
+Shapes and precisions come from the plan (:func:`megatron_charm.plan.payloads.payload_tensors`);
+this module only maps them onto torch dtypes and devices.
+"""
 
 from __future__ import annotations
 
@@ -7,99 +11,92 @@ from dataclasses import dataclass
 import torch
 
 from megatron_charm.kernels import merge_partial
-from megatron_charm.plan.cost import INPUT, AttnShape, payload_tensors
 from megatron_charm.plan.layout import part_slice, sub_slice
-from megatron_charm.plan.types import Kind, Part, Payload
+from megatron_charm.plan.payloads import AttnShape, payload_tensors
+from megatron_charm.plan.types import Kind, Part, Payload, Wire
 
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
-class Dims:
-    """Local sizes of one call: ``s`` local tokens, batch ``b``, ``h``/``h_kv`` heads, dim ``d``."""
+class TensorSpace:
+    """Where one call's tensors live: the problem shape, the input dtype and the device."""
 
-    s: int
-    b: int
-    h: int
-    h_kv: int
-    d: int
+    shape: AttnShape
     dtype: torch.dtype
     device: torch.device
 
-    def part_len(self, part: Part) -> int:
-        return self.s if part == Part.FULL else self.s // 2
+    def torch_dtype(self, wire: Wire) -> torch.dtype:
+        return self.dtype if wire == Wire.INPUT else torch.float32
 
-
-def payload_specs(p: Payload, dims: Dims, raw: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of the tensors of payload ``p`` (``raw``: partial in the input dtype)."""
-    shape = AttnShape(dims.b, dims.s, dims.h, dims.h_kv, dims.d)
-    return [
-        (sizes, dims.dtype if prec == INPUT else torch.float32)
-        for sizes, prec in payload_tensors(p.kind, dims.part_len(p.part), shape, raw)
-    ]
+    def receive_buffers(self, payload: Payload, wire: Wire) -> list[Tensor]:
+        """Empty tensors for receiving ``payload`` (``[tokens, b, heads, d]`` each)."""
+        return [
+            torch.empty(dims, dtype=self.torch_dtype(prec), device=self.device)
+            for dims, prec in payload_tensors(payload.kind, payload.part, self.shape, wire)
+        ]
 
 
 class Accumulator:
     """Partial output ``(out, lse)`` or partial gradients of one owner, growing over parts.
 
-    A single block result is kept as the kernel produced it (``raw``), so that it can travel in the
-    input dtype; a second contribution turns it into float32.
+    A single block result is kept as the kernel produced it (``single_block``), so that it can
+    travel in the input dtype; a second contribution turns it into float32.
     """
 
-    def __init__(self, kind: Kind, dims: Dims) -> None:
+    def __init__(self, kind: Kind, space: TensorSpace) -> None:
         self.kind = kind
-        self.dims = dims
+        self.space = space
         self.part: Part | None = None
         self.tensors: list[Tensor] = []
-        self.raw = False
+        self.single_block = False
 
     def _empty(self, part: Part) -> list[Tensor]:
-        n = self.dims.part_len(part)
-        d = self.dims
-        heads = d.h_kv if self.kind == Kind.DKV else d.h
-        shape = (n, d.b, heads, d.d)
+        shape, device = self.space.shape, self.space.device
+        heads = shape.h_kv if self.kind == Kind.DKV else shape.h
+        dims = (shape.tokens(part), shape.b, heads, shape.d)
         if self.kind == Kind.O:
-            out = torch.zeros(shape, dtype=torch.float32, device=d.device)
-            lse = torch.full(shape[:3], float("-inf"), dtype=torch.float32, device=d.device)
+            out = torch.zeros(dims, dtype=torch.float32, device=device)
+            lse = torch.full(dims[:3], float("-inf"), dtype=torch.float32, device=device)
             return [out, lse]
         count = 2 if self.kind == Kind.DKV else 1
-        return [torch.zeros(shape, dtype=torch.float32, device=d.device) for _ in range(count)]
+        return [torch.zeros(dims, dtype=torch.float32, device=device) for _ in range(count)]
 
     def _to_fp32(self, part: Part) -> None:
         """Make the accumulator float32 and covering ``part``."""
         assert self.part is not None
-        if not self.raw and self.part == part:
+        if not self.single_block and self.part == part:
             return
         new = self._empty(part)
-        sl = sub_slice(part, self.part, self.dims.s)
+        sl = sub_slice(part, self.part, self.space.shape.s_local)
         for dst, src in zip(new, self.tensors, strict=True):
             dst[sl].copy_(src)
-        self.tensors, self.part, self.raw = new, part, False
+        self.tensors, self.part, self.single_block = new, part, False
 
-    def add(self, part: Part, tensors: list[Tensor], from_compute: bool) -> None:
+    def add(self, part: Part, tensors: list[Tensor], computed: bool) -> None:
+        """Fold in a block result (``computed``) or a received partial covering ``part``."""
         if self.part is None:
-            if from_compute:
-                self.part, self.tensors, self.raw = part, list(tensors), True
+            if computed:
+                self.part, self.tensors, self.single_block = part, list(tensors), True
             else:
-                self.part, self.raw = part, False
+                self.part, self.single_block = part, False
                 self.tensors = [t.to(torch.float32, copy=True) for t in tensors]
             return
         self._to_fp32(self.part.union(part))
-        sl = sub_slice(self.part, part, self.dims.s)
+        sl = sub_slice(self.part, part, self.space.shape.s_local)
         if self.kind == Kind.O:
             merge_partial(self.tensors[0][sl], self.tensors[1][sl], tensors[0], tensors[1])
         else:
             for acc, t in zip(self.tensors, tensors, strict=True):
                 acc[sl].add_(t)
 
-    def wire(self, raw: bool) -> list[Tensor]:
-        """Tensors to send: in the input dtype when the plan says ``raw`` (the lse stays float32),
-        else float32."""
-        assert raw or not self.raw, "a single block result would travel in float32"
+    def to_wire(self, wire: Wire) -> list[Tensor]:
+        """Tensors to send in the plan's ``wire`` precision (an output's lse stays float32)."""
+        assert wire == Wire.INPUT or not self.single_block, "a single block sent in float32"
         tensors = self.tensors
-        if raw and not self.raw:
+        if wire == Wire.INPUT and not self.single_block:
             keep = 1 if self.kind == Kind.O else len(tensors)
-            tensors = [t.to(self.dims.dtype) if i < keep else t for i, t in enumerate(tensors)]
+            tensors = [t.to(self.space.dtype) if i < keep else t for i, t in enumerate(tensors)]
         return [t.contiguous() for t in tensors]
 
 
@@ -108,4 +105,4 @@ def part_of(tensor: Tensor, held: Part, want: Part, length: int) -> Tensor:
     return tensor[sub_slice(held, want, length)]
 
 
-__all__ = ["Accumulator", "Dims", "payload_specs", "part_of", "part_slice"]
+__all__ = ["Accumulator", "TensorSpace", "part_of", "part_slice"]

@@ -3,7 +3,9 @@
 The same code serves gloo (CPU) and NCCL (GPU): exchanges are ``batch_isend_irecv`` groups on the
 channel's process group, and ``Work.wait()`` is the only synchronisation (on CUDA it makes the
 current stream wait for the transfer; the host does not block). Nothing here calls
-``torch.cuda.synchronize``.
+``torch.cuda.synchronize``. Every tensor of an exchange, sent or received, stays referenced until
+its ``Wait``: on NCCL a send buffer must outlive the transfer, and its last Python reference must
+not be the only thing that keeps the caching allocator from reusing it.
 """
 
 from __future__ import annotations
@@ -15,20 +17,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_charm.comm.buffers import Accumulator, Dims, part_of, payload_specs
+from megatron_charm.comm.buffers import Accumulator, TensorSpace, part_of
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel
-from megatron_charm.plan.types import Compute, Exchange, Kind, Part, Program, Reduce, Wait
+from megatron_charm.plan.types import Compute, Exchange, Kind, Merge, Part, Program, Wait
 
 Tensor = torch.Tensor
+Key = tuple[Kind, int]
 
 
 @dataclass
 class RunStats:
-    """What one pass moved and held; filled by the executor.
+    """What one pass moved and held; filled by the executor when the pass is traced.
 
     ``peak_buffer_bytes`` is the largest total, after any instruction, of what the pass allocates
     beyond the caller's tensors: received inputs still to be used, receive buffers in flight,
+    send tensors made for an exchange (casts, copies, popped accumulators) until its wait,
     accumulators and received partials.
     """
 
@@ -38,10 +42,11 @@ class RunStats:
 
 @dataclass
 class RunTrace:
-    """One pass as seen by the optional instrumentation (see :data:`RUN_LOG`).
+    """One pass as seen by the optional instrumentation (``trace=`` of ``cp_attention``).
 
     ``events`` holds ``(instruction kind, channel or "", start, end)`` with host
     ``time.perf_counter()`` seconds; on CUDA they are host enqueue times, not device times.
+    Instruction kinds are the plan's class names: ``Exchange``, ``Wait``, ``Compute``, ``Merge``.
     """
 
     cp_rank: int
@@ -50,21 +55,16 @@ class RunTrace:
     events: list[tuple[str, str, float, float]]
 
 
-#: Optional instrumentation for benchmarks. ``None`` (the default) costs one test per pass; a
-#: list receives one :class:`RunTrace` per :meth:`ProgramRunner.run`.
-RUN_LOG: list[RunTrace] | None = None
-
-
-def release_points(program: Program, own: set[tuple[Kind, int]], backward: bool) -> dict[int, list]:
+def release_points(program: Program, own: set[Key], backward: bool) -> dict[int, list[Key]]:
     """Instruction index -> received input keys whose last use is that instruction (pure).
 
     A key can be received again later (CHARM+ rounds fetch kv anew); each delivery starts a new
     lifetime that ends at its last use before the next delivery.
     """
     qkind = Kind.QB if backward else Kind.Q
-    last: dict[tuple[Kind, int], int] = {}
-    out: dict[int, list] = defaultdict(list)
-    recv_keys: dict[int, list] = {}
+    last: dict[Key, int] = {}
+    out: dict[int, list[Key]] = defaultdict(list)
+    recv_keys: dict[int, list[Key]] = {}
     for i, ins in enumerate(program.instrs):
         if isinstance(ins, Exchange):
             recv_keys[ins.handle] = [
@@ -105,82 +105,88 @@ class DistributedError(RuntimeError):
 class ProgramRunner:
     """Interprets a :class:`Program` for one pass.
 
-    ``held`` maps ``(kind, owner)`` to ``(part, tensors)`` for inputs this rank holds (its own q/kv,
-    or its backward bundle); received payloads are added as their exchanges complete.
+    ``inputs`` maps ``(kind, owner)`` to ``(part, tensors)`` for the inputs this rank holds (its
+    own q/kv, or its backward bundle); received inputs join them as their exchanges complete and
+    leave after their last use. With ``trace`` (a list), the pass appends one :class:`RunTrace`
+    with its timeline, bytes and peak buffer bytes; without it, nothing is measured.
     """
 
     def __init__(
         self,
         topo: CPTopology,
         program: Program,
-        raw: dict[tuple[int, int, int], bool],
-        dims: Dims,
+        space: TensorSpace,
         kernel: BlockKernel,
         scale: float,
         backward: bool,
-        held: dict[tuple[Kind, int], tuple[Part, list[Tensor]]],
+        inputs: dict[Key, tuple[Part, list[Tensor]]],
+        trace: list[RunTrace] | None = None,
     ) -> None:
         self.topo = topo
         self.prog = program
-        self.raw = raw
-        self.dims = dims
+        self.space = space
         self.kernel = kernel
         self.scale = scale
         self.backward = backward
-        self.held = held
-        self.accs: dict[tuple[Kind, int], Accumulator] = {}
-        self.pending: dict[int, tuple[list, list]] = {}
-        self.partials: dict[tuple[int, Kind, int], tuple[Part, list[Tensor], bool]] = {}
+        self.inputs = inputs
+        self.trace = trace
+        self.accumulators: dict[Key, Accumulator] = {}
+        # handle -> (works, received (payload, buffers), sent tensors, bytes of the sent tensors
+        # that this pass allocated): all kept until the Wait
+        self.pending: dict[int, tuple[list, list, list[Tensor], int]] = {}
+        self.partials: dict[tuple[int, Kind, int], tuple[Part, list[Tensor]]] = {}
+        self.exchanges: dict[int, Exchange] = {}
         self.stats = RunStats()
 
-    def _get(self, kind: Kind, owner: int, part: Part) -> list[Tensor]:
-        held = self.held.get((kind, owner))
+    def _input(self, kind: Kind, owner: int, part: Part) -> list[Tensor]:
+        held = self.inputs.get((kind, owner))
         if held is None or not held[0].contains(part):
             raise AssertionError(
                 f"cp_rank {self.prog.cp_rank} lacks {kind.value}{owner}.{part.value}"
             )
-        return [part_of(t, held[0], part, self.dims.s) for t in held[1]]
+        return [part_of(t, held[0], part, self.space.shape.s_local) for t in held[1]]
 
-    def _acc(self, kind: Kind, owner: int) -> Accumulator:
-        acc = self.accs.get((kind, owner))
+    def _accumulator(self, kind: Kind, owner: int) -> Accumulator:
+        acc = self.accumulators.get((kind, owner))
         if acc is None:
-            acc = self.accs[(kind, owner)] = Accumulator(kind, self.dims)
+            acc = self.accumulators[(kind, owner)] = Accumulator(kind, self.space)
         return acc
-
-    def _global(self, cp_rank: int) -> int:
-        return self.topo.global_ranks[cp_rank]
 
     def _exchange(self, ex: Exchange) -> None:
         group = self.topo.channel(ex.channel)
-        ops, recvs = [], []
-        me = self.prog.cp_rank
-        for k, op in enumerate(ex.ops):
+        ops, received, sent = [], [], []
+        allocated = 0  # bytes of sent tensors that exist only for this exchange
+        self.exchanges[ex.handle] = ex
+        for op in ex.ops:
             p = op.payload
-            raw = self.raw.get((me, ex.handle, k), True)
-            peer = self._global(op.peer)
+            peer = self.topo.global_ranks[op.peer]
             if op.send:
                 if p.kind.is_partial:
-                    acc = self.accs.pop((p.kind, p.owner))
+                    acc = self.accumulators.pop((p.kind, p.owner))
                     assert acc.part == p.part
-                    tensors = acc.wire(raw)
+                    tensors = acc.to_wire(op.wire)
+                    allocated += _nbytes(tensors)
                 else:
-                    tensors = [t.contiguous() for t in self._get(p.kind, p.owner, p.part)]
-                for t in tensors:
-                    ops.append(dist.P2POp(dist.isend, t, peer, group))
-                    self.stats.bytes_sent[ex.channel] += t.numel() * t.element_size()
+                    views = self._input(p.kind, p.owner, p.part)
+                    tensors = [t.contiguous() for t in views]
+                    allocated += sum(
+                        _nbytes([t])
+                        for t, v in zip(tensors, views, strict=True)
+                        if t.data_ptr() != v.data_ptr()
+                    )
+                sent += tensors
+                ops += [dist.P2POp(dist.isend, t, peer, group) for t in tensors]
             else:
-                bufs = [
-                    torch.empty(shape, dtype=dtype, device=self.dims.device)
-                    for shape, dtype in payload_specs(p, self.dims, raw)
-                ]
-                for t in bufs:
-                    ops.append(dist.P2POp(dist.irecv, t, peer, group))
-                recvs.append((p, bufs, raw))
+                bufs = self.space.receive_buffers(p, op.wire)
+                ops += [dist.P2POp(dist.irecv, t, peer, group) for t in bufs]
+                received.append((p, bufs))
+        if self.trace is not None:
+            self.stats.bytes_sent[ex.channel] += _nbytes(sent)
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
             raise self._failure(ex, exc) from exc
-        self.pending[ex.handle] = (works, recvs)
+        self.pending[ex.handle] = (works, received, sent, allocated)
 
     def _failure(self, ex: Exchange, exc: BaseException) -> DistributedError:
         peers = sorted({op.peer for op in ex.ops})
@@ -190,71 +196,76 @@ class ProgramRunner:
             f"{self.topo.timeout}), or runs a different method/shape"
         )
 
-    def _wait(self, w: Wait, ex_by_handle: dict[int, Exchange]) -> None:
-        works, recvs = self.pending.pop(w.handle)
+    def _wait(self, w: Wait) -> None:
+        works, received, _sent, _ = self.pending.pop(w.handle)
         try:
             for work in works:
                 work.wait()
         except RuntimeError as exc:
-            raise self._failure(ex_by_handle[w.handle], exc) from exc
-        for p, bufs, raw in recvs:
+            raise self._failure(self.exchanges[w.handle], exc) from exc
+        for p, bufs in received:
             if p.kind.is_partial:
-                self.partials[(w.handle, p.kind, p.owner)] = (p.part, bufs, raw)
+                self.partials[(w.handle, p.kind, p.owner)] = (p.part, bufs)
             else:
-                self.held[(p.kind, p.owner)] = (p.part, bufs)
+                self.inputs[(p.kind, p.owner)] = (p.part, bufs)
 
     def _compute(self, c: Compute) -> None:
         qkind = Kind.QB if self.backward else Kind.Q
-        q_in = self._get(qkind, c.q_owner, c.q_part)
-        k, v = self._get(Kind.KV, c.kv_owner, c.kv_part)
+        q_in = self._input(qkind, c.q_owner, c.q_part)
+        k, v = self._input(Kind.KV, c.kv_owner, c.kv_part)
         if not self.backward:
             out, lse = self.kernel.forward(q_in[0], k, v, c.masked, self.scale)
-            self._acc(Kind.O, c.q_owner).add(c.q_part, [out, lse], from_compute=True)
+            self._accumulator(Kind.O, c.q_owner).add(c.q_part, [out, lse], computed=True)
             return
         q, out, dout, lse = q_in
         dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
-        self._acc(Kind.DQ, c.q_owner).add(c.q_part, [dq], from_compute=True)
-        self._acc(Kind.DKV, c.kv_owner).add(c.kv_part, [dk, dv], from_compute=True)
+        self._accumulator(Kind.DQ, c.q_owner).add(c.q_part, [dq], computed=True)
+        self._accumulator(Kind.DKV, c.kv_owner).add(c.kv_part, [dk, dv], computed=True)
 
-    def _reduce(self, r: Reduce) -> None:
-        part, bufs, _ = self.partials.pop((r.handle, r.payload.kind, r.payload.owner))
-        self._acc(r.payload.kind, r.payload.owner).add(part, bufs, from_compute=False)
+    def _merge(self, m: Merge) -> None:
+        part, bufs = self.partials.pop((m.handle, m.payload.kind, m.payload.owner))
+        self._accumulator(m.payload.kind, m.payload.owner).add(part, bufs, computed=False)
 
-    def _held_bytes(self, own: set) -> int:
-        total = sum(_nbytes(t) for k, (_, t) in self.held.items() if k not in own)
-        total += sum(_nbytes(b) for _, recvs in self.pending.values() for _, b, _ in recvs)
-        total += sum(_nbytes(a.tensors) for a in self.accs.values())
-        total += sum(_nbytes(b) for _, b, _ in self.partials.values())
+    def _buffer_bytes(self, own: set[Key]) -> int:
+        total = sum(_nbytes(t) for k, (_, t) in self.inputs.items() if k not in own)
+        for _, received, _, allocated in self.pending.values():
+            total += sum(_nbytes(b) for _, b in received) + allocated
+        total += sum(_nbytes(a.tensors) for a in self.accumulators.values())
+        total += sum(_nbytes(b) for _, b in self.partials.values())
         return total
 
-    def run(self) -> dict[tuple[Kind, int], Accumulator]:
-        ex_by_handle = {}
-        own = set(self.held)
+    def _step(self, ins) -> None:
+        if isinstance(ins, Exchange):
+            self._exchange(ins)
+        elif isinstance(ins, Wait):
+            self._wait(ins)
+        elif isinstance(ins, Compute):
+            self._compute(ins)
+        else:
+            self._merge(ins)
+
+    def run(self) -> dict[Key, Accumulator]:
+        """Run the program; return this rank's final accumulators."""
+        own = set(self.inputs)
         release = release_points(self.prog, own, self.backward)
-        log = RUN_LOG
-        events: list | None = None if log is None else []
+        events: list[tuple[str, str, float, float]] | None = None
+        if self.trace is not None:
+            events = []
         for i, ins in enumerate(self.prog.instrs):
-            if events is not None:
+            if events is None:
+                self._step(ins)
+            else:
                 t0 = time.perf_counter()
-            if isinstance(ins, Exchange):
-                ex_by_handle[ins.handle] = ins
-                self._exchange(ins)
-            elif isinstance(ins, Wait):
-                self._wait(ins, ex_by_handle)
-            elif isinstance(ins, Compute):
-                self._compute(ins)
-            elif isinstance(ins, Reduce):
-                self._reduce(ins)
-            if events is not None:
-                channel = ins.channel if isinstance(ins, Exchange) else ""
+                self._step(ins)
+                channel = getattr(ins, "channel", "")
                 if isinstance(ins, Wait):
-                    channel = ex_by_handle[ins.handle].channel
+                    channel = self.exchanges[ins.handle].channel
                 events.append((type(ins).__name__, channel, t0, time.perf_counter()))
-            peak = self._held_bytes(own)
-            self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, peak)
+                peak = self._buffer_bytes(own)
+                self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, peak)
             for key in release.get(i, ()):
-                self.held.pop(key, None)
+                self.inputs.pop(key, None)
         assert not self.pending and not self.partials
-        if log is not None:
-            log.append(RunTrace(self.prog.cp_rank, self.backward, self.stats, events))
-        return self.accs
+        if self.trace is not None:
+            self.trace.append(RunTrace(self.prog.cp_rank, self.backward, self.stats, events or []))
+        return self.accumulators

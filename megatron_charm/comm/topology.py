@@ -17,25 +17,20 @@ the full groups.
 from __future__ import annotations
 
 import logging
-import os
-import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megatron_charm import env
 from megatron_charm.constants import DEFAULT_TIMEOUT
 from megatron_charm.plan import CHANNELS, Layout
 
 log = logging.getLogger(__name__)
-
-NODE_ID_ENV = "MEGATRON_CHARM_NODE_ID"
-
-
-def node_identity() -> str:
-    """This process's node: ``$MEGATRON_CHARM_NODE_ID`` if set, else the hostname."""
-    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
 
 
 def layout_from_nodes(node_ids: list[str], ranks_per_node: int | None) -> Layout:
@@ -82,7 +77,7 @@ class CPTopology:
     backend: str
     timeout: timedelta
     channels: dict[str, dist.ProcessGroup | None] = field(repr=False, default_factory=dict)
-    checked_shapes: set = field(repr=False, default_factory=set)
+    _busy: threading.Lock = field(repr=False, default_factory=threading.Lock)
 
     @property
     def num_nodes(self) -> int:
@@ -112,6 +107,7 @@ class CPTopology:
         cp_group: dist.ProcessGroup | None = None,
         ranks_per_node: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        node_id: str | None = None,
     ) -> CPTopology:
         """Derive the layout and create the channel groups.
 
@@ -121,8 +117,10 @@ class CPTopology:
         Args:
             cp_group: the context-parallel group (``None``: the whole job).
             ranks_per_node: CP ranks per node; ``None`` detects it from node identities
-                (hostname, or ``$MEGATRON_CHARM_NODE_ID``) gathered over the CP group.
+                gathered over the CP group.
             timeout: timeout of every channel group; a dead peer raises after it.
+            node_id: this rank's node identity; ``None`` reads it with
+                :func:`megatron_charm.env.node_id` (``$MEGATRON_CHARM_NODE_ID``, else hostname).
         """
         if not dist.is_initialized():
             raise ValueError(
@@ -134,7 +132,7 @@ class CPTopology:
         global_ranks = dist.get_process_group_ranks(group)
         backend = str(dist.get_backend(group))
         ids: list[str | None] = [None] * cp_size
-        dist.all_gather_object(ids, node_identity(), group=group)
+        dist.all_gather_object(ids, node_id if node_id is not None else env.node_id(), group=group)
         try:
             layout = layout_from_nodes([str(i) for i in ids], ranks_per_node)
             err = ""
@@ -157,6 +155,22 @@ class CPTopology:
         if dist.get_rank() == global_ranks[0]:
             log.info("megatron-charm topology: %s", topo.describe())
         return topo
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """One call at a time: the channel groups match exchanges by posting order, so two threads
+        interleaving their exchanges on one topology would silently mix their data. Raise
+        instead; ``cp_attention`` is not thread-safe per topology (build one per thread)."""
+        if not self._busy.acquire(blocking=False):
+            raise ValueError(
+                f"cp_attention is already running on this CPTopology (cp_rank {self.cp_rank}) in "
+                "another thread; calls on one topology must not overlap. Serialise them, or give "
+                "each thread its own CPTopology.build"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def check_device(self, device: torch.device) -> None:
         """Raise ``ValueError`` when this group's backend cannot move tensors on ``device``."""

@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.megatron.groups import get_charm_topology
-from megatron_charm.plan import METHODS
+from megatron_charm.plan import METHODS, PlanOptions
 
 #: Values of ``cp_comm_type`` served by this module.
 CHARM_METHODS: tuple[str, ...] = METHODS
@@ -56,8 +56,9 @@ class CharmDotProductAttention(MegatronModule):
     """Context-parallel core attention with the CHARM+ schedules.
 
     Constructor keywords follow megatron-core 0.16.1's ``CoreAttentionBuilder``; ``k_channels`` and
-    ``v_channels`` are accepted for MLA. ``method`` and ``ranks_per_node`` are extra keywords that
-    spec helpers set through ``ModuleSpec.params``.
+    ``v_channels`` are accepted for MLA. ``method``, ``ranks_per_node`` and ``options`` (the
+    :class:`megatron_charm.PlanOptions`; its method is replaced by the resolved ``cp_comm_type``)
+    are extra keywords that spec helpers set through ``ModuleSpec.params``.
 
     Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
     MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. Everything else raises a
@@ -78,12 +79,14 @@ class CharmDotProductAttention(MegatronModule):
         v_channels: int | None = None,
         method: str | None = None,
         ranks_per_node: int | None = None,
+        options: PlanOptions | None = None,
     ) -> None:
         super().__init__(config=config)
         check_megatron_compat()
         self.config: TransformerConfig = config
         self.layer_number = max(1, layer_number)
         self.method = resolve_method(cp_comm_type, getattr(config, "cp_comm_type", None), method)
+        self.options = (options or PlanOptions()).replace(method=self.method)
         _check_config(config, attention_type, attn_mask_type, attention_dropout)
 
         head_dim_k = k_channels if k_channels is not None else config.kv_channels
@@ -163,7 +166,7 @@ class CharmDotProductAttention(MegatronModule):
             key,
             value,
             self.topology,
-            method=self.method,
+            options=self.options,
             causal=causal,
             softmax_scale=self.softmax_scale,
             qkv_format="sbhd",
@@ -174,7 +177,7 @@ class CharmDotProductAttention(MegatronModule):
     def extra_repr(self) -> str:
         topo = self.topology
         return (
-            f"method={self.method}, cp_size={topo.cp_size}, nodes={topo.num_nodes}x"
+            f"options={self.options}, cp_size={topo.cp_size}, nodes={topo.num_nodes}x"
             f"{topo.ranks_per_node}, softmax_scale={self.softmax_scale:.4g}"
         )
 

@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from megatron_charm import env
+
 logger = logging.getLogger("megatron_charm")
 
-#: Environment variable that overrides the number of CP ranks per node.
-ENV_RANKS_PER_NODE = "MEGATRON_CHARM_RANKS_PER_NODE"
-#: Environment variable with the timeout (seconds) for CHARM+ communication.
-ENV_TIMEOUT = "MEGATRON_CHARM_TIMEOUT_S"
+ENV_RANKS_PER_NODE = env.RANKS_PER_NODE
+ENV_TIMEOUT = env.TIMEOUT_S
 
 _TOPOLOGIES: dict[tuple[tuple[int, ...], int | None], Any] = {}
 
@@ -103,14 +102,14 @@ def resolve_node_split(
         ValueError: if a value does not divide ``cp_size`` or is malformed; the message names the
             setting to change.
     """
-    environ = os.environ if environ is None else environ
+    from_env = env.ranks_per_node(environ)
     if ranks_per_node is not None:
         rpn, source = (
             _parse_positive_int(ranks_per_node, "charm ranks_per_node"),
             "config ranks_per_node",
         )
-    elif environ.get(ENV_RANKS_PER_NODE, "").strip():
-        rpn = _parse_positive_int(environ[ENV_RANKS_PER_NODE].strip(), ENV_RANKS_PER_NODE)
+    elif from_env is not None:
+        rpn = _parse_positive_int(from_env, ENV_RANKS_PER_NODE)
         source = f"environment {ENV_RANKS_PER_NODE}"
     elif hierarchical_cp_sizes:
         sizes = [int(s) for s in hierarchical_cp_sizes]
@@ -135,14 +134,7 @@ def resolve_node_split(
 
 
 def _timeout() -> datetime.timedelta:
-    raw = os.environ.get(ENV_TIMEOUT, "600")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive number of seconds.")
-    return datetime.timedelta(seconds=seconds)
+    return datetime.timedelta(seconds=env.timeout_s())
 
 
 def get_charm_topology(

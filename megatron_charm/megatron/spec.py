@@ -16,10 +16,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_charm.megatron.attention import CHARM_METHODS, CharmDotProductAttention
 from megatron_charm.megatron.compat import check_megatron_compat
+from megatron_charm.plan import PlanOptions
 
 
 def charm_core_attention_spec(
-    method: str | None = None, ranks_per_node: int | None = None
+    method: str | None = None,
+    ranks_per_node: int | None = None,
+    options: PlanOptions | None = None,
 ) -> ModuleSpec:
     """A ``core_attention`` ModuleSpec for :class:`CharmDotProductAttention`.
 
@@ -27,6 +30,8 @@ def charm_core_attention_spec(
         method: CHARM+ method used when megatron does not pass ``cp_comm_type`` (CP size 1, or no
             ``--cp-comm-type``); ``None`` means ``config.cp_comm_type`` or ``"charm"``.
         ranks_per_node: explicit node split override (see ``groups.resolve_node_split``).
+        options: plan options of every layer (:class:`megatron_charm.PlanOptions`; the method
+            comes from ``cp_comm_type`` / ``method``).
     """
     if method is not None and method not in CHARM_METHODS:
         raise ValueError(
@@ -37,6 +42,8 @@ def charm_core_attention_spec(
         params["method"] = method
     if ranks_per_node is not None:
         params["ranks_per_node"] = ranks_per_node
+    if options is not None:
+        params["options"] = options
     return ModuleSpec(module=CharmDotProductAttention, params=params)
 
 
@@ -50,20 +57,25 @@ def _swap_layer(layer_spec: Any, core_attention: ModuleSpec) -> bool:
     return True
 
 
-def apply_charm(spec: Any, method: str | None = None, ranks_per_node: int | None = None) -> Any:
+def apply_charm(
+    spec: Any,
+    method: str | None = None,
+    ranks_per_node: int | None = None,
+    options: PlanOptions | None = None,
+) -> Any:
     """Return a copy of ``spec`` whose self-attention layers use CHARM+ core attention.
 
     Args:
         spec: a TransformerLayer ``ModuleSpec``, a list of them, a ``TransformerBlockSubmodules``
             (``layer_specs``), or a ``ModuleSpec`` wrapping one (``TransformerBlock``).
-        method, ranks_per_node: see :func:`charm_core_attention_spec`.
+        method, ranks_per_node, options: see :func:`charm_core_attention_spec`.
 
     Raises:
         ValueError: if no self-attention ``core_attention`` slot is found in ``spec``.
         MegatronCompatibilityError: if megatron-core's core_attention contract differs from ours.
     """
     check_megatron_compat()
-    core_attention = charm_core_attention_spec(method, ranks_per_node)
+    core_attention = charm_core_attention_spec(method, ranks_per_node, options)
     new_spec = copy.deepcopy(spec)
     if isinstance(new_spec, (list, tuple)):
         layers = list(new_spec)
@@ -87,6 +99,7 @@ def get_gpt_layer_charm_spec(
     use_transformer_engine: bool = False,
     method: str | None = None,
     ranks_per_node: int | None = None,
+    options: PlanOptions | None = None,
     **kwargs: Any,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec (local or Transformer Engine) with CHARM+ core attention.
@@ -94,7 +107,7 @@ def get_gpt_layer_charm_spec(
     Args:
         use_transformer_engine: start from ``get_gpt_layer_with_transformer_engine_spec`` (fused
             TE linears and norms, GPU) instead of ``get_gpt_layer_local_spec`` (runs on CPU).
-        method, ranks_per_node: see :func:`charm_core_attention_spec`.
+        method, ranks_per_node, options: see :func:`charm_core_attention_spec`.
         **kwargs: forwarded to the megatron-core spec function (``qk_layernorm``,
             ``normalization`` for the local spec, ...). ``multi_latent_attention`` is refused.
     """
@@ -109,7 +122,7 @@ def get_gpt_layer_charm_spec(
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
-    return apply_charm(base, method=method, ranks_per_node=ranks_per_node)
+    return apply_charm(base, method=method, ranks_per_node=ranks_per_node, options=options)
 
 
 def get_gpt_decoder_block_charm_spec(
@@ -117,6 +130,7 @@ def get_gpt_decoder_block_charm_spec(
     use_transformer_engine: bool = False,
     method: str | None = None,
     ranks_per_node: int | None = None,
+    options: PlanOptions | None = None,
     **kwargs: Any,
 ) -> Any:
     """megatron-core's GPT decoder block spec (MoE layer patterns included) with CHARM+ attention.
@@ -126,4 +140,4 @@ def get_gpt_decoder_block_charm_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    return apply_charm(block, method=method, ranks_per_node=ranks_per_node)
+    return apply_charm(block, method=method, ranks_per_node=ranks_per_node, options=options)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from megatron_charm.plan.types import (
     Compute,
     Exchange,
+    Instr,
     Kind,
+    Merge,
     Op,
     Part,
     Payload,
     Program,
-    Reduce,
     Wait,
 )
 
@@ -23,7 +24,7 @@ from megatron_charm.plan.types import (
 class ProgramBuilder:
     def __init__(self, cp_rank: int) -> None:
         self.cp_rank = cp_rank
-        self.program = Program(cp_rank)
+        self.instrs: list[Instr] = []
         self._next_handle = 0
         self._unwaited: dict[int, None] = {}  # insertion-ordered set
         # (kind, owner) -> receives not yet waited for, oldest first. Several can be in flight:
@@ -38,7 +39,7 @@ class ProgramBuilder:
                 self.need(op.payload)
         handle = self._next_handle
         self._next_handle += 1
-        self.program.instrs.append(Exchange(handle, channel, tuple(ops)))
+        self.instrs.append(Exchange(handle, channel, tuple(ops)))
         self._unwaited[handle] = None
         for op in ops:
             if not op.send:
@@ -49,7 +50,7 @@ class ProgramBuilder:
     def wait(self, handle: int) -> None:
         if handle in self._unwaited:
             del self._unwaited[handle]
-            self.program.instrs.append(Wait(handle))
+            self.instrs.append(Wait(handle))
 
     def need(self, payload: Payload) -> int | None:
         """Wait for the oldest in-flight receive that delivers ``payload``; return its handle.
@@ -77,18 +78,19 @@ class ProgramBuilder:
             self.need(Payload(q_kind, q_owner, q_part))
         if kv_owner != self.cp_rank:
             self.need(Payload(Kind.KV, kv_owner, kv_part))
-        self.program.instrs.append(Compute(q_owner, kv_owner, q_part, kv_part, masked))
+        self.instrs.append(Compute(q_owner, kv_owner, q_part, kv_part, masked))
 
-    def reduce(self, payload: Payload) -> None:
+    def merge(self, payload: Payload) -> None:
+        """Fold the received partial ``payload`` into this rank's accumulator."""
         handle = self.need(payload)
         if handle is None:
-            raise AssertionError(f"rank {self.cp_rank} reduces {payload} that was never received")
-        self.program.instrs.append(Reduce(payload, handle))
+            raise AssertionError(f"rank {self.cp_rank} merges {payload} that was never received")
+        self.instrs.append(Merge(payload, handle))
 
     def finish(self) -> Program:
         for handle in list(self._unwaited):
             self.wait(handle)
-        return self.program
+        return Program(self.cp_rank, tuple(self.instrs))
 
 
 def send(peer: int, kind: Kind, owner: int, part: Part) -> Op:

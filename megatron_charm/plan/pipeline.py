@@ -33,6 +33,7 @@ their outputs start travelling back early (paper Appendix A).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_charm.plan.builder import ProgramBuilder, recv, send
 from megatron_charm.plan.layout import block_parts
@@ -40,6 +41,20 @@ from megatron_charm.plan.partners import PartnerTask, partner_tasks
 from megatron_charm.plan.types import Kind, Layout, Op, Part, Payload, Program
 
 QSet = tuple[int, Part]  # (q owner, part of its local sequence that a round covers)
+Slot = tuple[int, int]  # (node offset, piece index): one query set of a round
+
+
+class CrossRoute(NamedTuple):
+    """Where this rank's q goes, and whose q comes in, at one node offset."""
+
+    dst: int
+    """The rank that computes this rank's q (same local index, ``offset`` nodes ahead)."""
+    src: int
+    """The rank whose q this rank computes (``offset`` nodes behind)."""
+    mine: list[Part]
+    """Pieces in which this rank's q travels to ``dst``."""
+    theirs: list[Part]
+    """Pieces in which ``src``'s q arrives here."""
 
 
 @dataclass(frozen=True)
@@ -79,48 +94,51 @@ class _Pass:
 
     def __init__(self, cp_rank: int, layout: Layout, causal: bool, cfg: PipelineConfig, bwd: bool):
         self.x = cp_rank
-        self.lay = layout
+        self.layout = layout
         self.causal = causal
         self.cfg = cfg
         self.bwd = bwd
         self.b = ProgramBuilder(cp_rank)
         self.qkind = Kind.QB if bwd else Kind.Q
-        self.ret = Kind.DQ if bwd else Kind.O  # what a q exchange returns
-        self.ch = {c: f"{cfg.scope}.{c}" for c in ("kv", "q", "o")}
+        self.result_kind = Kind.DQ if bwd else Kind.O  # what a q exchange returns
+        self.channel = {c: f"{cfg.scope}.{c}" for c in ("kv", "q", "o")}
         self.combined = cfg.combine_two_nodes and layout.num_nodes == 2
         # kv kept across rounds: peer -> part of kv[peer] held here, and part of kv[x] held there
         self.kv_here: dict[int, Part] = {}
         self.kv_there: dict[int, Part] = {}
         # Partials for this rank's own q and kv are merged one round late (or at the end), so
         # that a round never waits for a partner's result it does not need to finish.
-        self.late: list[Payload] = []
+        self.deferred_merges: list[Payload] = []
+        self.posted_cross_q: set[int] = set()
 
     # --- query sets and rounds (identical for all ranks of a node) ----------------------------
 
     def pieces(self, q_owner: int, node: int) -> list[Part]:
         """How q of ``q_owner`` travels to ``node``: one part, or two halves."""
-        part = foreign_q_part(q_owner, node, self.lay, self.causal)
+        part = foreign_q_part(q_owner, node, self.layout, self.causal)
         if part == Part.FULL and self.cfg.split_foreign and not self.combined:
             return [Part.FIRST, Part.SECOND]
         return [part]
 
     def source(self, cp_rank: int, offset: int) -> int:
-        lay = self.lay
-        return lay.rank((lay.node(cp_rank) - offset) % lay.num_nodes, lay.local(cp_rank))
+        layout = self.layout
+        return layout.rank(
+            (layout.node(cp_rank) - offset) % layout.num_nodes, layout.local(cp_rank)
+        )
 
-    def rounds(self) -> list[list[tuple[int, int]]]:
+    def rounds(self) -> list[list[Slot]]:
         """Rounds as lists of (node offset, piece index)."""
-        m = self.lay.num_nodes
+        m = self.layout.num_nodes
         if self.combined:
             return [[(0, 0), (1, 0)]]
         out = [[(0, 0)]]
         for o in range(1, m):
-            count = len(self.pieces(self.source(self.x, o), self.lay.node(self.x)))
+            count = len(self.pieces(self.source(self.x, o), self.layout.node(self.x)))
             out += [[(o, i)] for i in range(count)]
         return out
 
-    def qsets(self, cp_rank: int, rnd: list[tuple[int, int]]) -> list[QSet]:
-        node = self.lay.node(cp_rank)
+    def qsets(self, cp_rank: int, rnd: list[Slot]) -> list[QSet]:
+        node = self.layout.node(cp_rank)
         out = []
         for o, i in rnd:
             if o == 0:
@@ -150,159 +168,197 @@ class _Pass:
             self.b.compute(qs[0], kv_owner, *blk, q_kind=self.qkind)
 
     def q_ops(self, peer: int, mine: list[QSet], theirs: list[QSet], kind: Kind) -> list[Op]:
-        """Swap query sets (or their results) with ``peer``, each at the part its block uses."""
+        """Swap query sets (or their results) with ``peer``, each at the part its block uses.
+
+        ``mine`` travel to ``peer`` (their blocks against ``peer``'s kv), ``theirs`` arrive."""
         ops = [send(peer, kind, g, blk[0]) for g, p in mine if (blk := self.block((g, p), peer))]
         ops += [
             recv(peer, kind, g, blk[0]) for g, p in theirs if (blk := self.block((g, p), self.x))
         ]
         return ops
 
+    # --- cross-node level -----------------------------------------------------------------------
+
+    def cross_route(self, offset: int) -> CrossRoute:
+        layout, x = self.layout, self.x
+        node = layout.node(x)
+        dst = layout.rank((node + offset) % layout.num_nodes, layout.local(x))
+        src = self.source(x, offset)
+        return CrossRoute(dst, src, self.pieces(x, layout.node(dst)), self.pieces(src, node))
+
+    def post_cross_q(self, rnd: list[Slot]) -> None:
+        """Ship this rank's q to, and receive the q from, the nodes a round's slots name (once
+        per offset, all pieces at once)."""
+        for o, _ in rnd:
+            if o == 0 or o in self.posted_cross_q:
+                continue
+            self.posted_cross_q.add(o)
+            route = self.cross_route(o)
+            for i in range(max(len(route.mine), len(route.theirs))):
+                ops = (
+                    [send(route.dst, self.qkind, self.x, route.mine[i])]
+                    if i < len(route.mine)
+                    else []
+                )
+                if i < len(route.theirs):
+                    ops.append(recv(route.src, self.qkind, route.src, route.theirs[i]))
+                self.b.exchange("cross.q", ops)
+
+    def post_cross_results(self, offset: int, steps: range) -> None:
+        """Return the results of ``steps`` pieces of the foreign q; receive this rank's."""
+        route = self.cross_route(offset)
+        for i in steps:
+            ops = []
+            if i < len(route.theirs):
+                ops.append(send(route.src, self.result_kind, route.src, route.theirs[i]))
+            if i < len(route.mine):
+                ops.append(recv(route.dst, self.result_kind, self.x, route.mine[i]))
+            self.b.exchange("cross.o", ops)
+
+    def return_round(self, rnd: list[Slot]) -> None:
+        """After a round: its foreign results cross back (the last piece also posts the steps
+        that this rank still receives, when the two directions have different piece counts)."""
+        for o, i in rnd:
+            if o == 0:
+                continue
+            route = self.cross_route(o)
+            last = i == len(route.theirs) - 1
+            end = max(len(route.mine), len(route.theirs)) if last else i + 1
+            self.post_cross_results(o, range(i, end))
+
     # --- the program ----------------------------------------------------------------------------
 
     def build(self) -> Program:
-        lay, x = self.lay, self.x
-        node, m = lay.node(x), lay.num_nodes
         rnds = self.rounds()
-        posted_q: set[int] = set()
-
-        def cross_plan(o: int) -> tuple[int, int, list[Part], list[Part]]:
-            dst, src = lay.rank((node + o) % m, lay.local(x)), self.source(x, o)
-            return dst, src, self.pieces(x, lay.node(dst)), self.pieces(src, node)
-
-        def post_cross_q(rnd: list[tuple[int, int]]) -> None:
-            for o, _ in rnd:
-                if o == 0 or o in posted_q:
-                    continue
-                posted_q.add(o)
-                dst, src, mine, theirs = cross_plan(o)
-                for i in range(max(len(mine), len(theirs))):
-                    ops = [send(dst, self.qkind, x, mine[i])] if i < len(mine) else []
-                    ops += [recv(src, self.qkind, src, theirs[i])] if i < len(theirs) else []
-                    self.b.exchange("cross.q", ops)
-
-        def post_cross_o(o: int, steps: range) -> None:
-            dst, src, mine, theirs = cross_plan(o)
-            for i in steps:
-                ops = [send(src, self.ret, src, theirs[i])] if i < len(theirs) else []
-                ops += [recv(dst, self.ret, x, mine[i])] if i < len(mine) else []
-                self.b.exchange("cross.o", ops)
-
-        post_cross_q(rnds[0])
+        self.post_cross_q(rnds[0])
         for r, rnd in enumerate(rnds):
             if r + 1 < len(rnds):
-                post_cross_q(rnds[r + 1])
-            earlier, self.late = self.late, []
+                self.post_cross_q(rnds[r + 1])
+            earlier, self.deferred_merges = self.deferred_merges, []
             self.intra_round(rnd)
-            for o, i in rnd:
-                if o == 0:
-                    continue
-                _, _, mine, theirs = cross_plan(o)
-                last = i == len(theirs) - 1
-                post_cross_o(o, range(i, max(len(mine), len(theirs)) if last else i + 1))
+            self.return_round(rnd)
             for payload in earlier:
-                self.b.reduce(payload)
-        for payload in self.late:
-            self.b.reduce(payload)
-        for o in range(1, m):
-            for part in cross_plan(o)[2]:
-                self.b.reduce(Payload(self.ret, x, part))
+                self.b.merge(payload)
+        for payload in self.deferred_merges:
+            self.b.merge(payload)
+        for o in range(1, self.layout.num_nodes):
+            for part in self.cross_route(o).mine:
+                self.b.merge(Payload(self.result_kind, self.x, part))
         return self.b.finish()
 
-    def intra_round(self, rnd: list[tuple[int, int]]) -> None:
-        lay, x, b = self.lay, self.x, self.b
-        node = lay.node(x)
-        my_qs = self.qsets(x, rnd)
-        tasks = partner_tasks(lay.local(x), lay.ranks_per_node, self.cfg.split)
-        # Compute order: by level, q exchanges first (their outputs must travel back), then by j.
-        order = sorted(tasks, key=lambda t: (t.level, t.exchange_kv, t.j))
-        per_channel = {
-            "kv": [t for t in tasks if t.exchange_kv],
-            "q": [t for t in tasks if not t.exchange_kv],
-        }
-        posted = {"kv": 0, "q": 0}
-        done = {"kv": 0, "q": 0}
+    # --- one round of the intra-node pipeline ---------------------------------------------------
 
-        def top_up(channels: tuple[str, ...] = ("kv", "q")) -> None:
-            for c in channels:
-                lst = per_channel[c]
-                while posted[c] < len(lst) and posted[c] < done[c] + self.cfg.window:
-                    self.post(lst[posted[c]], my_qs, rnd)
-                    posted[c] += 1
-
+    def intra_round(self, rnd: list[Slot]) -> None:
+        my_qs = self.qsets(self.x, rnd)
+        window = _Window(self, rnd, my_qs)
         # kv exchanges carry only home tensors, so they start before the diagonal block; q
         # exchanges may carry a foreign query set that is still crossing the node boundary.
-        top_up(("kv",))
+        window.top_up(("kv",))
         for qs in my_qs:
-            if qs[0] == x:
-                self.compute(qs, x)
-        top_up(("q",))
+            if qs[0] == self.x:
+                self.compute(qs, self.x)
+        window.top_up(("q",))
         for qs in my_qs:
-            if qs[0] != x:
-                self.compute(qs, x)
+            if qs[0] != self.x:
+                self.compute(qs, self.x)
         returns: list[Payload] = []
-        for t in order:
-            c = "kv" if t.exchange_kv else "q"
-            top_up()
-            y = lay.rank(node, t.peer_local)
-            peer_qs = self.qsets(y, rnd)
-            if t.exchange_kv:
-                for qs in my_qs:
-                    self.compute(qs, y)
-                if self.bwd:
-                    mine, theirs = self.kv_part(my_qs, y), self.kv_part(peer_qs, x)
-                    b.exchange(
-                        self.ch["o"],
-                        [send(y, Kind.DKV, y, mine), recv(y, Kind.DKV, x, theirs)],
-                    )
-                    returns.append(Payload(Kind.DKV, x, theirs))
+        # Compute order: by level, q exchanges first (their outputs must travel back), then by j.
+        for task in sorted(window.tasks, key=lambda t: (t.level, t.exchange_kv, t.j)):
+            window.top_up()
+            if task.exchange_kv:
+                returns += self.kv_partner_blocks(task, rnd, my_qs)
             else:
-                for qs in peer_qs:
-                    self.compute(qs, x)
-                # results of the partner's queries go back; results of mine come from the partner
-                ops = [
-                    send(y, self.ret, g, blk[0])
-                    for g, p in peer_qs
-                    if (blk := self.block((g, p), x))
-                ]
-                ops += [
-                    recv(y, self.ret, g, blk[0]) for g, p in my_qs if (blk := self.block((g, p), y))
-                ]
-                b.exchange(self.ch["o"], ops)
-                returns += [
-                    Payload(op.payload.kind, op.payload.owner, op.payload.part)
-                    for op in ops
-                    if not op.send
-                ]
-            done[c] += 1
+                returns += self.q_partner_blocks(task, rnd, my_qs)
+            window.done["kv" if task.exchange_kv else "q"] += 1
         # a foreign query set's partials must be merged before its result crosses back
         for p in returns:
-            if p.owner == x:
-                self.late.append(p)
+            if p.owner == self.x:
+                self.deferred_merges.append(p)
             else:
-                b.reduce(p)
+                self.b.merge(p)
 
-    def post(self, t: PartnerTask, my_qs: list[QSet], rnd: list[tuple[int, int]]) -> None:
-        x = self.x
-        y = self.lay.rank(self.lay.node(x), t.peer_local)
+    def kv_partner_blocks(
+        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet]
+    ) -> list[Payload]:
+        """My query sets against the partner's kv; backward: swap the dk/dv partials."""
+        y = self.layout.rank(self.layout.node(self.x), task.peer_local)
+        for qs in my_qs:
+            self.compute(qs, y)
+        if not self.bwd:
+            return []
+        mine, theirs = self.kv_part(my_qs, y), self.kv_part(self.qsets(y, rnd), self.x)
+        self.b.exchange(
+            self.channel["o"], [send(y, Kind.DKV, y, mine), recv(y, Kind.DKV, self.x, theirs)]
+        )
+        return [Payload(Kind.DKV, self.x, theirs)]
+
+    def q_partner_blocks(
+        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet]
+    ) -> list[Payload]:
+        """The partner's query sets against my kv; their results go back, mine come in."""
+        y = self.layout.rank(self.layout.node(self.x), task.peer_local)
         peer_qs = self.qsets(y, rnd)
-        if t.exchange_kv:
-            # A kv that arrived in an earlier round is kept if it covers what this round needs
-            # (both sides know both holdings, so they agree on what moves).
-            ops = []
-            there, here = self.kv_part(peer_qs, x), self.kv_part(my_qs, y)
-            held_there, held_here = self.kv_there.get(y), self.kv_here.get(y)
-            if held_there is None or not held_there.contains(there):
-                there = there if held_there is None else there.union(held_there)
-                ops.append(send(y, Kind.KV, x, there))
-                self.kv_there[y] = there
-            if held_here is None or not held_here.contains(here):
-                here = here if held_here is None else here.union(held_here)
-                ops.append(recv(y, Kind.KV, y, here))
-                self.kv_here[y] = here
-            if ops:
-                self.b.exchange(self.ch["kv"], ops)
-        else:
-            self.b.exchange(self.ch["q"], self.q_ops(y, my_qs, peer_qs, self.qkind))
+        for qs in peer_qs:
+            self.compute(qs, self.x)
+        ops = [
+            send(y, self.result_kind, g, blk[0])
+            for g, p in peer_qs
+            if (blk := self.block((g, p), self.x))
+        ] + [
+            recv(y, self.result_kind, g, blk[0]) for g, p in my_qs if (blk := self.block((g, p), y))
+        ]
+        self.b.exchange(self.channel["o"], ops)
+        return [op.payload for op in ops if not op.send]
+
+    def post(self, task: PartnerTask, my_qs: list[QSet], rnd: list[Slot]) -> None:
+        """Post the input exchange with a partner: kv (what is not held yet) or query sets."""
+        x = self.x
+        y = self.layout.rank(self.layout.node(x), task.peer_local)
+        peer_qs = self.qsets(y, rnd)
+        if not task.exchange_kv:
+            self.b.exchange(self.channel["q"], self.q_ops(y, my_qs, peer_qs, self.qkind))
+            return
+        # A kv that arrived in an earlier round is kept if it covers what this round needs
+        # (both sides know both holdings, so they agree on what moves).
+        ops = []
+        there, here = self.kv_part(peer_qs, x), self.kv_part(my_qs, y)
+        held_there, held_here = self.kv_there.get(y), self.kv_here.get(y)
+        if held_there is None or not held_there.contains(there):
+            there = there if held_there is None else there.union(held_there)
+            ops.append(send(y, Kind.KV, x, there))
+            self.kv_there[y] = there
+        if held_here is None or not held_here.contains(here):
+            here = here if held_here is None else here.union(held_here)
+            ops.append(recv(y, Kind.KV, y, here))
+            self.kv_here[y] = here
+        if ops:
+            self.b.exchange(self.channel["kv"], ops)
+
+
+class _Window:
+    """The prefetch window of one round: up to ``window`` input exchanges in flight per channel
+    (kv and q) ahead of the computation that consumes them."""
+
+    def __init__(self, owner: _Pass, rnd: list[Slot], my_qs: list[QSet]) -> None:
+        self.owner, self.rnd, self.my_qs = owner, rnd, my_qs
+        layout = owner.layout
+        self.tasks = partner_tasks(layout.local(owner.x), layout.ranks_per_node, owner.cfg.split)
+        self.queue = {
+            "kv": [t for t in self.tasks if t.exchange_kv],
+            "q": [t for t in self.tasks if not t.exchange_kv],
+        }
+        self.posted = {"kv": 0, "q": 0}
+        self.done = {"kv": 0, "q": 0}
+
+    def top_up(self, channels: tuple[str, ...] = ("kv", "q")) -> None:
+        for c in channels:
+            queue = self.queue[c]
+            while (
+                self.posted[c] < len(queue)
+                and self.posted[c] < self.done[c] + self.owner.cfg.window
+            ):
+                self.owner.post(queue[self.posted[c]], self.my_qs, self.rnd)
+                self.posted[c] += 1
 
 
 def pipeline_program(

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_charm.plan import Layout, build_plan
-from megatron_charm.plan.cost import AttnShape, plan_bytes
-from megatron_charm.plan.types import Compute, Exchange, Plan, Reduce, Wait
+from megatron_charm.plan import Layout, PlanOptions, build_plan
+from megatron_charm.plan.cost import plan_bytes
+from megatron_charm.plan.payloads import AttnShape
+from megatron_charm.plan.types import Compute, Exchange, Merge, Op, Plan, Wait, Wire
 
 
 def block_matrix(plan: Plan) -> str:
@@ -52,7 +53,9 @@ def program_listing(plan: Plan, cp_rank: int, backward: bool = False) -> str:
     out = []
     for ins in prog.instrs:
         if isinstance(ins, Exchange):
-            ops = ", ".join(f"{'->' if op.send else '<-'}{op.peer} {op.payload}" for op in ins.ops)
+            ops = ", ".join(
+                f"{'->' if op.send else '<-'}{op.peer} {_payload(op)}" for op in ins.ops
+            )
             out.append(f"  post #{ins.handle:<2} {ins.channel:<9} {ops}")
         elif isinstance(ins, Wait):
             out.append(f"  wait #{ins.handle}")
@@ -62,9 +65,14 @@ def program_listing(plan: Plan, cp_rank: int, backward: bool = False) -> str:
                 f"  compute q{ins.q_owner}.{ins.q_part.value} x kv{ins.kv_owner}."
                 f"{ins.kv_part.value}{mask}"
             )
-        elif isinstance(ins, Reduce):
+        elif isinstance(ins, Merge):
             out.append(f"  merge {ins.payload} (from #{ins.handle})")
     return "\n".join(out)
+
+
+def _payload(op: Op) -> str:
+    """A payload, with its precision when a partial travels in float32."""
+    return f"{op.payload}/fp32" if op.wire == Wire.FP32 else str(op.payload)
 
 
 def bytes_table(n: int, p: int, causal: bool, shape: AttnShape) -> str:
@@ -75,8 +83,9 @@ def bytes_table(n: int, p: int, causal: bool, shape: AttnShape) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for method in ("ring", "merge", "rm+", "charm"):
-        layout = Layout(n // p, p) if method == "charm" else Layout(1, n)
-        fwd, bwd = plan_bytes(build_plan(method, layout, causal), shape)
+        fwd, bwd = plan_bytes(
+            build_plan(PlanOptions(method=method), Layout(n // p, p), causal), shape
+        )
         for name, per_rank in (("fwd", fwd), ("bwd", bwd)):
             sums = dict.fromkeys(kinds, 0)
             for chans in per_rank.values():
@@ -108,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         n = args.nodes * args.ranks_per_node
         print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape))
         return
-    plan = build_plan(args.method, Layout(args.nodes, args.ranks_per_node), not args.non_causal)
+    options = PlanOptions(method=args.method)
+    plan = build_plan(options, Layout(args.nodes, args.ranks_per_node), not args.non_causal)
     print(block_matrix(plan))
     if args.rank is not None:
         print(f"\ncp_rank {args.rank}, {'backward' if args.backward else 'forward'}:")

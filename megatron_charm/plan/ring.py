@@ -56,10 +56,10 @@ def ring_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
         if cp_size == 1:
             break
         if step > 0:
-            b.reduce(_dkv(owner))
+            b.merge(_dkv(owner))
         _shift(b, GRAD, Kind.DKV, owner, cp_size)
     if cp_size > 1:
-        b.reduce(_dkv(cp_rank))
+        b.merge(_dkv(cp_rank))
     return b.finish()
 
 

@@ -8,12 +8,15 @@ computed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+
+from megatron_charm.plan.options import PlanOptions
 
 
 class Part(str, Enum):
-    """Which part of a rank's local sequence a tensor covers (zigzag halves, DESIGN section 2)."""
+    """Which part of a rank's local sequence a tensor covers (the zigzag halves of
+    docs/design.md, "Layout of the sequence")."""
 
     FULL = "full"
     FIRST = "first"
@@ -48,6 +51,14 @@ class Kind(str, Enum):
         return self in (Kind.O, Kind.DQ, Kind.DKV)
 
 
+class Wire(str, Enum):
+    """Precision a payload travels in. The planner decides it for every op (see
+    :mod:`megatron_charm.plan.wire`); the executor and the simulator read it."""
+
+    INPUT = "input"  # the input dtype (the lse of an output is float32 in either case)
+    FP32 = "fp32"
+
+
 @dataclass(frozen=True)
 class Payload:
     """A named tensor bundle: ``kind`` of CP rank ``owner``, restricted to ``part``."""
@@ -67,6 +78,7 @@ class Op:
     send: bool
     peer: int  # CP rank
     payload: Payload
+    wire: Wire = Wire.INPUT
 
 
 @dataclass(frozen=True)
@@ -106,23 +118,23 @@ class Compute:
 
 
 @dataclass(frozen=True)
-class Reduce:
+class Merge:
     """Fold the partial result ``payload`` (``O``, ``DQ`` or ``DKV``) received by exchange
-    ``handle`` into the local accumulator."""
+    ``handle`` into the local accumulator (outputs by their lse, gradients by a sum)."""
 
     payload: Payload
     handle: int
 
 
-Instr = Exchange | Wait | Compute | Reduce
+Instr = Exchange | Wait | Compute | Merge
 
 
-@dataclass
+@dataclass(frozen=True)
 class Program:
-    """Instruction list of one rank for one pass."""
+    """Instruction list of one rank for one pass (immutable: plans are cached and shared)."""
 
     cp_rank: int
-    instrs: list[Instr] = field(default_factory=list)
+    instrs: tuple[Instr, ...] = ()
 
     def exchanges(self) -> list[Exchange]:
         return [i for i in self.instrs if isinstance(i, Exchange)]
@@ -152,15 +164,23 @@ class Layout:
         return node * self.ranks_per_node + local
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """Forward and backward programs of every rank of a CP group for one method."""
+    """Forward and backward programs of every rank of a CP group (immutable)."""
 
-    method: str
+    options: PlanOptions
     layout: Layout
+    """The CP group's node layout (methods other than charm schedule it as one flat group)."""
     causal: bool
-    forward: list[Program]
-    backward: list[Program]
-    channels: dict[str, str]  # channel name -> scope: "intra", "cross" or "full"
-    # channels whose merged partials travel in the input dtype instead of float32
-    compact_channels: frozenset[str] = frozenset()
+    forward: tuple[Program, ...]
+    backward: tuple[Program, ...]
+    channels: tuple[tuple[str, str], ...]
+    """``(channel name, scope)`` of every channel the programs use; scope ``intra``, ``cross`` or
+    ``full`` (see :mod:`megatron_charm.comm.topology`)."""
+
+    @property
+    def method(self) -> str:
+        return self.options.method
+
+    def programs(self, backward: bool) -> tuple[Program, ...]:
+        return self.backward if backward else self.forward

@@ -1,15 +1,19 @@
-"""Symbolic replay of all ranks' programs in one process ("mailbox simulation").
+"""Symbolic replay of all ranks' programs in one process ("mailbox replay").
 
 It proves, for a plan, before anything runs on a network:
 
 * every (q owner, kv owner) block is computed exactly once, with the parts the layout prescribes;
 * every partial result reaches its owner and is merged exactly once (outputs, dq, dk/dv);
-* every send meets its receive, with the same payload, under NCCL's strictest rule: exchanges of
-  one channel complete in posting order, and an exchange completes only together with the
-  exchanges of its peers that hold the matching ops. A plan that passes cannot hang;
+* every send meets its receive, with the same payload and wire precision, under NCCL's strictest
+  rule: exchanges of one channel complete in posting order, and an exchange completes only
+  together with the exchanges of its peers that hold the matching ops. A plan that passes cannot
+  hang;
+* no partial travels in more bytes than it needs (one block in float32), and a merged partial
+  travels in the input dtype only on a channel the options make compact;
 * every rank computes the same amount of work.
 
-It also records each send with its wire precision, from which :func:`bytes_sent` counts bytes.
+:class:`Replay` is shaped like the executor (:class:`megatron_charm.comm.executor.ProgramRunner`):
+one object per rank interprets the same four instructions, on symbols instead of tensors.
 """
 
 from __future__ import annotations
@@ -17,19 +21,36 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from megatron_charm.plan import compact_channels
 from megatron_charm.plan.layout import block_cost, block_parts
-from megatron_charm.plan.types import Compute, Exchange, Kind, Part, Payload, Plan, Program, Reduce
+from megatron_charm.plan.types import (
+    Compute,
+    Exchange,
+    Kind,
+    Merge,
+    Part,
+    Payload,
+    Plan,
+    Program,
+    Wait,
+    Wire,
+)
 
 
 class ScheduleError(RuntimeError):
     """A plan violates an invariant (internal error: plans are generated, not user input)."""
 
 
+Pair = tuple[int, int, Part]  # (q owner, kv owner, q part) of a block
+
+
 @dataclass
 class _Acc:
+    """A symbolic accumulator: which blocks it holds, and whether it is one computed block."""
+
     part: Part
-    pairs: set[tuple[int, int, Part]]  # (q owner, kv owner, q part) of every block merged in
-    from_compute: bool
+    pairs: set[Pair]
+    single_block: bool
 
 
 @dataclass(frozen=True)
@@ -38,7 +59,7 @@ class SendRecord:
     channel: str
     peer: int
     payload: Payload
-    raw: bool  # a single block result travels in the input dtype; merged partials in float32
+    wire: Wire
 
 
 @dataclass
@@ -46,238 +67,273 @@ class Report:
     sends: list[SendRecord] = field(default_factory=list)
     cost: dict[int, float] = field(default_factory=dict)
     blocks: dict[int, int] = field(default_factory=dict)
-    # (cp_rank, handle, op index) -> whether that partial travels in the input dtype
-    raw: dict[tuple[int, int, int], bool] = field(default_factory=dict)
 
 
-class _Rank:
-    def __init__(self, prog: Program, bwd: bool):
+class _RankReplay:
+    """One rank's program on symbols (the executor's four instructions)."""
+
+    def __init__(self, replay: Replay, prog: Program) -> None:
+        self.replay = replay
         self.prog = prog
         self.x = prog.cp_rank
         self.pc = 0
-        self.bwd = bwd
-        qk = Kind.QB if bwd else Kind.Q
-        self.avail: dict[tuple[Kind, int], Part] = {
+        qk = Kind.QB if replay.backward else Kind.Q
+        self.held: dict[tuple[Kind, int], Part] = {
             (qk, self.x): Part.FULL,
             (Kind.KV, self.x): Part.FULL,
         }
         self.accs: dict[tuple[Kind, int], _Acc] = {}
         self.partials: dict[tuple[int, Kind, int], _Acc] = {}
-        self.done_handles: set[int] = set()
+        self.completed: set[int] = set()
         self.waited: set[int] = set()
         self.inbox: dict[int, list[tuple[Payload, _Acc | None]]] = {}
 
     def err(self, msg: str) -> ScheduleError:
         return ScheduleError(f"cp_rank {self.x}, instr {self.pc}: {msg}")
 
+    @property
+    def finished(self) -> bool:
+        return self.pc >= len(self.prog.instrs)
 
-def _add(acc_map, key, part, pairs, from_compute, r: _Rank) -> None:
-    acc = acc_map.get(key)
-    if acc is None:
-        acc_map[key] = _Acc(part, set(pairs), from_compute)
-        return
-    twice = [
-        (q, kv)
-        for q, kv, part in pairs
-        for q2, kv2, part2 in acc.pairs
-        if (q, kv) == (q2, kv2) and (part.contains(part2) or part2.contains(part))
-    ]
-    if twice:
-        raise r.err(f"accumulator {key} merges blocks {sorted(twice)} twice")
-    acc.pairs |= pairs
-    acc.part = acc.part.union(part)
-    acc.from_compute = False
-
-
-def simulate(plan: Plan, backward: bool = False) -> Report:
-    """Replay one pass of ``plan``; raise :class:`ScheduleError` on any violation."""
-    progs = plan.backward if backward else plan.forward
-    n = len(progs)
-    ranks = [_Rank(p, backward) for p in progs]
-    fifo: dict[tuple[int, str], deque[Exchange]] = {}
-    pair_parts: dict[tuple[int, int], list[Part]] = {}
-    report = Report()
-    qk = Kind.QB if backward else Kind.Q
-
-    def have(r: _Rank, kind: Kind, owner: int, part: Part) -> bool:
-        got = r.avail.get((kind, owner))
+    def has(self, kind: Kind, owner: int, part: Part) -> bool:
+        got = self.held.get((kind, owner))
         return got is not None and got.contains(part)
 
-    def step(r: _Rank) -> bool:
+    def step(self) -> bool:
+        """Run until a wait blocks or the program ends; whether anything ran."""
         moved = False
-        while r.pc < len(r.prog.instrs):
-            ins = r.prog.instrs[r.pc]
-            if isinstance(ins, Exchange):
-                msgs = []
-                for k, op in enumerate(ins.ops):
-                    if not 0 <= op.peer < n or op.peer == r.x:
-                        raise r.err(f"bad peer {op.peer}")
-                    if op.send:
-                        p = op.payload
-                        if p.kind.is_partial:
-                            acc = r.accs.pop((p.kind, p.owner), None)
-                            if acc is None or acc.part != p.part:
-                                raise r.err(f"sends {p} but holds {acc and acc.part}")
-                            raw = (acc.from_compute and len(acc.pairs) == 1) or (
-                                ins.channel in plan.compact_channels
-                            )
-                            report.raw[(r.x, ins.handle, k)] = raw
-                            msgs.append(acc)
-                        else:
-                            if not have(r, p.kind, p.owner, p.part):
-                                raise r.err(f"sends {p} that it does not hold")
-                            raw = True
-                            msgs.append(None)
-                        report.sends.append(SendRecord(r.x, ins.channel, op.peer, p, raw))
-                    else:
-                        msgs.append(None)
-                r.inbox[ins.handle] = []
-                fifo.setdefault((r.x, ins.channel), deque()).append(ins)
-                ins_msgs[(r.x, ins.handle)] = msgs
-            elif hasattr(ins, "handle") and not isinstance(ins, Reduce):  # Wait
-                if ins.handle not in r.done_handles:
-                    return moved
-                if ins.handle in r.waited:
-                    raise r.err(f"waits twice for {ins.handle}")
-                r.waited.add(ins.handle)
-                for payload, acc in r.inbox.pop(ins.handle):
-                    if acc is None:
-                        r.avail[(payload.kind, payload.owner)] = payload.part
-                    else:
-                        r.partials[(ins.handle, payload.kind, payload.owner)] = acc
-            elif isinstance(ins, Compute):
-                qp, kp, masked = block_parts(ins.q_owner, ins.kv_owner, plan.causal)
-                # a block may be computed in two halves of its queries (never the masked one)
-                split = qp == Part.FULL and ins.q_part != Part.FULL and not masked
-                if (kp, masked) != (ins.kv_part, ins.masked) or not (ins.q_part == qp or split):
-                    raise r.err(f"block ({ins.q_owner},{ins.kv_owner}) uses wrong parts")
-                if not have(r, qk, ins.q_owner, ins.q_part):
-                    raise r.err(f"computes with q{ins.q_owner}.{ins.q_part.value} not received")
-                if not have(r, Kind.KV, ins.kv_owner, ins.kv_part):
-                    raise r.err(f"computes with kv{ins.kv_owner}.{ins.kv_part.value} not received")
-                pair = (ins.q_owner, ins.kv_owner)
-                pair_parts.setdefault(pair, []).append(ins.q_part)
-                share = ins.q_part.fraction / qp.fraction
-                report.cost[r.x] = report.cost.get(r.x, 0.0) + share * block_cost(
-                    *pair, plan.causal
-                )
-                report.blocks[r.x] = report.blocks.get(r.x, 0) + 1
-                if backward:
-                    _add(r.accs, (Kind.DQ, ins.q_owner), ins.q_part, {(*pair, ins.q_part)}, True, r)
-                    _add(
-                        r.accs,
-                        (Kind.DKV, ins.kv_owner),
-                        ins.kv_part,
-                        {(*pair, ins.q_part)},
-                        True,
-                        r,
-                    )
-                else:
-                    _add(r.accs, (Kind.O, ins.q_owner), ins.q_part, {(*pair, ins.q_part)}, True, r)
-            elif isinstance(ins, Reduce):
-                p = ins.payload
-                acc = r.partials.pop((ins.handle, p.kind, p.owner), None)
-                if acc is None:
-                    raise r.err(f"reduces {p} from exchange {ins.handle} it has not received")
-                if acc.part != p.part:
-                    raise r.err(f"reduces {p} but received part {acc.part}")
-                _add(r.accs, (p.kind, p.owner), acc.part, acc.pairs, False, r)
-            r.pc += 1
+        while not self.finished:
+            ins = self.prog.instrs[self.pc]
+            if isinstance(ins, Wait) and ins.handle not in self.completed:
+                return moved
+            getattr(self, f"_{type(ins).__name__.lower()}")(ins)
+            self.pc += 1
             moved = True
         return moved
 
-    ins_msgs: dict[tuple[int, int], list[_Acc | None]] = {}
-
-    def heads() -> dict[tuple[int, str], Exchange]:
-        return {k: q[0] for k, q in fifo.items() if q}
-
-    def counterpart_ok(x: int, ex: Exchange, hd: dict[tuple[int, str], Exchange]) -> bool:
+    def _exchange(self, ex: Exchange) -> None:
+        messages: list[_Acc | None] = []
+        compact = ex.channel in self.replay.compact
         for op in ex.ops:
-            other = hd.get((op.peer, ex.channel))
+            if not 0 <= op.peer < self.replay.n or op.peer == self.x:
+                raise self.err(f"bad peer {op.peer}")
+            if not op.send:
+                messages.append(None)
+                continue
+            p = op.payload
+            if p.kind.is_partial:
+                acc = self.accs.pop((p.kind, p.owner), None)
+                if acc is None or acc.part != p.part:
+                    raise self.err(f"sends {p} but holds {acc and acc.part}")
+                if acc.single_block and op.wire != Wire.INPUT:
+                    raise self.err(f"sends the single block {p} in float32 (twice the bytes)")
+                if not acc.single_block and op.wire == Wire.INPUT and not compact:
+                    raise self.err(f"sends the merged {p} in the input dtype on {ex.channel}")
+                messages.append(acc)
+            else:
+                if not self.has(p.kind, p.owner, p.part):
+                    raise self.err(f"sends {p} that it does not hold")
+                messages.append(None)
+            self.replay.report.sends.append(SendRecord(self.x, ex.channel, op.peer, p, op.wire))
+        self.inbox[ex.handle] = []
+        self.replay.mailbox.post(self.x, ex, messages)
+
+    def _wait(self, w: Wait) -> None:
+        if w.handle in self.waited:
+            raise self.err(f"waits twice for {w.handle}")
+        self.waited.add(w.handle)
+        for payload, acc in self.inbox.pop(w.handle):
+            if acc is None:
+                self.held[(payload.kind, payload.owner)] = payload.part
+            else:
+                self.partials[(w.handle, payload.kind, payload.owner)] = acc
+
+    def _compute(self, c: Compute) -> None:
+        replay = self.replay
+        qp, kp, masked = block_parts(c.q_owner, c.kv_owner, replay.plan.causal)
+        # a block may be computed in two halves of its queries (never the masked one)
+        split = qp == Part.FULL and c.q_part != Part.FULL and not masked
+        if (kp, masked) != (c.kv_part, c.masked) or not (c.q_part == qp or split):
+            raise self.err(f"block ({c.q_owner},{c.kv_owner}) uses wrong parts")
+        qk = Kind.QB if replay.backward else Kind.Q
+        if not self.has(qk, c.q_owner, c.q_part):
+            raise self.err(f"computes with q{c.q_owner}.{c.q_part.value} not received")
+        if not self.has(Kind.KV, c.kv_owner, c.kv_part):
+            raise self.err(f"computes with kv{c.kv_owner}.{c.kv_part.value} not received")
+        pair = (c.q_owner, c.kv_owner)
+        replay.pair_parts.setdefault(pair, []).append(c.q_part)
+        share = c.q_part.fraction / qp.fraction
+        report = replay.report
+        report.cost[self.x] = report.cost.get(self.x, 0.0) + share * block_cost(
+            *pair, replay.plan.causal
+        )
+        report.blocks[self.x] = report.blocks.get(self.x, 0) + 1
+        block = {(*pair, c.q_part)}
+        if replay.backward:
+            self._add((Kind.DQ, c.q_owner), c.q_part, block, True)
+            self._add((Kind.DKV, c.kv_owner), c.kv_part, block, True)
+        else:
+            self._add((Kind.O, c.q_owner), c.q_part, block, True)
+
+    def _merge(self, m: Merge) -> None:
+        p = m.payload
+        acc = self.partials.pop((m.handle, p.kind, p.owner), None)
+        if acc is None:
+            raise self.err(f"merges {p} from exchange {m.handle} it has not received")
+        if acc.part != p.part:
+            raise self.err(f"merges {p} but received part {acc.part}")
+        self._add((p.kind, p.owner), acc.part, acc.pairs, False)
+
+    def _add(self, key: tuple[Kind, int], part: Part, pairs: set[Pair], computed: bool) -> None:
+        acc = self.accs.get(key)
+        if acc is None:
+            self.accs[key] = _Acc(part, set(pairs), computed and len(pairs) == 1)
+            return
+        twice = [
+            (q, kv)
+            for q, kv, qp in pairs
+            for q2, kv2, qp2 in acc.pairs
+            if (q, kv) == (q2, kv2) and (qp.contains(qp2) or qp2.contains(qp))
+        ]
+        if twice:
+            raise self.err(f"accumulator {key} merges blocks {sorted(twice)} twice")
+        acc.pairs |= pairs
+        acc.part = acc.part.union(part)
+        acc.single_block = False
+
+
+class _Mailbox:
+    """Channel FIFOs of posted exchanges and the NCCL-strict matching between them."""
+
+    def __init__(self) -> None:
+        self.fifo: dict[tuple[int, str], deque[Exchange]] = {}
+        self.messages: dict[tuple[int, int], list[_Acc | None]] = {}
+
+    def post(self, cp_rank: int, ex: Exchange, messages: list[_Acc | None]) -> None:
+        self.fifo.setdefault((cp_rank, ex.channel), deque()).append(ex)
+        self.messages[(cp_rank, ex.handle)] = messages
+
+    def heads(self) -> dict[tuple[int, str], Exchange]:
+        return {k: q[0] for k, q in self.fifo.items() if q}
+
+    @staticmethod
+    def _matches(x: int, ex: Exchange, heads: dict[tuple[int, str], Exchange]) -> bool:
+        """Whether every peer's head exchange on the channel holds ops matching ``ex``'s."""
+        for op in ex.ops:
+            other = heads.get((op.peer, ex.channel))
             if other is None:
                 return False
-            want = [o for o in other.ops if o.peer == x and o.send != op.send]
-            mine = [o for o in ex.ops if o.peer == op.peer and o.send == op.send]
-            if [o.payload for o in want] != [o.payload for o in mine]:
+            want = [(o.payload, o.wire) for o in other.ops if o.peer == x and o.send != op.send]
+            mine = [(o.payload, o.wire) for o in ex.ops if o.peer == op.peer and o.send == op.send]
+            if want != mine:
                 if want:
                     raise ScheduleError(
-                        f"channel {ex.channel}: cp_rank {x} posts {[str(o.payload) for o in mine]} "
-                        f"with {op.peer}, which posts {[str(o.payload) for o in want]}"
+                        f"channel {ex.channel}: cp_rank {x} posts "
+                        f"{[f'{p}/{w.value}' for p, w in mine]} with {op.peer}, which posts "
+                        f"{[f'{p}/{w.value}' for p, w in want]}"
                     )
                 return False
         return True
 
-    while True:
-        moved = any([step(r) for r in ranks])
-        hd = heads()
-        ready = {k for k, ex in hd.items() if counterpart_ok(k[0], ex, hd)}
+    def ready(self) -> tuple[dict[tuple[int, str], Exchange], set[tuple[int, str]]]:
+        """Head exchanges that complete now: matched, together with all their peers' heads."""
+        heads = self.heads()
+        ready = {k for k, ex in heads.items() if self._matches(k[0], ex, heads)}
         changed = True
         while changed:
             changed = False
             for k in list(ready):
-                ex = hd[k]
-                if any((op.peer, ex.channel) not in ready for op in ex.ops):
+                if any((op.peer, k[1]) not in ready for op in heads[k].ops):
                     ready.discard(k)
                     changed = True
+        return heads, ready
+
+    def deliver(self, ranks: list[_RankReplay]) -> bool:
+        """Complete every ready exchange; whether any completed."""
+        heads, ready = self.ready()
         for x, ch in ready:
-            ex = fifo[(x, ch)].popleft()
-            r = ranks[x]
-            r.done_handles.add(ex.handle)
-            for k, op in enumerate(ex.ops):
+            ex = self.fifo[(x, ch)].popleft()
+            rank = ranks[x]
+            rank.completed.add(ex.handle)
+            for op in ex.ops:
                 if op.send:
                     continue
-                peer_ex = hd[(op.peer, ch)]
+                peer_ex = heads[(op.peer, ch)]
                 idx = next(
                     i
                     for i, o in enumerate(peer_ex.ops)
                     if o.send and o.peer == x and o.payload == op.payload
                 )
-                msg = ins_msgs[(op.peer, peer_ex.handle)][idx]
-                if op.payload.kind.is_partial:
-                    report.raw[(x, ex.handle, k)] = report.raw[(op.peer, peer_ex.handle, idx)]
-                r.inbox[ex.handle].append((op.payload, msg))
-        if not moved and not ready:
-            break
-    stuck = [r.x for r in ranks if r.pc < len(r.prog.instrs)]
-    if stuck:
-        detail = "; ".join(f"cp_rank {x} at {ranks[x].prog.instrs[ranks[x].pc]}" for x in stuck[:4])
-        raise ScheduleError(f"deadlock: {len(stuck)} rank(s) blocked: {detail}")
-    _final_checks(plan, ranks, pair_parts, report, backward)
-    return report
+                msg = self.messages[(op.peer, peer_ex.handle)][idx]
+                rank.inbox[ex.handle].append((op.payload, msg))
+        return bool(ready)
 
 
-def _final_checks(plan: Plan, ranks: list[_Rank], pair_parts, report: Report, backward: bool):
-    n = len(ranks)
-    for pair, parts in pair_parts.items():
-        whole = block_parts(*pair, plan.causal)[0]
-        if sorted(parts) != sorted([whole]) and sorted(parts) != sorted([Part.FIRST, Part.SECOND]):
-            raise ScheduleError(f"block {pair} computed as {[p.value for p in parts]}")
-    if len(pair_parts) != n * n:
-        raise ScheduleError(f"{n * n - len(pair_parts)} blocks never computed")
-    for r in ranks:
-        if r.partials:
-            raise ScheduleError(
-                f"cp_rank {r.x} received partials it never merged: {list(r.partials)}"
-            )
-        if backward:
-            want = {
-                (Kind.DQ, r.x): {(r.x, y) for y in range(n)},
-                (Kind.DKV, r.x): {(q, r.x) for q in range(n)},
-            }
-        else:
-            want = {(Kind.O, r.x): {(r.x, y) for y in range(n)}}
-        got = {k: {(q, kv) for q, kv, _ in a.pairs} for k, a in r.accs.items()}
-        if got != want:
-            extra = {k: sorted(v) for k, v in got.items() if want.get(k) != v}
-            raise ScheduleError(f"cp_rank {r.x} ends with wrong accumulators: {extra}")
-        for k, a in r.accs.items():
-            if a.part != Part.FULL:
-                raise ScheduleError(f"cp_rank {r.x} accumulator {k} covers only {a.part}")
-    costs = {x: round(report.cost.get(x, 0.0), 9) for x in range(n)}
-    if len(set(costs.values())) > 1:
-        raise ScheduleError(f"unbalanced work: {costs}")
+class Replay:
+    """Replays one pass of a plan for all ranks; :meth:`run` raises :class:`ScheduleError` on any
+    violation and returns the sends and the work per rank."""
+
+    def __init__(self, plan: Plan, backward: bool) -> None:
+        self.plan = plan
+        self.backward = backward
+        progs = plan.programs(backward)
+        self.n = len(progs)
+        self.compact = compact_channels(plan.options)
+        self.report = Report()
+        self.mailbox = _Mailbox()
+        self.pair_parts: dict[tuple[int, int], list[Part]] = {}
+        self.ranks = [_RankReplay(self, p) for p in progs]
+
+    def run(self) -> Report:
+        while True:
+            moved = any([r.step() for r in self.ranks])
+            delivered = self.mailbox.deliver(self.ranks)
+            if not moved and not delivered:
+                break
+        stuck = [r for r in self.ranks if not r.finished]
+        if stuck:
+            detail = "; ".join(f"cp_rank {r.x} at {r.prog.instrs[r.pc]}" for r in stuck[:4])
+            raise ScheduleError(f"deadlock: {len(stuck)} rank(s) blocked: {detail}")
+        self._final_checks()
+        return self.report
+
+    def _final_checks(self) -> None:
+        n, causal = self.n, self.plan.causal
+        for pair, parts in self.pair_parts.items():
+            whole = block_parts(*pair, causal)[0]
+            if sorted(parts) != [whole] and sorted(parts) != sorted([Part.FIRST, Part.SECOND]):
+                raise ScheduleError(f"block {pair} computed as {[p.value for p in parts]}")
+        if len(self.pair_parts) != n * n:
+            raise ScheduleError(f"{n * n - len(self.pair_parts)} blocks never computed")
+        for r in self.ranks:
+            if r.partials:
+                raise ScheduleError(
+                    f"cp_rank {r.x} received partials it never merged: {list(r.partials)}"
+                )
+            if self.backward:
+                want = {
+                    (Kind.DQ, r.x): {(r.x, y) for y in range(n)},
+                    (Kind.DKV, r.x): {(q, r.x) for q in range(n)},
+                }
+            else:
+                want = {(Kind.O, r.x): {(r.x, y) for y in range(n)}}
+            got = {k: {(q, kv) for q, kv, _ in a.pairs} for k, a in r.accs.items()}
+            if got != want:
+                extra = {k: sorted(v) for k, v in got.items() if want.get(k) != v}
+                raise ScheduleError(f"cp_rank {r.x} ends with wrong accumulators: {extra}")
+            for k, a in r.accs.items():
+                if a.part != Part.FULL:
+                    raise ScheduleError(f"cp_rank {r.x} accumulator {k} covers only {a.part}")
+        costs = {x: round(self.report.cost.get(x, 0.0), 9) for x in range(n)}
+        if len(set(costs.values())) > 1:
+            raise ScheduleError(f"unbalanced work: {costs}")
+
+
+def replay(plan: Plan, backward: bool = False) -> Report:
+    """Replay one pass of ``plan``; raise :class:`ScheduleError` on any violation."""
+    return Replay(plan, backward).run()
 
 
 def validate(plan: Plan) -> tuple[Report, Report]:
-    """Simulate forward and backward; return their reports."""
-    return simulate(plan, backward=False), simulate(plan, backward=True)
+    """Replay forward and backward; return their reports."""
+    return replay(plan, backward=False), replay(plan, backward=True)

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from megatron_charm.plan import METHODS
+from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Prediction, Problem, advise, predict
 from megatron_charm.sim.programs import MODES
@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         topo, problem, compute, methods = _resolve(args)
-        pred = predict(topo, problem, compute, tuple(methods), args.mode, args.window)
+        pred = predict(
+            topo, problem, compute, tuple(methods), args.mode, PlanOptions(window=args.window)
+        )
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2

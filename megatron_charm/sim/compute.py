@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_charm.plan.cost import AttnShape
+from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Compute
 
 

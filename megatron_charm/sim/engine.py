@@ -8,9 +8,9 @@ Every rank is one compute stream that runs its program in order:
   before it), never blocks the stream;
 * ``Wait``: blocks the stream until the exchange has completed; the blocked time is the rank's
   *exposed communication* (the paper's ``O``);
-* ``Compute`` / ``Reduce``: occupy the stream for the modelled block / merge time.
+* ``Compute`` / ``Merge``: occupy the stream for the modelled block / merge time.
 
-Communication follows the rule that :func:`megatron_charm.plan.validate.simulate` checks
+Communication follows the rule that :func:`megatron_charm.plan.validate.replay` checks
 symbolically (NCCL's strict ordering), with time: the exchanges of one rank on one channel run one
 after another in posting order (one communicator, one stream), an exchange *starts* when it is
 posted and its predecessor on the channel has completed, the ``i``-th send from ``x`` to ``y`` on a
@@ -26,15 +26,28 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from megatron_charm.plan.cost import AttnShape, payload_bytes
-from megatron_charm.plan.types import Compute, Exchange, Kind, Program, Reduce, Wait
+from megatron_charm.plan.payloads import AttnShape, payload_bytes
+from megatron_charm.plan.types import Compute, Exchange, Merge, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import Topology
 
-_EXCH, _WAIT, _BUSY = 0, 1, 2
 _RESUME, _ACTIVATE, _FINISH = 0, 1, 2
+
+
+class Transfer(NamedTuple):
+    """One op of an exchange as the replay sees it."""
+
+    key: tuple | None
+    """Matching key of the transfer (``None``: runs unmatched, see ``_compile``)."""
+    send: bool
+    nbytes: int
+    resources: tuple
+    """Link resources it occupies (:meth:`Topology.resources`)."""
+    bandwidth: float
+    latency: float
 
 
 @dataclass
@@ -96,38 +109,6 @@ class PassResult:
         return dict(out)
 
 
-def raw_flags(
-    prog: Program, backward: bool, compact: frozenset[str] = frozenset()
-) -> dict[tuple[int, int], bool]:
-    """``(handle, op index) -> travels in the input dtype`` for every partial the rank sends.
-
-    Same rule as the validator: a partial that holds exactly one computed block travels as the
-    kernel produced it; merged partials travel in float32, except on the compact channels.
-    """
-    accs: dict[tuple[Kind, int], list] = {}  # key -> [blocks, from_compute_only]
-    out: dict[tuple[int, int], bool] = {}
-    for ins in prog.instrs:
-        if isinstance(ins, Compute):
-            keys = (
-                [(Kind.DQ, ins.q_owner), (Kind.DKV, ins.kv_owner)]
-                if backward
-                else [(Kind.O, ins.q_owner)]
-            )
-            for key in keys:
-                acc = accs.setdefault(key, [0, True])
-                acc[0] += 1
-        elif isinstance(ins, Reduce):
-            acc = accs.setdefault((ins.payload.kind, ins.payload.owner), [0, True])
-            acc[0] += 1
-            acc[1] = False
-        elif isinstance(ins, Exchange):
-            for k, op in enumerate(ins.ops):
-                if op.send and op.payload.kind.is_partial:
-                    acc = accs.pop((op.payload.kind, op.payload.owner), [0, False])
-                    out[(ins.handle, k)] = (acc[1] and acc[0] == 1) or (ins.channel in compact)
-    return out
-
-
 class _Flow:
     __slots__ = ("remaining", "rate", "last", "version", "res", "bw", "ends")
 
@@ -169,7 +150,8 @@ class Engine:
         self.cp_ranks = [p.cp_rank for p in programs]
         self.index = {r: i for i, r in enumerate(self.cp_ranks)}
         self.results = [RankResult(r, 0.0, 0.0, 0.0) for r in self.cp_ranks]
-        self.code = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
+        self.instrs = [p.instrs for p in programs]
+        self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
 
     # -- compilation ----------------------------------------------------------------------------
 
@@ -190,22 +172,22 @@ class Engine:
         # link index within the node).
         return tuple((kind, idx % (k if kind.startswith("nic") else p)) for kind, idx in res)
 
-    def _compile(self, prog: Program, rr: RankResult) -> list[tuple]:
+    def _compile(self, prog: Program, rr: RankResult) -> list[object]:
+        """Per instruction of ``prog``: its transfers (``Exchange``) or its duration (``Compute``,
+        ``Merge``); ``None`` for a ``Wait``. The plan's own instructions drive the replay."""
         shape, topo, x = self.shape, self.topo, prog.cp_rank
-        raw = raw_flags(prog, self.backward)
         seq: dict[tuple, int] = defaultdict(int)
-        code: list[tuple] = []
+        costs: list[object] = []
         for ins in prog.instrs:
             if isinstance(ins, Exchange):
-                ops = []
-                for k, op in enumerate(ins.ops):
+                transfers = []
+                for op in ins.ops:
                     src, dst = (x, op.peer) if op.send else (op.peer, x)
                     n = seq[(ins.channel, op.send, op.peer)]
                     seq[(ins.channel, op.send, op.peer)] = n + 1
                     cls = topo.link_class(src, dst)
                     if op.send:
-                        is_raw = raw.get((ins.handle, k), True)
-                        nbytes = payload_bytes(op.payload, shape, is_raw)
+                        nbytes = payload_bytes(op.payload, shape, op.wire)
                         rr.bytes_sent[ins.channel] = rr.bytes_sent.get(ins.channel, 0) + nbytes
                         rr.link_bytes[cls] = rr.link_bytes.get(cls, 0) + nbytes
                     elif self.progs.exact:
@@ -213,9 +195,8 @@ class Engine:
                     else:
                         # Approximate symmetric replay: this side stands for a different copy of
                         # the transfer class than the sender's side (parts differ between nodes
-                        # under causal attention); a matched class takes the larger size. The
-                        # receiver cannot know whether a partial is merged: assume input dtype.
-                        nbytes = payload_bytes(op.payload, shape, True)
+                        # under causal attention); a matched class takes the larger size.
+                        nbytes = payload_bytes(op.payload, shape, op.wire)
                     res = self._canon_res(topo.resources(src, dst))
                     key = self._key(ins.channel, src, dst, n)
                     if self.progs.unmatched_cross and not topo.same_node(src, dst):
@@ -226,31 +207,23 @@ class Engine:
                         key = None
                         direction = "_out" if op.send else "_in"
                         res = tuple(r for r in res if r[0].endswith(direction))
-                    ops.append(
-                        (
-                            key,
-                            op.send,
-                            nbytes,
-                            res,
-                            topo.bandwidth(cls),
-                            topo.latency(cls),
-                        )
+                    transfers.append(
+                        Transfer(key, op.send, nbytes, res, topo.bandwidth(cls), topo.latency(cls))
                     )
-                code.append((_EXCH, ins.handle, ins.channel, ops))
-            elif isinstance(ins, Wait):
-                code.append((_WAIT, ins.handle))
+                costs.append(tuple(transfers))
             elif isinstance(ins, Compute):
-                dur = self.compute.block_time(ins, shape, self.backward)
-                code.append((_BUSY, dur, f"C q{ins.q_owner}/kv{ins.kv_owner}"))
-            elif isinstance(ins, Reduce):
-                nbytes = payload_bytes(ins.payload, shape, raw=False)
-                code.append((_BUSY, self.compute.reduce_time(nbytes), f"R {ins.payload}"))
-        return code
+                costs.append(self.compute.block_time(ins, shape, self.backward))
+            elif isinstance(ins, Merge):
+                nbytes = payload_bytes(ins.payload, shape, Wire.FP32)
+                costs.append(self.compute.reduce_time(nbytes))
+            else:
+                costs.append(None)
+        return costs
 
     # -- replay ---------------------------------------------------------------------------------
 
     def run(self) -> PassResult:
-        n = len(self.code)
+        n = len(self.instrs)
         self.heap: list[tuple] = []
         self.tick = 0
         self.pc = [0] * n
@@ -293,26 +266,25 @@ class Engine:
         heapq.heappush(self.heap, (t, self.tick, kind, obj, ver))
 
     def _run_rank(self, i: int, now: float) -> None:
-        code, pc, rr = self.code[i], self.pc[i], self.results[i]
-        while pc < len(code):
-            ins = code[pc]
-            op = ins[0]
-            if op == _EXCH:
-                self._post(i, ins, now)
+        instrs, costs, pc, rr = self.instrs[i], self.costs[i], self.pc[i], self.results[i]
+        while pc < len(instrs):
+            ins = instrs[pc]
+            if isinstance(ins, Exchange):
+                self._post(i, ins, costs[pc], now)
                 pc += 1
-            elif op == _WAIT:
-                if ins[1] in self.done[i]:
+            elif isinstance(ins, Wait):
+                if ins.handle in self.done[i]:
                     pc += 1
                     continue
-                self.waiting[i] = ins[1]
+                self.waiting[i] = ins.handle
                 self.wait_start[i] = now
                 self.pc[i] = pc
                 return
             else:
-                dur = ins[1]
+                dur = costs[pc]
                 rr.busy += dur
                 if self.record:
-                    rr.timeline.append((now, now + dur, ins[2]))
+                    rr.timeline.append((now, now + dur, _label(ins)))
                 self.pc[i] = pc
                 self._push(now + dur, _RESUME, i)
                 return
@@ -320,21 +292,20 @@ class Engine:
         self.finished[i] = True
         rr.finish = now
 
-    def _post(self, i: int, ins: tuple, now: float) -> None:
-        _, handle, channel, ops = ins
-        self.remaining_ops[i][handle] = len(ops)
-        self.chan_of[i][handle] = channel
-        self.ops_of[i][handle] = ops
-        if self.active[i][channel]:
-            self.queues[i][channel].append(handle)
+    def _post(self, i: int, ex: Exchange, transfers: tuple[Transfer, ...], now: float) -> None:
+        self.remaining_ops[i][ex.handle] = len(transfers)
+        self.chan_of[i][ex.handle] = ex.channel
+        self.ops_of[i][ex.handle] = transfers
+        if self.active[i][ex.channel]:
+            self.queues[i][ex.channel].append(ex.handle)
         else:
-            self._start(i, handle, now)
+            self._start(i, ex.handle, now)
 
     def _start(self, i: int, handle: int, now: float) -> None:
         self.active[i][self.chan_of[i][handle]] = True
         self.ex_start[i][handle] = now
         pending = self.pending
-        for key, _, nbytes, res, bw, lat in self.ops_of[i][handle]:
+        for key, _, nbytes, res, bw, lat in self.ops_of[i][handle]:  # Transfer fields
             if key is None:  # unmatched (see _compile)
                 self._push(now + lat, _ACTIVATE, _Flow(nbytes, res, bw, [(i, handle)]))
                 continue
@@ -404,6 +375,12 @@ class Engine:
                 rr.timeline.append((self.wait_start[i], now, f"W {handle}"))
             self.pc[i] += 1
             self._run_rank(i, now)
+
+
+def _label(ins: Compute | Merge) -> str:
+    if isinstance(ins, Compute):
+        return f"C q{ins.q_owner}/kv{ins.kv_owner}"
+    return f"M {ins.payload}"
 
 
 def simulate_pass(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_charm.plan import METHODS
-from megatron_charm.plan.cost import AttnShape, payload_bytes
+from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.layout import block_parts
-from megatron_charm.plan.types import Compute, Kind, Layout, Part, Payload
+from megatron_charm.plan.payloads import AttnShape, payload_bytes
+from megatron_charm.plan.types import Compute, Kind, Layout, Part, Payload, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.engine import PassResult, simulate_pass
 from megatron_charm.sim.programs import programs
@@ -126,11 +126,11 @@ def ccr(topo: Topology, shape: AttnShape, compute: ComputeModel, causal: bool, b
     if n == 1:
         return float("inf")
     link = "cross" if topo.num_nodes > 1 else "intra"
-    kv = payload_bytes(Payload(Kind.KV, 0, Part.FULL), shape, raw=True)
+    kv = payload_bytes(Payload(Kind.KV, 0, Part.FULL), shape, Wire.INPUT)
     step = topo.latency(link) + kv / topo.bandwidth(link)
     comm = (n - 1) * step
     if backward:  # the ring's backward also moves a float32 dkv per step
-        dkv = payload_bytes(Payload(Kind.DKV, 0, Part.FULL), shape, raw=False)
+        dkv = payload_bytes(Payload(Kind.DKV, 0, Part.FULL), shape, Wire.FP32)
         comm += (n - 1) * (topo.latency(link) + dkv / topo.bandwidth(link))
     return comp / comm
 
@@ -141,10 +141,12 @@ def predict(
     compute: ComputeModel,
     methods: tuple[str, ...] = METHODS,
     mode: str = "auto",
-    window: int = 2,
+    options: PlanOptions | None = None,
     record: bool = False,
 ) -> Prediction:
-    """Replay forward and backward of every method in ``methods``."""
+    """Replay forward and backward of every method in ``methods``, each with ``options`` (its
+    method replaced)."""
+    options = options if options is not None else PlanOptions()
     shape = problem.shape(topo.cp_size)
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
     pred = Prediction(
@@ -155,7 +157,7 @@ def predict(
         ccr(topo, shape, compute, problem.causal, True),
     )
     for method in methods:
-        progs = programs(method, layout, problem.causal, mode, window)
+        progs = programs(options.replace(method=method), layout, problem.causal, mode)
         fwd = simulate_pass(progs, topo, shape, compute, False, record)
         bwd = simulate_pass(progs, topo, shape, compute, True, record)
         pred.methods[method] = MethodPrediction(method, fwd, bwd)

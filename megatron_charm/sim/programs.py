@@ -32,8 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from megatron_charm.plan import build_plan, check_method, rank_programs
+from megatron_charm.plan import PlanOptions, build_plan, compact_channels, rank_programs
 from megatron_charm.plan.types import Layout, Program
+from megatron_charm.plan.wire import assign_wires
 
 MODES = ("auto", "full", "symmetric")
 
@@ -45,13 +46,17 @@ FULL_MODE_MAX_RANKS = 64
 class ProgramSet:
     """The programs one pass replays and how transfers to ranks outside them are matched."""
 
-    method: str
+    options: PlanOptions
     layout: Layout
     causal: bool
-    forward: list[Program]
-    backward: list[Program]
+    forward: tuple[Program, ...]
+    backward: tuple[Program, ...]
     symmetry: str
     """``"none"`` (all ranks present); ``"shift"`` or ``"xor"``: one node (Note [Node symmetry])."""
+
+    @property
+    def method(self) -> str:
+        return self.options.method
 
     @property
     def cp_ranks(self) -> list[int]:
@@ -85,11 +90,11 @@ def symmetry_of(method: str, layout: Layout) -> str | None:
 
 
 @lru_cache(maxsize=32)
-def node_programs(
-    method: str, layout: Layout, causal: bool, window: int = 2, node: int = 0
-) -> ProgramSet:
-    """Programs of one node's ranks only (``"symmetric"`` mode, Note [Node symmetry])."""
-    check_method(method)
+def node_programs(options: PlanOptions, layout: Layout, causal: bool, node: int = 0) -> ProgramSet:
+    """Programs of one node's ranks only (``"symmetric"`` mode, Note [Node symmetry]).
+
+    Wire precisions are decided as for a whole plan, among this node's programs."""
+    method = options.method
     sym = symmetry_of(method, layout)
     if sym is None:
         raise ValueError(
@@ -99,20 +104,21 @@ def node_programs(
         )
     p = layout.ranks_per_node
     ranks = range(node * p, (node + 1) * p)
-    fwd, bwd = rank_programs(method, layout, causal, ranks, window)
-    return ProgramSet(method, layout, causal, fwd, bwd, sym)
+    fwd, bwd = rank_programs(options, layout, causal, ranks)
+    compact = compact_channels(options)
+    # receives from outside the node keep the default precision, the input dtype
+    fwd_w, bwd_w = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
+    return ProgramSet(options, layout, causal, fwd_w, bwd_w, sym)
 
 
-def programs(
-    method: str, layout: Layout, causal: bool, mode: str = "auto", window: int = 2
-) -> ProgramSet:
+def programs(options: PlanOptions, layout: Layout, causal: bool, mode: str = "auto") -> ProgramSet:
     """Programs to replay for ``method`` on ``layout`` (see :data:`MODES`)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
     if mode == "auto":
         small = layout.cp_size <= FULL_MODE_MAX_RANKS
-        mode = "full" if small or symmetry_of(method, layout) is None else "symmetric"
+        mode = "full" if small or symmetry_of(options.method, layout) is None else "symmetric"
     if mode == "symmetric" and layout.num_nodes > 1:
-        return node_programs(method, layout, causal, window)
-    plan = build_plan(method, layout, causal, window)
-    return ProgramSet(method, layout, causal, plan.forward, plan.backward, "none")
+        return node_programs(options, layout, causal)
+    plan = build_plan(options, layout, causal)
+    return ProgramSet(options, layout, causal, plan.forward, plan.backward, "none")

@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass
 
 from megatron_charm.plan import METHODS
-from megatron_charm.plan.cost import AttnShape, payload_bytes
-from megatron_charm.plan.types import Kind, Part, Payload
+from megatron_charm.plan.payloads import AttnShape, payload_bytes
+from megatron_charm.plan.types import Kind, Part, Payload, Wire
 from megatron_charm.sim.compute import CalibratedCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import Topology
@@ -85,7 +85,7 @@ def calibrate(
                 cfg["head_dim"],
                 ITEMSIZE[cfg.get("dtype", "bf16")],
             ),
-            raw=True,
+            Wire.INPUT,
         )
         cross, source = (n - 1) * kv / alone, "ring transfers alone"
     if cross is None:

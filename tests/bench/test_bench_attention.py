@@ -11,8 +11,9 @@ import pytest
 
 from megatron_charm.bench.__main__ import main
 from megatron_charm.bench.accounting import method_bytes
-from megatron_charm.plan import Layout, build_plan
-from megatron_charm.plan.cost import AttnShape, plan_bytes
+from megatron_charm.plan import Layout, PlanOptions, build_plan
+from megatron_charm.plan.cost import plan_bytes
+from megatron_charm.plan.payloads import AttnShape
 
 
 def _launcher() -> str:
@@ -33,8 +34,7 @@ def test_link_classes_add_up_to_plan_bytes(method, causal):
     shape = AttnShape(2, 64, 4, 2, 16)
     layout = Layout(2, 4)
     got = method_bytes(method, layout, causal, shape, "rails")
-    plan_layout = layout if method == "charm" else Layout(1, 8)
-    fwd, bwd = plan_bytes(build_plan(method, plan_layout, causal), shape)
+    fwd, bwd = plan_bytes(build_plan(PlanOptions(method=method), layout, causal), shape)
     for name, ref in (("fwd", fwd), ("bwd", bwd)):
         total = sum(b for per in ref.values() for b in per.values())
         assert got[name].intra + got[name].cross == total

@@ -43,8 +43,7 @@ def compare_with_reference(
     d: int = 16,
     seed: int = 0,
     qkv_format: str = "bshd",
-    combine_two_nodes: bool = False,
-    compact_cross: bool = False,
+    options: dict | None = None,
 ):
     """Run ``method`` for each (causal, h_kv, dtype) variant; return per-variant max errors.
 
@@ -65,7 +64,7 @@ def compare_with_reference(
             d,
             seed,
             qkv_format,
-            (combine_two_nodes, compact_cross),
+            options or {},
         )
         for causal, h_kv, dt in variants
     ]
@@ -101,8 +100,7 @@ def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_
             qkv_format=qkv_format,
             return_lse=True,
             softmax_scale=scale,
-            combine_two_nodes=options[0],
-            compact_cross=options[1],
+            options=mc.PlanOptions(method=method, **options),
         )
         if qkv_format == "sbhd":
             out = out.transpose(0, 1)
@@ -142,28 +140,16 @@ def bytes_moved(
 ):
     """Bytes this rank's executor sent per channel, forward and backward."""
     import megatron_charm as mc
-    from megatron_charm.comm import executor
 
     topo = ctx.topology(ranks_per_node)
     dt = getattr(torch, dtype)
     q = torch.randn(b, s_local, h, d, dtype=dt, requires_grad=True)
     k = torch.randn(b, s_local, h_kv, d, dtype=dt, requires_grad=True)
     v = torch.randn(b, s_local, h_kv, d, dtype=dt, requires_grad=True)
-    captured = []
-    orig = executor.ProgramRunner.run
-
-    def spy(self):
-        res = orig(self)
-        captured.append(dict(self.stats.bytes_sent))
-        return res
-
-    executor.ProgramRunner.run = spy
-    try:
-        out = mc.cp_attention(q, k, v, topo, method=method, causal=causal)
-        out.sum().backward()
-    finally:
-        executor.ProgramRunner.run = orig
-    return captured
+    traces: list = []
+    out = mc.cp_attention(q, k, v, topo, method=method, causal=causal, trace=traces)
+    out.sum().backward()
+    return [dict(tr.stats.bytes_sent) for tr in traces]
 
 
 def expect_value_error(ctx, case: str):
@@ -182,6 +168,20 @@ def expect_value_error(ctx, case: str):
             mc.cp_attention(t(1, s, 4, 8), t(1, s, 4, 8), t(1, s, 4, 8), topo, method="rm+")
         elif case == "methods_differ":
             mc.cp_attention(q, k, v, topo, method="ring" if r == 0 else "charm")
+        elif case == "options_differ":
+            ret = "input" if r == 0 else "fp32"
+            mc.cp_attention(q, k, v, topo, options=mc.PlanOptions(cross_return=ret))
+        elif case == "shape_changes_later":
+            # a good first call, then one rank changes its local length: caught at that call
+            mc.cp_attention(q, k, v, topo)
+            s = 8 if r == 0 else 12
+            mc.cp_attention(t(1, s, 4, 8), t(1, s, 2, 8), t(1, s, 2, 8), topo)
+        elif case == "empty":
+            mc.cp_attention(t(1, 0, 4, 8), t(1, 0, 2, 8), t(1, 0, 2, 8), topo)
+        elif case == "overlapping_calls":
+            # another thread is inside a call on this topology (held lock stands for it)
+            with topo.exclusive():
+                mc.cp_attention(q, k, v, topo)
         elif case == "heads":
             mc.cp_attention(t(1, 8, 4, 8), t(1, 8, 3, 8), t(1, 8, 3, 8), topo)
         elif case == "dtype":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_charm.plan import Layout, build_plan
-from megatron_charm.plan.cost import AttnShape, plan_bytes
+from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
+from megatron_charm.plan.cost import plan_bytes
 from tests.gloo import tasks
 
 
@@ -17,9 +17,9 @@ from tests.gloo import tasks
 def test_executor_bytes_equal_plan(pools, method, p, causal):
     n = 4
     got = pools(n).run(tasks.bytes_moved, method=method, ranks_per_node=p, causal=causal)
-    layout = Layout(n // p, p) if method == "charm" else Layout(1, n)
     shape = AttnShape(b=1, s_local=8, h=4, h_kv=2, d=8, itemsize=2)
-    want_fwd, want_bwd = plan_bytes(build_plan(method, layout, causal), shape)
+    plan = build_plan(PlanOptions(method=method), Layout(n // p, p), causal)
+    want_fwd, want_bwd = plan_bytes(plan, shape)
     for x in range(n):
         assert got[x][0] == want_fwd.get(x, {}), f"forward, cp_rank {x}"
         assert got[x][1] == want_bwd.get(x, {}), f"backward, cp_rank {x}"

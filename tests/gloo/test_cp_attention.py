@@ -94,21 +94,21 @@ def test_charm_combined_two_nodes(pools, n, p):
         method="charm",
         ranks_per_node=p,
         variants=VARIANTS,
-        combine_two_nodes=True,
+        options={"combine_two_nodes": True},
     )
     for rank_results in results:
         check(rank_results)
 
 
 @pytest.mark.gloo
-def test_charm_compact_cross_returns(pools):
+def test_charm_input_dtype_cross_returns(pools):
     """Node-merged results crossing back in the input dtype stay within the low-precision bound."""
     results = pools(4).run(
         tasks.compare_with_reference,
         method="charm",
         ranks_per_node=2,
         variants=VARIANTS,
-        compact_cross=True,
+        options={"cross_return": "input"},
     )
     for rank_results in results:
         check(rank_results)

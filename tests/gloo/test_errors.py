@@ -9,8 +9,12 @@ from tests.gloo.pool import WorkerPool
 
 CASES = {
     "odd_causal": "even local sequence",
-    "lengths_differ": "different local shapes",
-    "methods_differ": "different local shapes or settings",
+    "lengths_differ": "local_shape_sbhd=(12, 1, 4, 8) vs (8, 1, 4, 8) on cp_rank 0",
+    "methods_differ": "options=PlanOptions(method='charm'",
+    "options_differ": "cross_return='fp32'",
+    "shape_changes_later": "local_shape_sbhd=(12, 1, 4, 8) vs (8, 1, 4, 8) on cp_rank 0",
+    "empty": "has an empty dimension",
+    "overlapping_calls": "already running on this CPTopology",
     "heads": "multiple of kv heads",
     "dtype": "share one dtype",
     "head_dim": "head dim",

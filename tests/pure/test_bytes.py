@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_charm.plan import Layout, build_plan
-from megatron_charm.plan.cost import AttnShape, plan_bytes
+from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
+from megatron_charm.plan.cost import plan_bytes
 from megatron_charm.plan.partners import partner_tasks
+
+
+def plan_of(method, layout, causal, **options):
+    return build_plan(PlanOptions(method=method, **options), layout, causal)
+
 
 SHAPE = AttnShape(b=2, s_local=16, h=8, h_kv=2, d=4, itemsize=2)
 E = SHAPE.itemsize
@@ -27,7 +32,7 @@ def _total(per_rank: dict, channel: str) -> int:
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring(n, causal):
-    fwd, bwd = plan_bytes(build_plan("ring", Layout(1, n), causal), SHAPE)
+    fwd, bwd = plan_bytes(plan_of("ring", Layout(1, n), causal), SHAPE)
     for x in range(n):
         assert fwd[x] == {"full.kv": (n - 1) * 2 * C * KVE * E}
         # dkv: the first hop holds one block (input dtype), later hops are merged (float32)
@@ -39,7 +44,7 @@ def test_ring(n, causal):
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
 def test_merge_causal_sends_only_used_halves(n):
-    fwd, _ = plan_bytes(build_plan("merge", Layout(1, n), True), SHAPE)
+    fwd, _ = plan_bytes(plan_of("merge", Layout(1, n), True), SHAPE)
     for x in range(n):
         # to higher ranks the first half of kv, to lower ranks all of it
         assert fwd[x] == {"full.kv": ((n - 1 - x) * C + x * 2 * C) * KVE * E}
@@ -48,12 +53,12 @@ def test_merge_causal_sends_only_used_halves(n):
 @pytest.mark.parametrize("n", [2, 4, 8, 16])
 def test_rmplus_totals(n):
     kv_pairs, q_pairs = n * n // 4, n * n // 4 - n // 2
-    fwd, _ = plan_bytes(build_plan("rm+", Layout(1, n), False), SHAPE)
+    fwd, _ = plan_bytes(plan_of("rm+", Layout(1, n), False), SHAPE)
     assert _total(fwd, "full.kv") == kv_pairs * 2 * (2 * C) * KVE * E
     assert _total(fwd, "full.q") == q_pairs * 2 * (2 * C) * QE * E
     assert _total(fwd, "full.o") == q_pairs * 2 * (2 * C) * (QE * E + LSE)
     # causal: a pair moves a half one way and a whole the other way: 3c instead of 4c
-    fwd, _ = plan_bytes(build_plan("rm+", Layout(1, n), True), SHAPE)
+    fwd, _ = plan_bytes(plan_of("rm+", Layout(1, n), True), SHAPE)
     assert _total(fwd, "full.kv") == kv_pairs * 3 * C * KVE * E
     assert _total(fwd, "full.q") == q_pairs * 3 * C * QE * E
     assert _total(fwd, "full.o") == q_pairs * 3 * C * (QE * E + LSE)
@@ -61,7 +66,7 @@ def test_rmplus_totals(n):
 
 @pytest.mark.parametrize("m,p", [(1, 4), (2, 1), (2, 2), (2, 4), (4, 2), (3, 2), (8, 1)])
 def test_charm_per_rank(m, p):
-    fwd, _ = plan_bytes(build_plan("charm", Layout(m, p), False), SHAPE)
+    fwd, _ = plan_bytes(plan_of("charm", Layout(m, p), False), SHAPE)
     # kv moves once: later rounds (foreign query sets) reuse the kv the first round brought
     rounds = 1
     for x in range(m * p):
@@ -81,7 +86,7 @@ def test_charm_per_rank(m, p):
 
 def test_charm_keeps_kv_inside_nodes():
     for causal in (True, False):
-        plan = build_plan("charm", Layout(4, 2), causal)
+        plan = plan_of("charm", Layout(4, 2), causal)
         for prog in plan.forward + plan.backward:
             for ex in prog.exchanges():
                 if ex.channel.startswith("cross"):
@@ -90,9 +95,9 @@ def test_charm_keeps_kv_inside_nodes():
                     assert all(op.peer // 2 == prog.cp_rank // 2 for op in ex.ops)
 
 
-def test_compact_cross_halves_cross_returns():
-    exact, _ = plan_bytes(build_plan("charm", Layout(2, 2), False), SHAPE)
-    compact, _ = plan_bytes(build_plan("charm", Layout(2, 2), False, compact_cross=True), SHAPE)
+def test_input_cross_return_halves_cross_returns():
+    exact, _ = plan_bytes(plan_of("charm", Layout(2, 2), False), SHAPE)
+    compact, _ = plan_bytes(plan_of("charm", Layout(2, 2), False, cross_return="input"), SHAPE)
     for x in range(4):
         assert exact[x]["cross.o"] == 2 * C * (QE * 4 + LSE)
         assert compact[x]["cross.o"] == 2 * C * (QE * E + LSE)

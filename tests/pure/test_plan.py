@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 
 import pytest
 
-from megatron_charm.plan import METHODS, Layout, build_plan
+from megatron_charm.plan import METHODS, Layout, PlanOptions, build_plan
 from megatron_charm.plan.partners import num_levels, partner_tasks
-from megatron_charm.plan.types import Compute, Exchange, Op, Part, Payload, Reduce, Wait
+from megatron_charm.plan.types import Compute, Exchange, Merge, Op, Part, Payload, Wait, Wire
 from megatron_charm.plan.validate import ScheduleError, validate
+
+
+def plan_of(method, layout, causal, **options):
+    return build_plan(PlanOptions(method=method, **options), layout, causal)
+
 
 SPLITS = [(n, p) for n in range(1, 17) for p in range(1, n + 1) if n % p == 0]
 
@@ -22,7 +27,8 @@ def test_every_plan_validates(n, p, causal):
             continue  # flat methods ignore the node split
         variants = [False, True] if method == "charm" and n // p == 2 else [False]
         for combine in variants:
-            _check_balanced(build_plan(method, Layout(n // p, p), causal, 2, combine), n, causal)
+            plan = plan_of(method, Layout(n // p, p), causal, combine_two_nodes=combine)
+            _check_balanced(plan, n, causal)
 
 
 def _check_balanced(plan, n, causal):
@@ -81,68 +87,122 @@ def test_merge_levels_are_log2():
 # --- the validator catches broken plans -------------------------------------------------------
 
 
-def _mutated(plan, fn):
-    plan = copy.deepcopy(plan)
-    fn(plan)
-    return plan
+def _mutated(plan, cp_rank, fn, backward=False):
+    """A copy of ``plan`` whose program of ``cp_rank`` is ``fn(list of instructions)``."""
+    progs = list(plan.programs(backward))
+    instrs = list(progs[cp_rank].instrs)
+    fn(instrs)
+    progs[cp_rank] = dataclasses.replace(progs[cp_rank], instrs=tuple(instrs))
+    return dataclasses.replace(plan, **{"backward" if backward else "forward": tuple(progs)})
 
 
-def _index(prog, cls, k=0):
-    return [i for i, ins in enumerate(prog.instrs) if isinstance(ins, cls)][k]
+def _index_in(instrs, cls, k=0):
+    return [i for i, ins in enumerate(instrs) if isinstance(ins, cls)][k]
 
 
 def test_validator_catches_missing_block():
-    plan = build_plan("rm+", Layout(1, 8), True)
-    bad = _mutated(plan, lambda p: p.forward[3].instrs.pop(_index(p.forward[3], Compute, 2)))
+    plan = plan_of("rm+", Layout(1, 8), True)
+    bad = _mutated(plan, 3, lambda ins: ins.pop(_index_in(ins, Compute, 2)))
     with pytest.raises(ScheduleError, match="never computed|wrong accumulators|holds None"):
         validate(bad)
 
 
 def test_validator_catches_reordered_exchanges():
     # rank 0 posts its level-0 exchange (with rank 1) last: 1 waits for 0, 0 for 3, 3 for 1
-    plan = build_plan("merge", Layout(1, 4), False, window=8)
+    plan = plan_of("merge", Layout(1, 4), False, window=8)
 
-    def rotate(p):
-        prog = p.forward[0]
-        idx = [i for i, ins in enumerate(prog.instrs) if isinstance(ins, Exchange)]
-        first = prog.instrs.pop(idx[0])
-        prog.instrs.insert(idx[-1], first)
+    def rotate(instrs):
+        idx = [i for i, ins in enumerate(instrs) if isinstance(ins, Exchange)]
+        first = instrs.pop(idx[0])
+        instrs.insert(idx[-1], first)
 
     with pytest.raises(ScheduleError, match="deadlock"):
-        validate(_mutated(plan, rotate))
+        validate(_mutated(plan, 0, rotate))
 
 
 def test_validator_catches_unmerged_partial():
-    plan = build_plan("charm", Layout(2, 4), True)
-    bad = _mutated(plan, lambda p: p.forward[5].instrs.pop(_index(p.forward[5], Reduce)))
+    plan = plan_of("charm", Layout(2, 4), True)
+    bad = _mutated(plan, 5, lambda ins: ins.pop(_index_in(ins, Merge)))
     with pytest.raises(ScheduleError, match="never merged|wrong accumulators"):
         validate(bad)
 
 
 def test_validator_catches_use_before_wait():
-    plan = build_plan("ring", Layout(1, 4), True)
+    plan = plan_of("ring", Layout(1, 4), True)
 
-    def late_wait(p):
-        prog = p.forward[1]
-        prog.instrs.append(prog.instrs.pop(_index(prog, Wait)))
+    def late_wait(instrs):
+        instrs.append(instrs.pop(_index_in(instrs, Wait)))
 
     with pytest.raises(ScheduleError, match="not received|does not hold"):
-        validate(_mutated(plan, late_wait))
+        validate(_mutated(plan, 1, late_wait))
 
 
 def test_validator_catches_mismatched_payload():
-    plan = build_plan("rm+", Layout(1, 4), True)
+    plan = plan_of("rm+", Layout(1, 4), True)
 
-    def wrong_part(p):
-        prog = p.forward[2]
-        i = _index(prog, Exchange)
-        ex = prog.instrs[i]
+    def wrong_part(instrs):
+        i = _index_in(instrs, Exchange)
+        ex = instrs[i]
         ops = list(ex.ops)
         k = next(k for k, o in enumerate(ops) if not o.send)
         pl = ops[k].payload
         other = Part.FIRST if pl.part == Part.FULL else Part.FULL
         ops[k] = Op(False, ops[k].peer, Payload(pl.kind, pl.owner, other))
-        prog.instrs[i] = Exchange(ex.handle, ex.channel, tuple(ops))
+        instrs[i] = Exchange(ex.handle, ex.channel, tuple(ops))
 
     with pytest.raises(ScheduleError, match="posts"):
-        validate(_mutated(plan, wrong_part))
+        validate(_mutated(plan, 2, wrong_part))
+
+
+def _flip_first_partial_wire(instrs, send):
+    """Flip the wire precision of the first partial op (a send or a receive)."""
+    for i, ins in enumerate(instrs):
+        if not isinstance(ins, Exchange):
+            continue
+        for k, op in enumerate(ins.ops):
+            if op.send == send and op.payload.kind.is_partial:
+                flipped = Wire.FP32 if op.wire == Wire.INPUT else Wire.INPUT
+                ops = list(ins.ops)
+                ops[k] = dataclasses.replace(op, wire=flipped)
+                instrs[i] = dataclasses.replace(ins, ops=tuple(ops))
+                return
+    raise AssertionError("no partial op")
+
+
+def test_validator_catches_receive_with_other_wire_precision():
+    # the receiver would allocate a buffer of the wrong size: gloo may accept a short message
+    plan = plan_of("charm", Layout(2, 2), False)
+    bad = _mutated(plan, 1, lambda ins: _flip_first_partial_wire(ins, send=False))
+    with pytest.raises(ScheduleError, match="posts"):
+        validate(bad)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_validator_catches_wasteful_or_lossy_send(backward):
+    # a single block sent in float32 (twice the bytes) or a merged partial sent in the input
+    # dtype on an exact channel (one more rounding): the sender's precision breaks the rule
+    plan = plan_of("charm", Layout(2, 2), True)
+    bad = _mutated(plan, 0, lambda ins: _flip_first_partial_wire(ins, send=True), backward)
+    with pytest.raises(ScheduleError, match="float32|input dtype|posts"):
+        validate(bad)
+
+
+def test_plans_are_immutable_and_shared():
+    plan = plan_of("charm", Layout(2, 2), True)
+    assert plan is plan_of("charm", Layout(2, 2), True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.forward[0].instrs = ()  # type: ignore[misc]
+    assert isinstance(plan.forward, tuple) and isinstance(plan.forward[0].instrs, tuple)
+
+
+def test_plan_options_are_checked():
+    with pytest.raises(ValueError, match="unknown CP attention method 'nope'"):
+        PlanOptions(method="nope")
+    with pytest.raises(ValueError, match="window=0"):
+        PlanOptions(window=0)
+    with pytest.raises(ValueError, match="cross_return='bf16'"):
+        PlanOptions(cross_return="bf16")
+    with pytest.raises(ValueError, match="unknown plan option"):
+        PlanOptions.from_dict({"windw": 2})
+    with pytest.raises(ValueError, match="combine_two_nodes=True .* 4 nodes"):
+        plan_of("charm", Layout(4, 2), True, combine_two_nodes=True)

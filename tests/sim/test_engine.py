@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_charm.plan import METHODS, build_plan
-from megatron_charm.plan.cost import AttnShape, plan_bytes
+from megatron_charm.plan import METHODS, AttnShape, PlanOptions, build_plan
+from megatron_charm.plan.cost import plan_bytes
 from megatron_charm.plan.types import Compute, Layout, Part
 from megatron_charm.sim.compute import CalibratedCompute, FlopsCompute
 from megatron_charm.sim.engine import simulate_pass
@@ -13,6 +13,16 @@ from megatron_charm.sim.programs import node_programs, programs
 from megatron_charm.sim.topology import Topology
 
 SHAPE = AttnShape(b=2, s_local=256, h=4, h_kv=2, d=64)
+
+
+def test_replay_runs_the_plans_own_instructions() -> None:
+    # the engine replays plan instructions directly; a merge is labelled as one
+    progs = programs(PlanOptions(method="charm"), Layout(2, 2), True, mode="full")
+    res = simulate_pass(progs, topo(2, 2), SHAPE, COMPUTE, False, record=True)
+    labels = {label.split()[0] for r in res.ranks for _, _, label in r.timeline}
+    assert labels == {"C", "M", "W"}
+
+
 COMPUTE = FlopsCompute(tflops=100.0, efficiency=0.5, mem_bw=1000.0)
 
 
@@ -25,8 +35,8 @@ def topo(m: int, p: int, cross: float = 10.0, intra: float = 100.0, **kw) -> Top
 @pytest.mark.parametrize("mp", [(1, 4), (2, 2), (2, 4), (3, 2)])
 def test_bytes_equal_planner(method: str, causal: bool, mp: tuple[int, int]) -> None:
     layout = Layout(*mp)
-    want_f, want_b = plan_bytes(build_plan(method, layout, causal), SHAPE)
-    progs = programs(method, layout, causal, mode="full")
+    want_f, want_b = plan_bytes(build_plan(PlanOptions(method=method), layout, causal), SHAPE)
+    progs = programs(PlanOptions(method=method), layout, causal, mode="full")
     for backward, want in ((False, want_f), (True, want_b)):
         res = simulate_pass(progs, topo(*mp), SHAPE, COMPUTE, backward)
         got = {r.cp_rank: r.bytes_sent for r in res.ranks if r.bytes_sent}
@@ -36,7 +46,7 @@ def test_bytes_equal_planner(method: str, causal: bool, mp: tuple[int, int]) -> 
 
 
 def test_cross_bytes_only_on_cross_channels_for_charm() -> None:
-    progs = programs("charm", Layout(2, 4), True, mode="full")
+    progs = programs(PlanOptions(method="charm"), Layout(2, 4), True, mode="full")
     res = simulate_pass(progs, topo(2, 4), SHAPE, COMPUTE, False)
     for r in res.ranks:
         cross_channels = sum(v for k, v in r.bytes_sent.items() if k.startswith("cross."))
@@ -50,7 +60,7 @@ def _uniform_ring(n: int, m: int, c: float, comm_s: float, lat: float = 0.0):
     bw = kv_bytes / comm_s / 1e9
     t = Topology(m, n // m, bw, bw, intra_lat=lat, cross_lat=lat)
     compute = CalibratedCompute(fwd_block=c, bwd_block=2.5 * c)
-    progs = programs("ring", Layout(m, n // m), False, mode="full")
+    progs = programs(PlanOptions(method="ring"), Layout(m, n // m), False, mode="full")
     return simulate_pass(progs, t, shape, compute, False, record=True)
 
 
@@ -79,7 +89,9 @@ def test_ring_waits_for_slow_cross_link() -> None:
     c, slow = 1e-3, 3e-3
     t = Topology(2, 4, kv / 1e-4 / 1e9, kv / slow / 1e9, intra_lat=0.0, cross_lat=0.0)
     compute = CalibratedCompute(fwd_block=c, bwd_block=2.5 * c)
-    res = simulate_pass(programs("ring", Layout(2, 4), False), t, shape, compute, False)
+    res = simulate_pass(
+        programs(PlanOptions(method="ring"), Layout(2, 4), False), t, shape, compute, False
+    )
     assert res.makespan == pytest.approx(7 * slow + c, rel=1e-9)
 
 
@@ -92,7 +104,7 @@ def test_monotonic_in_bandwidth(method: str, fabric: str, links: str) -> None:
     # one (a real effect): rm+ and charm, which run several transfers of one rank concurrently,
     # show such anomalies of up to about 3%; ring and merge stay strictly monotonic.
     tol = 0.04 if method in ("rm+", "charm") else 1e-12
-    progs = programs(method, Layout(2, 4), True, mode="full")
+    progs = programs(PlanOptions(method=method), Layout(2, 4), True, mode="full")
     for backward in (False, True):
         cross = [
             simulate_pass(
@@ -113,7 +125,7 @@ def test_monotonic_in_bandwidth(method: str, fabric: str, links: str) -> None:
 
 def test_exposed_plus_busy_bounded_by_finish() -> None:
     for method in METHODS:
-        progs = programs(method, Layout(2, 4), True, mode="full")
+        progs = programs(PlanOptions(method=method), Layout(2, 4), True, mode="full")
         res = simulate_pass(progs, topo(2, 4), SHAPE, COMPUTE, True, record=True)
         for r in res.ranks:
             assert r.busy + r.exposed == pytest.approx(r.finish, rel=1e-9)
@@ -128,7 +140,7 @@ def test_pcie_contention_slows_concurrent_streams_only() -> None:
     fast_compute = FlopsCompute(tflops=1000.0, efficiency=1.0)  # communication-bound
     times = {}
     for method in ("ring", "rm+"):
-        progs = programs(method, Layout(1, 8), False)
+        progs = programs(PlanOptions(method=method), Layout(1, 8), False)
         for fabric in ("nvlink", "pcie"):
             t = Topology(1, 8, 24.0, 24.0, fabric=fabric)
             times[method, fabric] = simulate_pass(progs, t, shape, fast_compute).makespan
@@ -137,7 +149,7 @@ def test_pcie_contention_slows_concurrent_streams_only() -> None:
 
 
 def test_fewer_cross_links_are_slower_for_charm() -> None:
-    progs = programs("charm", Layout(2, 4), False)
+    progs = programs(PlanOptions(method="charm"), Layout(2, 4), False)
     rails = simulate_pass(progs, topo(2, 4, cross_links="rails"), SHAPE, COMPUTE).makespan
     two = simulate_pass(progs, topo(2, 4, nics_per_node=2), SHAPE, COMPUTE).makespan
     shared = simulate_pass(progs, topo(2, 4, cross_links="shared"), SHAPE, COMPUTE).makespan
@@ -149,8 +161,8 @@ def test_fewer_cross_links_are_slower_for_charm() -> None:
 @pytest.mark.parametrize("links", ["rails", "shared", "nics2"])
 @pytest.mark.parametrize("mp", [(2, 4), (4, 2), (4, 4)])
 def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[int, int]) -> None:
-    full = programs(method, Layout(*mp), False, mode="full")
-    sym = node_programs(method, Layout(*mp), False)
+    full = programs(PlanOptions(method=method), Layout(*mp), False, mode="full")
+    sym = node_programs(PlanOptions(method=method), Layout(*mp), False)
     assert len(sym.forward) == mp[1] and sym.exact
     nics = 2 if links == "nics2" else 0
     t = topo(*mp, cross_links="rails" if nics else links, fabric="pcie", nics_per_node=nics)
@@ -169,8 +181,20 @@ def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
     # Causal plans are not node-symmetric (zigzag halves); the approximation stays close.
     t = topo(4, 4, cross_links=links)
     for backward in (False, True):
-        a = simulate_pass(programs(method, Layout(4, 4), True, "full"), t, SHAPE, COMPUTE, backward)
-        b = simulate_pass(node_programs(method, Layout(4, 4), True), t, SHAPE, COMPUTE, backward)
+        a = simulate_pass(
+            programs(PlanOptions(method=method), Layout(4, 4), True, "full"),
+            t,
+            SHAPE,
+            COMPUTE,
+            backward,
+        )
+        b = simulate_pass(
+            node_programs(PlanOptions(method=method), Layout(4, 4), True),
+            t,
+            SHAPE,
+            COMPUTE,
+            backward,
+        )
         assert not b.exact
         tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3}[method]
         assert b.makespan == pytest.approx(a.makespan, rel=tol)

@@ -1,0 +1,77 @@
+"""Plan options: everything, besides the problem itself, that decides a schedule.
+
+One frozen object travels whole from the user (``cp_attention``, the Megatron module, the trainer's
+YAML, the bench CLI) to the planner, and every rank of a CP group checks that it runs the same one
+(:mod:`megatron_charm.comm.agreement`). No option list is repeated in a signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring")
+"""Every CP attention method the planner builds (``--cp-comm-type`` values)."""
+
+CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(
+            f"unknown CP attention method {method!r}; expected one of {', '.join(METHODS)} "
+            "(set method= / --cp-comm-type accordingly)"
+        )
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to schedule CP attention. Frozen and hashable: plans are cached by it."""
+
+    method: str = "charm"
+    """``charm`` (CHARM+), ``rm+``, ``merge`` or ``ring`` (Transformer Engine's ``p2p``)."""
+
+    window: int = 2
+    """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps
+    more transfers with compute and holds more received inputs at once."""
+
+    combine_two_nodes: bool = False
+    """charm on exactly two nodes: run own and foreign queries in one pipeline (the paper's
+    Algorithm 2) instead of split foreign rounds. Refused on other node counts."""
+
+    cross_return: str = "fp32"
+    """Wire precision of node-merged partial results that cross nodes (charm's returned outputs
+    and dq): ``fp32`` keeps full precision, ``input`` sends them in the input dtype (half the
+    return bytes on the slow link for one more rounding)."""
+
+    def __post_init__(self) -> None:
+        check_method(self.method)
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ValueError(
+                f"window={self.window!r}: the prefetch window must be an integer >= 1 "
+                "(set window= / --window)"
+            )
+        if self.cross_return not in CROSS_RETURNS:
+            raise ValueError(
+                f"cross_return={self.cross_return!r}: expected one of {', '.join(CROSS_RETURNS)} "
+                "(set cross_return= / --cross-return)"
+            )
+        if not isinstance(self.combine_two_nodes, bool):
+            raise ValueError(
+                f"combine_two_nodes={self.combine_two_nodes!r} must be a bool (true or false)"
+            )
+
+    def replace(self, **changes: object) -> PlanOptions:
+        """A copy with ``changes`` applied (validated like the original)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> PlanOptions:
+        """Build from a config mapping; unknown keys are an error that names them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown plan option(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**values)  # type: ignore[arg-type]

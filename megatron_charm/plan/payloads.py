@@ -1,0 +1,68 @@
+"""What each payload holds: tensor shapes and wire precisions (pure; no torch).
+
+The executor allocates its receive buffers from :func:`payload_tensors`, and the byte accounting
+and the simulator count bytes from it, so buffers and bytes cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_charm.plan.types import Kind, Part, Payload, Wire
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """The local problem of one CP rank."""
+
+    b: int
+    """Micro-batch size."""
+    s_local: int
+    """Tokens per rank (even under causal attention: two zigzag chunks)."""
+    h: int
+    """Query heads."""
+    h_kv: int
+    """Key/value heads (``h % h_kv == 0``)."""
+    d: int
+    """Head dim."""
+    itemsize: int = 2
+    """Bytes per element of the input dtype."""
+
+    def tokens(self, part: Part) -> int:
+        return self.s_local if part == Part.FULL else self.s_local // 2
+
+
+Dims = tuple[int, ...]
+
+
+def payload_tensors(
+    kind: Kind, part: Part, shape: AttnShape, wire: Wire
+) -> list[tuple[Dims, Wire]]:
+    """``[(dims, precision)]`` of a payload's tensors, each ``[tokens, b, heads, d]`` (the lse:
+    ``[tokens, b, h]``, always float32). ``wire`` applies to partial results; inputs travel in the
+    input dtype."""
+    t = shape.tokens(part)
+    q = (t, shape.b, shape.h, shape.d)
+    kv = (t, shape.b, shape.h_kv, shape.d)
+    lse = ((t, shape.b, shape.h), Wire.FP32)
+    if kind == Kind.Q:
+        return [(q, Wire.INPUT)]
+    if kind == Kind.KV:
+        return [(kv, Wire.INPUT), (kv, Wire.INPUT)]
+    if kind == Kind.QB:  # q, out, dout, lse
+        return [(q, Wire.INPUT), (q, Wire.INPUT), (q, Wire.INPUT), lse]
+    if kind == Kind.O:
+        return [(q, wire), lse]
+    if kind == Kind.DQ:
+        return [(q, wire)]
+    return [(kv, wire), (kv, wire)]  # Kind.DKV
+
+
+def payload_bytes(payload: Payload, shape: AttnShape, wire: Wire) -> int:
+    total = 0
+    for dims, prec in payload_tensors(payload.kind, payload.part, shape, wire):
+        numel = 1
+        for x in dims:
+            numel *= x
+        total += numel * (shape.itemsize if prec == Wire.INPUT else 4)
+    return total

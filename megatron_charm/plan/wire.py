@@ -1,0 +1,95 @@
+"""The planner's rule for the precision each partial result travels in.
+
+Note [Wire precision]
+~~~~~~~~~~~~~~~~~~~~~
+A partial result (output with its lse, dq, dk/dv) that holds exactly one block travels as the
+kernel produced it, in the input dtype: upcasting it would only add bytes. A partial that merged
+two or more blocks is float32, and travels so, except on the channels that the options make
+compact (``cross_return="input"``: charm's node-merged returns cross nodes in the input dtype, one
+more rounding for half the bytes on the slow link). Inputs (q, kv, the backward bundle) always
+travel in the input dtype.
+
+Programs are built without precisions; :func:`assign_wires` decides the sender's side of every op
+from the sender's own accumulator history and copies it to the matching receive (the ``i``-th
+send of a payload from ``x`` to ``y`` on a channel meets the ``i``-th such receive), so both sides
+allocate the same buffer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import replace
+
+from megatron_charm.plan.types import Compute, Exchange, Kind, Merge, Op, Program, Wire
+
+AccKey = tuple[Kind, int]
+
+
+def _compute_keys(ins: Compute, backward: bool) -> list[AccKey]:
+    if backward:
+        return [(Kind.DQ, ins.q_owner), (Kind.DKV, ins.kv_owner)]
+    return [(Kind.O, ins.q_owner)]
+
+
+def sender_wires(
+    prog: Program, backward: bool, compact: frozenset[str]
+) -> dict[tuple[int, int], Wire]:
+    """``(handle, op index) -> Wire`` for every partial that ``prog`` sends."""
+    blocks: dict[AccKey, int] = defaultdict(int)  # blocks merged into each accumulator
+    out: dict[tuple[int, int], Wire] = {}
+    for ins in prog.instrs:
+        if isinstance(ins, Compute):
+            for key in _compute_keys(ins, backward):
+                blocks[key] += 1
+        elif isinstance(ins, Merge):
+            # a received partial counts as merged, whatever it held
+            blocks[(ins.payload.kind, ins.payload.owner)] += 2
+        elif isinstance(ins, Exchange):
+            for k, op in enumerate(ins.ops):
+                if op.send and op.payload.kind.is_partial:
+                    single = blocks.pop((op.payload.kind, op.payload.owner), 0) == 1
+                    compact_here = ins.channel in compact
+                    out[(ins.handle, k)] = Wire.INPUT if single or compact_here else Wire.FP32
+    return out
+
+
+def assign_wires(
+    programs: list[Program], backward: bool, compact: frozenset[str]
+) -> tuple[Program, ...]:
+    """``programs`` with the wire precision of every op decided (Note [Wire precision])."""
+    sent: dict[tuple, deque[Wire]] = defaultdict(deque)
+    decided: list[dict[tuple[int, int], Wire]] = []
+    for prog in programs:
+        wires = sender_wires(prog, backward, compact)
+        decided.append(wires)
+        for ins in prog.instrs:
+            if isinstance(ins, Exchange):
+                for k, op in enumerate(ins.ops):
+                    if op.send and op.payload.kind.is_partial:
+                        key = (ins.channel, prog.cp_rank, op.peer, op.payload)
+                        sent[key].append(wires[(ins.handle, k)])
+    out = []
+    for prog, wires in zip(programs, decided, strict=True):
+        instrs = []
+        for ins in prog.instrs:
+            if isinstance(ins, Exchange) and any(op.payload.kind.is_partial for op in ins.ops):
+                ops = tuple(
+                    _with_wire(op, ins, k, prog.cp_rank, wires, sent)
+                    for k, op in enumerate(ins.ops)
+                )
+                ins = replace(ins, ops=ops)
+            instrs.append(ins)
+        out.append(replace(prog, instrs=tuple(instrs)))
+    return tuple(out)
+
+
+def _with_wire(op: Op, ex: Exchange, k: int, me: int, wires, sent) -> Op:
+    if not op.payload.kind.is_partial:
+        return op
+    if op.send:
+        return replace(op, wire=wires[(ex.handle, k)])
+    queue = sent.get((ex.channel, op.peer, me, op.payload))
+    if not queue:
+        # no matching send: leave it for the validator, which reports the schedule error
+        return op
+    return replace(op, wire=queue.popleft())
