@@ -11,7 +11,15 @@ from megatron_charm.comm.buffers import TensorSpace
 from megatron_charm.comm.executor import ProgramRunner, RunTrace
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel, select_kernel
-from megatron_charm.plan import METHODS, AttnShape, Layout, Plan, PlanOptions, build_plan
+from megatron_charm.plan import (
+    METHODS,
+    AttnShape,
+    Layout,
+    Plan,
+    PlanOptions,
+    cross_levels,
+    plan_with_levels,
+)
 from megatron_charm.plan.types import Kind, Part, Program
 from megatron_charm.plan.validate import validate
 
@@ -20,10 +28,17 @@ FORMATS = ("bshd", "sbhd")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def validated_plan(
+    options: PlanOptions, layout: Layout, causal: bool, shape: AttnShape | None = None
+) -> Plan:
+    """The plan for a configuration (``shape`` decides charm's ``cross_level="auto"``), replayed
+    by the validator before its first use."""
+    return _validated(options, layout, causal, cross_levels(options, layout, causal, shape))
+
+
 @lru_cache(maxsize=128)
-def validated_plan(options: PlanOptions, layout: Layout, causal: bool) -> Plan:
-    """The plan for a configuration, replayed by the validator before its first use."""
-    plan = build_plan(options, layout, causal)
+def _validated(options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str]) -> Plan:
+    plan = plan_with_levels(options, layout, causal, cross)
     validate(plan)
     return plan
 
@@ -209,7 +224,8 @@ def cp_attention(
         CallKey(tuple(q.shape), k.shape[2], str(q.dtype), causal, float(scale), options),
         device=q.device,
     )
-    plan = validated_plan(options, topo.layout, causal)
+    shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
+    plan = validated_plan(options, topo.layout, causal, shape)
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
     with topo.exclusive():
         out, lse = _CPAttention.apply(q, k, v, topo, plan, blk, scale, trace)

@@ -56,6 +56,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="plan option: precision of charm's node-merged results crossing nodes",
     )
     ap.add_argument(
+        "--cross-level",
+        choices=("auto", "q", "kv"),
+        default="auto",
+        help="plan option: what charm ships across nodes (auto: fewer bytes per head ratio)",
+    )
+    ap.add_argument(
         "--combine-two-nodes",
         action="store_true",
         help="plan option: charm's two-node pipeline (paper Algorithm 2)",
@@ -100,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "window": args.window,
         "cross_return": args.cross_return,
         "combine_two_nodes": args.combine_two_nodes,
+        "cross_level": args.cross_level,
         "kernel": args.kernel,
         "device": args.device,
         "topology": args.topology,

@@ -64,6 +64,7 @@ def plan_options(cfg: dict) -> PlanOptions:
         window=cfg.get("window", 2),
         combine_two_nodes=cfg.get("combine_two_nodes", False),
         cross_return=cfg.get("cross_return", "fp32"),
+        cross_level=cfg.get("cross_level", "auto"),
     )
 
 

@@ -7,9 +7,12 @@ cost model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import lru_cache
 
+from megatron_charm.plan.cost import cross_link_bytes
 from megatron_charm.plan.layout import block_parts, zigzag_positions
 from megatron_charm.plan.options import METHODS, PlanOptions, check_method
 from megatron_charm.plan.payloads import AttnShape
@@ -26,6 +29,7 @@ CHANNELS = {
     "intra.q": "intra",
     "intra.o": "intra",
     "cross.q": "cross",
+    "cross.kv": "cross",
     "cross.o": "cross",
 }
 
@@ -48,10 +52,15 @@ def _check_layout(options: PlanOptions, layout: Layout) -> None:
 
 
 def rank_programs(
-    options: PlanOptions, layout: Layout, causal: bool, cp_ranks: Iterable[int]
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cp_ranks: Iterable[int],
+    cross: tuple[str, str] = ("q", "q"),
 ) -> tuple[list[Program], list[Program]]:
     """Forward and backward programs of ``cp_ranks`` only (a simulator may replay one node),
-    without wire precisions (see :func:`build_plan`)."""
+    without wire precisions (see :func:`build_plan`). ``cross``: what charm ships across nodes
+    in the forward and the backward (``q`` or ``kv``, as :func:`cross_levels` resolves it)."""
     _check_layout(options, layout)
     method, n, ranks = options.method, layout.cp_size, list(cp_ranks)
     if method == "ring":
@@ -65,11 +74,12 @@ def rank_programs(
             window=options.window,
             combine_two_nodes=options.combine_two_nodes,
         )
+        cfg_f, cfg_b = (replace(cfg, cross=level) for level in cross)
     else:
-        cfg = PipelineConfig(split=method == "rm+", scope="full", window=options.window)
+        cfg_f = cfg_b = PipelineConfig(split=method == "rm+", scope="full", window=options.window)
     flat = schedule_layout(method, layout)
-    return [pipeline_program(r, flat, causal, cfg, backward=False) for r in ranks], [
-        pipeline_program(r, flat, causal, cfg, backward=True) for r in ranks
+    return [pipeline_program(r, flat, causal, cfg_f, backward=False) for r in ranks], [
+        pipeline_program(r, flat, causal, cfg_b, backward=True) for r in ranks
     ]
 
 
@@ -78,18 +88,85 @@ def compact_channels(options: PlanOptions) -> frozenset[str]:
     return CROSS_RETURN_CHANNELS if options.cross_return == "input" else frozenset()
 
 
-@lru_cache(maxsize=256)
-def build_plan(options: PlanOptions, layout: Layout, causal: bool) -> Plan:
+def build_plan(
+    options: PlanOptions, layout: Layout, causal: bool, shape: AttnShape | None = None
+) -> Plan:
     """Forward and backward programs of all ranks of a CP group with ``layout``, with the wire
     precision of every op decided (Note [Wire precision] in :mod:`megatron_charm.plan.wire`).
 
-    Cached; the returned plan is immutable, so callers share it safely.
+    ``shape`` (heads, kv heads, head dim, input bytes) matters only to ``cross_level="auto"``
+    (:func:`cross_levels`); ``None`` means multi-head attention. Cached; the returned plan is
+    immutable, so callers share it safely.
     """
-    fwd, bwd = rank_programs(options, layout, causal, range(layout.cp_size))
+    return plan_with_levels(options, layout, causal, cross_levels(options, layout, causal, shape))
+
+
+@lru_cache(maxsize=256)
+def plan_with_levels(
+    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str]
+) -> Plan:
+    """:func:`build_plan` with the cross levels already resolved (cached by them)."""
+    fwd, bwd = rank_programs(options, layout, causal, range(layout.cp_size), cross)
     compact = compact_channels(options)
     fwd_t, bwd_t = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
     used = sorted({i.channel for p in fwd_t + bwd_t for i in p.instrs if isinstance(i, Exchange)})
-    return Plan(options, layout, causal, fwd_t, bwd_t, tuple((c, CHANNELS[c]) for c in used))
+    channels = tuple((c, CHANNELS[c]) for c in used)
+    return Plan(options, layout, causal, fwd_t, bwd_t, channels, cross)
+
+
+def cross_levels(
+    options: PlanOptions, layout: Layout, causal: bool, shape: AttnShape | None = None
+) -> tuple[str, str]:
+    """What charm ships across nodes in the forward and in the backward.
+
+    Note [Cross level]
+    ~~~~~~~~~~~~~~~~~~
+    Per rank and node pair, shipping q costs q out plus its results back (``2 x h`` heads, the
+    results in float32 unless ``cross_return="input"``); shipping kv costs ``2 x h_kv`` heads
+    once (and its dk/dv back in the backward). With GQA (``h / h_kv = g >= 2``) kv is the
+    smaller side: it crosses once, to the rank with the same local index, which shares it with
+    its node through the same RM+ pipeline that CHARM+ runs for foreign queries::
+
+        cross "q":  node a --q--> node b --out/lse--> node a      (kv never crosses)
+        cross "kv": node a --kv--> node b; node b computes its own q against it
+                    (backward: dk/dv cross back; q never crosses)
+
+    ``auto`` builds both and keeps, per pass, the one with fewer bytes on the busiest directed
+    cross-node link, then fewer cross bytes in total; a tie keeps ``q`` (the paper's design,
+    whose sends do not wait for the other node). Both never move more than ring attention.
+    """
+    if options.method != "charm" or layout.num_nodes == 1:
+        return ("q", "q")
+    if options.cross_level != "auto":
+        return (options.cross_level, options.cross_level)
+    shape = shape or AttnShape(b=1, s_local=2, h=1, h_kv=1, d=64)
+    if shape.h % shape.h_kv != 0:
+        raise ValueError(f"{shape}: query heads must be a multiple of kv heads")
+    # Every payload is linear in b and s_local, and in h and h_kv together (q and out in h*d,
+    # kv in h_kv*d, the lse in h): a unit batch and length and the reduced head ratio decide.
+    g = math.gcd(shape.h, shape.h_kv)
+    unit = AttnShape(1, 2, shape.h // g, shape.h_kv // g, shape.d, shape.itemsize)
+    # Every node pair moves the same pieces per rank pair, whatever m and p (p >= 2 only makes
+    # node-merged results float32), so two nodes of up to two ranks decide, cheaply at any scale.
+    return _auto_levels(options, Layout(2, min(layout.ranks_per_node, 2)), causal, unit)
+
+
+@lru_cache(maxsize=256)
+def _auto_levels(
+    options: PlanOptions, layout: Layout, causal: bool, shape: AttnShape
+) -> tuple[str, str]:
+    plans = {
+        level: plan_with_levels(options, layout, causal, (level,) * 2) for level in ("q", "kv")
+    }
+    chosen = []
+    for backward in (False, True):
+
+        def cost(level: str, backward: bool = backward) -> tuple[int, int]:
+            links = cross_link_bytes(plans[level].programs(backward), layout, shape)
+            return max(links.values(), default=0), sum(links.values())
+
+        chosen.append("kv" if cost("kv") < cost("q") else "q")
+    return (chosen[0], chosen[1])
 
 
 __all__ = [
@@ -103,6 +180,8 @@ __all__ = [
     "block_parts",
     "build_plan",
     "check_method",
+    "cross_levels",
+    "plan_with_levels",
     "rank_programs",
     "schedule_layout",
     "zigzag_positions",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
-from megatron_charm.plan.types import Exchange, Plan, Program
+from megatron_charm.plan.types import Exchange, Layout, Plan, Program
 
 
 def program_bytes(prog: Program, shape: AttnShape) -> dict[str, int]:
@@ -20,6 +20,25 @@ def program_bytes(prog: Program, shape: AttnShape) -> dict[str, int]:
             for op in ins.ops:
                 if op.send:
                     out[ins.channel] += payload_bytes(op.payload, shape, op.wire)
+    return dict(out)
+
+
+def cross_link_bytes(
+    programs: tuple[Program, ...], layout: Layout, shape: AttnShape, rails: bool = False
+) -> dict[tuple[int, ...], int]:
+    """Bytes per directed cross-node link: ``(src node, dst node)``, or with ``rails`` (one link
+    per local index, traffic on the destination's rail) ``(src node, dst node, rail)``."""
+    out: dict[tuple[int, ...], int] = defaultdict(int)
+    for prog in programs:
+        src = layout.node(prog.cp_rank)
+        for ins in prog.instrs:
+            if not isinstance(ins, Exchange):
+                continue
+            for op in ins.ops:
+                dst = layout.node(op.peer)
+                if op.send and dst != src:
+                    link = (src, dst, layout.local(op.peer)) if rails else (src, dst)
+                    out[link] += payload_bytes(op.payload, shape, op.wire)
     return dict(out)
 
 

@@ -13,6 +13,7 @@ METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring")
 """Every CP attention method the planner builds (``--cp-comm-type`` values)."""
 
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
+CROSS_LEVELS: tuple[str, ...] = ("auto", "q", "kv")
 
 
 def check_method(method: str) -> None:
@@ -43,6 +44,12 @@ class PlanOptions:
     and dq): ``fp32`` keeps full precision, ``input`` sends them in the input dtype (half the
     return bytes on the slow link for one more rounding)."""
 
+    cross_level: str = "auto"
+    """What charm ships across nodes: ``q`` (the paper's query parallelism: q goes out once, its
+    results come back, kv never crosses), ``kv`` (each kv crosses once to its counterpart and is
+    shared inside the node; q never crosses) or ``auto``: per pass, whichever moves fewer bytes on
+    the busiest cross link for the call's head counts (GQA models ship kv, MHA ships q)."""
+
     def __post_init__(self) -> None:
         check_method(self.method)
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
@@ -54,6 +61,11 @@ class PlanOptions:
             raise ValueError(
                 f"cross_return={self.cross_return!r}: expected one of {', '.join(CROSS_RETURNS)} "
                 "(set cross_return= / --cross-return)"
+            )
+        if self.cross_level not in CROSS_LEVELS:
+            raise ValueError(
+                f"cross_level={self.cross_level!r}: expected one of {', '.join(CROSS_LEVELS)} "
+                "(set cross_level= / --cross-level)"
             )
         if not isinstance(self.combine_two_nodes, bool):
             raise ValueError(

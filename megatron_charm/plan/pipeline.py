@@ -38,10 +38,11 @@ from typing import NamedTuple
 from megatron_charm.plan.builder import ProgramBuilder, recv, send
 from megatron_charm.plan.layout import block_parts
 from megatron_charm.plan.partners import PartnerTask, partner_tasks
-from megatron_charm.plan.types import Kind, Layout, Op, Part, Payload, Program
+from megatron_charm.plan.types import Kind, Layout, Part, Payload, Program
 
 QSet = tuple[int, Part]  # (q owner, part of its local sequence that a round covers)
-Slot = tuple[int, int]  # (node offset, piece index): one query set of a round
+KVSet = tuple[int, Part]  # (kv owner, part) that a rank hosts in a round
+Slot = tuple[int, int]  # (node offset, piece index): one foreign piece of a round
 
 
 class CrossRoute(NamedTuple):
@@ -66,9 +67,12 @@ class PipelineConfig:
     window: int = 2
     """Exchanges in flight per channel."""
     combine_two_nodes: bool = False
-    """For two nodes, run own and foreign q in one round (paper Algorithm 2)."""
+    """For two nodes, run own and foreign q in one round (paper Algorithm 2; cross ``q`` only)."""
     split_foreign: bool = True
     """Ship a foreign q that is needed whole as two halves, processed in two rounds."""
+    cross: str = "q"
+    """What crosses nodes: ``"q"`` (CHARM+: q goes out, results come back) or ``"kv"`` (each kv
+    crosses once to its counterpart and is shared inside the node; see Note [Cross level])."""
 
 
 def foreign_q_part(q_owner: int, node: int, layout: Layout, causal: bool) -> Part:
@@ -78,6 +82,14 @@ def foreign_q_part(q_owner: int, node: int, layout: Layout, causal: bool) -> Par
         return Part.FULL
     # every rank of another node is on the same side of q_owner, so one block decides
     return block_parts(q_owner, first, causal)[0]
+
+
+def foreign_kv_part(kv_owner: int, node: int, layout: Layout, causal: bool) -> Part:
+    """Part of kv of ``kv_owner`` that node ``node``'s queries see (union over the node)."""
+    first, last = layout.rank(node, 0), layout.rank(node, layout.ranks_per_node - 1)
+    if first <= kv_owner <= last:
+        return Part.FULL
+    return block_parts(first, kv_owner, causal)[1]
 
 
 def restrict(block_q: Part, piece: Part) -> Part | None:
@@ -90,7 +102,14 @@ def restrict(block_q: Part, piece: Part) -> Part | None:
 
 
 class _Pass:
-    """Builds one rank's program for one pass (forward or backward)."""
+    """Builds one rank's program for one pass (forward or backward).
+
+    In every round each rank hosts some *query sets* (q owner, piece) and exactly one *kv set*
+    (kv owner, part): with ``cross="q"`` its own kv and, after round 0, foreign query sets; with
+    ``cross="kv"`` its own q and, after round 0, the kv of its counterpart on another node. The
+    intra-node RM+ pipeline then computes every hosted query set against every hosted kv set of
+    the node, exactly once.
+    """
 
     def __init__(self, cp_rank: int, layout: Layout, causal: bool, cfg: PipelineConfig, bwd: bool):
         self.x = cp_rank
@@ -102,29 +121,32 @@ class _Pass:
         self.qkind = Kind.QB if bwd else Kind.Q
         self.result_kind = Kind.DQ if bwd else Kind.O  # what a q exchange returns
         self.channel = {c: f"{cfg.scope}.{c}" for c in ("kv", "q", "o")}
-        self.combined = cfg.combine_two_nodes and layout.num_nodes == 2
-        # kv kept across rounds: peer -> part of kv[peer] held here, and part of kv[x] held there
+        self.kv_cross = cfg.cross == "kv" and layout.num_nodes > 1
+        self.combined = cfg.combine_two_nodes and layout.num_nodes == 2 and not self.kv_cross
+        # kv kept across rounds: kv owner -> part held here; (peer, kv owner) -> part held there
         self.kv_here: dict[int, Part] = {}
-        self.kv_there: dict[int, Part] = {}
+        self.kv_there: dict[tuple[int, int], Part] = {}
         # Partials for this rank's own q and kv are merged one round late (or at the end), so
         # that a round never waits for a partner's result it does not need to finish.
         self.deferred_merges: list[Payload] = []
-        self.posted_cross_q: set[int] = set()
+        self.posted_cross: set[int] = set()
 
-    # --- query sets and rounds (identical for all ranks of a node) ----------------------------
+    # --- query sets, kv sets and rounds (identical for all ranks of a node) --------------------
 
-    def pieces(self, q_owner: int, node: int) -> list[Part]:
-        """How q of ``q_owner`` travels to ``node``: one part, or two halves."""
-        part = foreign_q_part(q_owner, node, self.layout, self.causal)
+    def pieces(self, owner: int, node: int) -> list[Part]:
+        """How the crossing input (q, or kv) of ``owner`` travels to ``node``: one part, or two
+        halves (a foreign q needed whole)."""
+        if self.kv_cross:
+            return [foreign_kv_part(owner, node, self.layout, self.causal)]
+        part = foreign_q_part(owner, node, self.layout, self.causal)
         if part == Part.FULL and self.cfg.split_foreign and not self.combined:
             return [Part.FIRST, Part.SECOND]
         return [part]
 
     def source(self, cp_rank: int, offset: int) -> int:
         layout = self.layout
-        return layout.rank(
-            (layout.node(cp_rank) - offset) % layout.num_nodes, layout.local(cp_rank)
-        )
+        node = (layout.node(cp_rank) - offset) % layout.num_nodes
+        return layout.rank(node, layout.local(cp_rank))
 
     def rounds(self) -> list[list[Slot]]:
         """Rounds as lists of (node offset, piece index)."""
@@ -138,6 +160,9 @@ class _Pass:
         return out
 
     def qsets(self, cp_rank: int, rnd: list[Slot]) -> list[QSet]:
+        """The query sets ``cp_rank`` hosts in round ``rnd``."""
+        if self.kv_cross:
+            return [(cp_rank, Part.FULL)]
         node = self.layout.node(cp_rank)
         out = []
         for o, i in rnd:
@@ -147,6 +172,14 @@ class _Pass:
                 g = self.source(cp_rank, o)
                 out.append((g, self.pieces(g, node)[i]))
         return out
+
+    def kvset(self, cp_rank: int, rnd: list[Slot]) -> KVSet:
+        """The kv set ``cp_rank`` hosts in round ``rnd``."""
+        o, i = rnd[-1]
+        if not self.kv_cross or o == 0:
+            return (cp_rank, Part.FULL)
+        g = self.source(cp_rank, o)
+        return (g, self.pieces(g, self.layout.node(cp_rank))[i])
 
     def block(self, qs: QSet, kv_owner: int) -> tuple[Part, Part, bool] | None:
         qp, kp, masked = block_parts(qs[0], kv_owner, self.causal)
@@ -167,15 +200,9 @@ class _Pass:
         if blk is not None:
             self.b.compute(qs[0], kv_owner, *blk, q_kind=self.qkind)
 
-    def q_ops(self, peer: int, mine: list[QSet], theirs: list[QSet], kind: Kind) -> list[Op]:
-        """Swap query sets (or their results) with ``peer``, each at the part its block uses.
-
-        ``mine`` travel to ``peer`` (their blocks against ``peer``'s kv), ``theirs`` arrive."""
-        ops = [send(peer, kind, g, blk[0]) for g, p in mine if (blk := self.block((g, p), peer))]
-        ops += [
-            recv(peer, kind, g, blk[0]) for g, p in theirs if (blk := self.block((g, p), self.x))
-        ]
-        return ops
+    def q_parts(self, qsets: list[QSet], kv_owner: int) -> list[tuple[int, Part]]:
+        """``(q owner, part)`` of every query set's block against ``kv_owner``'s kv."""
+        return [(g, blk[0]) for g, p in qsets if (blk := self.block((g, p), kv_owner))]
 
     # --- cross-node level -----------------------------------------------------------------------
 
@@ -186,38 +213,49 @@ class _Pass:
         src = self.source(x, offset)
         return CrossRoute(dst, src, self.pieces(x, layout.node(dst)), self.pieces(src, node))
 
-    def post_cross_q(self, rnd: list[Slot]) -> None:
-        """Ship this rank's q to, and receive the q from, the nodes a round's slots name (once
-        per offset, all pieces at once)."""
+    def post_cross_inputs(self, rnd: list[Slot]) -> None:
+        """Ship this rank's q (or kv) to, and receive the q (or kv) from, the nodes a round's
+        slots name (once per offset, all pieces at once)."""
+        kind, channel = (Kind.KV, "cross.kv") if self.kv_cross else (self.qkind, "cross.q")
         for o, _ in rnd:
-            if o == 0 or o in self.posted_cross_q:
+            if o == 0 or o in self.posted_cross:
                 continue
-            self.posted_cross_q.add(o)
+            self.posted_cross.add(o)
             route = self.cross_route(o)
             for i in range(max(len(route.mine), len(route.theirs))):
-                ops = (
-                    [send(route.dst, self.qkind, self.x, route.mine[i])]
-                    if i < len(route.mine)
-                    else []
-                )
+                ops = []
+                if i < len(route.mine):
+                    ops.append(send(route.dst, kind, self.x, route.mine[i]))
                 if i < len(route.theirs):
-                    ops.append(recv(route.src, self.qkind, route.src, route.theirs[i]))
-                self.b.exchange("cross.q", ops)
+                    ops.append(recv(route.src, kind, route.src, route.theirs[i]))
+                self.b.exchange(channel, ops)
+
+    @property
+    def cross_result(self) -> Kind | None:
+        """What returns across nodes: the results of foreign q, the dk/dv of foreign kv (backward
+        only: a forward with kv crossing returns nothing)."""
+        if not self.kv_cross:
+            return self.result_kind
+        return Kind.DKV if self.bwd else None
 
     def post_cross_results(self, offset: int, steps: range) -> None:
-        """Return the results of ``steps`` pieces of the foreign q; receive this rank's."""
+        """Return the results of ``steps`` pieces of the foreign input; receive this rank's."""
+        kind = self.cross_result
+        assert kind is not None
         route = self.cross_route(offset)
         for i in steps:
             ops = []
             if i < len(route.theirs):
-                ops.append(send(route.src, self.result_kind, route.src, route.theirs[i]))
+                ops.append(send(route.src, kind, route.src, route.theirs[i]))
             if i < len(route.mine):
-                ops.append(recv(route.dst, self.result_kind, self.x, route.mine[i]))
+                ops.append(recv(route.dst, kind, self.x, route.mine[i]))
             self.b.exchange("cross.o", ops)
 
     def return_round(self, rnd: list[Slot]) -> None:
         """After a round: its foreign results cross back (the last piece also posts the steps
         that this rank still receives, when the two directions have different piece counts)."""
+        if self.cross_result is None:
+            return
         for o, i in rnd:
             if o == 0:
                 continue
@@ -230,10 +268,10 @@ class _Pass:
 
     def build(self) -> Program:
         rnds = self.rounds()
-        self.post_cross_q(rnds[0])
+        self.post_cross_inputs(rnds[0])
         for r, rnd in enumerate(rnds):
             if r + 1 < len(rnds):
-                self.post_cross_q(rnds[r + 1])
+                self.post_cross_inputs(rnds[r + 1])
             earlier, self.deferred_merges = self.deferred_merges, []
             self.intra_round(rnd)
             self.return_round(rnd)
@@ -241,36 +279,37 @@ class _Pass:
                 self.b.merge(payload)
         for payload in self.deferred_merges:
             self.b.merge(payload)
-        for o in range(1, self.layout.num_nodes):
-            for part in self.cross_route(o).mine:
-                self.b.merge(Payload(self.result_kind, self.x, part))
+        if self.cross_result is not None:
+            for o in range(1, self.layout.num_nodes):
+                for part in self.cross_route(o).mine:
+                    self.b.merge(Payload(self.cross_result, self.x, part))
         return self.b.finish()
 
     # --- one round of the intra-node pipeline ---------------------------------------------------
 
     def intra_round(self, rnd: list[Slot]) -> None:
-        my_qs = self.qsets(self.x, rnd)
+        my_qs, my_kv = self.qsets(self.x, rnd), self.kvset(self.x, rnd)[0]
         window = _Window(self, rnd, my_qs)
         # kv exchanges carry only home tensors, so they start before the diagonal block; q
         # exchanges may carry a foreign query set that is still crossing the node boundary.
         window.top_up(("kv",))
         for qs in my_qs:
             if qs[0] == self.x:
-                self.compute(qs, self.x)
+                self.compute(qs, my_kv)
         window.top_up(("q",))
         for qs in my_qs:
             if qs[0] != self.x:
-                self.compute(qs, self.x)
+                self.compute(qs, my_kv)
         returns: list[Payload] = []
         # Compute order: by level, q exchanges first (their outputs must travel back), then by j.
         for task in sorted(window.tasks, key=lambda t: (t.level, t.exchange_kv, t.j)):
             window.top_up()
             if task.exchange_kv:
-                returns += self.kv_partner_blocks(task, rnd, my_qs)
+                returns += self.kv_partner_blocks(task, rnd, my_qs, my_kv)
             else:
-                returns += self.q_partner_blocks(task, rnd, my_qs)
+                returns += self.q_partner_blocks(task, rnd, my_qs, my_kv)
             window.done["kv" if task.exchange_kv else "q"] += 1
-        # a foreign query set's partials must be merged before its result crosses back
+        # a foreign set's partials must be merged before its result crosses back
         for p in returns:
             if p.owner == self.x:
                 self.deferred_merges.append(p)
@@ -278,35 +317,33 @@ class _Pass:
                 self.b.merge(p)
 
     def kv_partner_blocks(
-        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet]
+        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet], my_kv: int
     ) -> list[Payload]:
-        """My query sets against the partner's kv; backward: swap the dk/dv partials."""
+        """My query sets against the partner's kv set; backward: swap the dk/dv partials."""
         y = self.layout.rank(self.layout.node(self.x), task.peer_local)
+        their_kv = self.kvset(y, rnd)[0]
         for qs in my_qs:
-            self.compute(qs, y)
+            self.compute(qs, their_kv)
         if not self.bwd:
             return []
-        mine, theirs = self.kv_part(my_qs, y), self.kv_part(self.qsets(y, rnd), self.x)
+        mine, theirs = self.kv_part(my_qs, their_kv), self.kv_part(self.qsets(y, rnd), my_kv)
         self.b.exchange(
-            self.channel["o"], [send(y, Kind.DKV, y, mine), recv(y, Kind.DKV, self.x, theirs)]
+            self.channel["o"],
+            [send(y, Kind.DKV, their_kv, mine), recv(y, Kind.DKV, my_kv, theirs)],
         )
-        return [Payload(Kind.DKV, self.x, theirs)]
+        return [Payload(Kind.DKV, my_kv, theirs)]
 
     def q_partner_blocks(
-        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet]
+        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet], my_kv: int
     ) -> list[Payload]:
-        """The partner's query sets against my kv; their results go back, mine come in."""
+        """The partner's query sets against my kv set; their results go back, mine come in."""
         y = self.layout.rank(self.layout.node(self.x), task.peer_local)
         peer_qs = self.qsets(y, rnd)
         for qs in peer_qs:
-            self.compute(qs, self.x)
-        ops = [
-            send(y, self.result_kind, g, blk[0])
-            for g, p in peer_qs
-            if (blk := self.block((g, p), self.x))
-        ] + [
-            recv(y, self.result_kind, g, blk[0]) for g, p in my_qs if (blk := self.block((g, p), y))
-        ]
+            self.compute(qs, my_kv)
+        kind = self.result_kind
+        ops = [send(y, kind, g, part) for g, part in self.q_parts(peer_qs, my_kv)]
+        ops += [recv(y, kind, g, part) for g, part in self.q_parts(my_qs, self.kvset(y, rnd)[0])]
         self.b.exchange(self.channel["o"], ops)
         return [op.payload for op in ops if not op.send]
 
@@ -315,22 +352,25 @@ class _Pass:
         x = self.x
         y = self.layout.rank(self.layout.node(x), task.peer_local)
         peer_qs = self.qsets(y, rnd)
+        my_kv, their_kv = self.kvset(x, rnd)[0], self.kvset(y, rnd)[0]
         if not task.exchange_kv:
-            self.b.exchange(self.channel["q"], self.q_ops(y, my_qs, peer_qs, self.qkind))
+            ops = [send(y, self.qkind, g, part) for g, part in self.q_parts(my_qs, their_kv)]
+            ops += [recv(y, self.qkind, g, part) for g, part in self.q_parts(peer_qs, my_kv)]
+            self.b.exchange(self.channel["q"], ops)
             return
         # A kv that arrived in an earlier round is kept if it covers what this round needs
         # (both sides know both holdings, so they agree on what moves).
         ops = []
-        there, here = self.kv_part(peer_qs, x), self.kv_part(my_qs, y)
-        held_there, held_here = self.kv_there.get(y), self.kv_here.get(y)
+        there, here = self.kv_part(peer_qs, my_kv), self.kv_part(my_qs, their_kv)
+        held_there, held_here = self.kv_there.get((y, my_kv)), self.kv_here.get(their_kv)
         if held_there is None or not held_there.contains(there):
             there = there if held_there is None else there.union(held_there)
-            ops.append(send(y, Kind.KV, x, there))
-            self.kv_there[y] = there
+            ops.append(send(y, Kind.KV, my_kv, there))
+            self.kv_there[(y, my_kv)] = there
         if held_here is None or not held_here.contains(here):
             here = here if held_here is None else here.union(held_here)
-            ops.append(recv(y, Kind.KV, y, here))
-            self.kv_here[y] = here
+            ops.append(recv(y, Kind.KV, their_kv, here))
+            self.kv_here[their_kv] = here
         if ops:
             self.b.exchange(self.channel["kv"], ops)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_charm.plan import Layout, PlanOptions, build_plan
-from megatron_charm.plan.cost import plan_bytes
+from megatron_charm.plan.cost import cross_link_bytes, plan_bytes
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Compute, Exchange, Merge, Op, Plan, Wait, Wire
 
@@ -98,6 +98,33 @@ def bytes_table(n: int, p: int, causal: bool, shape: AttnShape) -> str:
     return "\n".join(rows)
 
 
+def cross_level_table(layout: Layout, causal: bool, shape: AttnShape) -> str:
+    """Markdown table: MB on the busiest directed cross-node link, forward / backward, of ring
+    and of charm with q or kv crossing, for every kv head count that divides ``shape.h``."""
+    rows = [
+        "| kv heads (g) | ring | charm, q crosses | charm, kv crosses | auto picks |",
+        "|---|---|---|---|---|",
+    ]
+    for h_kv in sorted((k for k in range(1, shape.h + 1) if shape.h % k == 0), reverse=True):
+        s = AttnShape(shape.b, shape.s_local, shape.h, h_kv, shape.d, shape.itemsize)
+        cells = []
+        for options in (
+            PlanOptions(method="ring"),
+            PlanOptions(cross_level="q"),
+            PlanOptions(cross_level="kv"),
+        ):
+            plan = build_plan(options, layout, causal, s)
+            busiest = [
+                max(cross_link_bytes(plan.programs(bwd), layout, s).values(), default=0) / 1e6
+                for bwd in (False, True)
+            ]
+            cells.append(f"{busiest[0]:.1f} / {busiest[1]:.1f}")
+        auto = build_plan(PlanOptions(), layout, causal, s).cross
+        tag = "MHA" if h_kv == shape.h else f"{shape.h // h_kv}:1"
+        rows.append(f"| {h_kv} ({tag}) | " + " | ".join(cells) + f" | {auto[0]} / {auto[1]} |")
+    return "\n".join(rows)
+
+
 def _kib(b: float) -> str:
     return "-" if b == 0 else f"{b / 1024:.0f}"
 
@@ -111,14 +138,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--bytes", action="store_true", help="print the bytes table instead")
+    ap.add_argument(
+        "--cross-bytes",
+        action="store_true",
+        help="print the busiest cross link's MB per kv head count (s_local 2048, d 64, bf16)",
+    )
+    ap.add_argument("--cross-level", choices=("auto", "q", "kv"), default="auto")
+    ap.add_argument("--heads", type=int, default=8, help="query heads (for cross-level auto)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
     args = ap.parse_args(argv)
+    if args.cross_bytes:
+        shape = AttnShape(b=1, s_local=2048, h=args.heads, h_kv=args.heads, d=64, itemsize=2)
+        layout = Layout(args.nodes, args.ranks_per_node)
+        print(cross_level_table(layout, not args.non_causal, shape))
+        return
     if args.bytes:
         shape = AttnShape(b=1, s_local=4096, h=8, h_kv=8, d=64, itemsize=2)
         n = args.nodes * args.ranks_per_node
         print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape))
         return
-    options = PlanOptions(method=args.method)
-    plan = build_plan(options, Layout(args.nodes, args.ranks_per_node), not args.non_causal)
+    options = PlanOptions(method=args.method, cross_level=args.cross_level)
+    shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=args.kv_heads or args.heads, d=64)
+    layout = Layout(args.nodes, args.ranks_per_node)
+    plan = build_plan(options, layout, not args.non_causal, shape)
+    if plan.method == "charm" and layout.num_nodes > 1:
+        print(f"across nodes: {plan.cross[0]} (forward), {plan.cross[1]} (backward)")
     print(block_matrix(plan))
     if args.rank is not None:
         print(f"\ncp_rank {args.rank}, {'backward' if args.backward else 'forward'}:")

@@ -177,6 +177,8 @@ class Plan:
     channels: tuple[tuple[str, str], ...]
     """``(channel name, scope)`` of every channel the programs use; scope ``intra``, ``cross`` or
     ``full`` (see :mod:`megatron_charm.comm.topology`)."""
+    cross: tuple[str, str] = ("q", "q")
+    """What crosses nodes in the forward and in the backward pass (charm): ``q`` or ``kv``."""
 
     @property
     def method(self) -> str:

@@ -157,7 +157,7 @@ def predict(
         ccr(topo, shape, compute, problem.causal, True),
     )
     for method in methods:
-        progs = programs(options.replace(method=method), layout, problem.causal, mode)
+        progs = programs(options.replace(method=method), layout, problem.causal, mode, shape)
         fwd = simulate_pass(progs, topo, shape, compute, False, record)
         bwd = simulate_pass(progs, topo, shape, compute, True, record)
         pred.methods[method] = MethodPrediction(method, fwd, bwd)

@@ -32,7 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from megatron_charm.plan import PlanOptions, build_plan, compact_channels, rank_programs
+from megatron_charm.plan import (
+    AttnShape,
+    PlanOptions,
+    compact_channels,
+    cross_levels,
+    plan_with_levels,
+    rank_programs,
+)
 from megatron_charm.plan.types import Layout, Program
 from megatron_charm.plan.wire import assign_wires
 
@@ -90,7 +97,13 @@ def symmetry_of(method: str, layout: Layout) -> str | None:
 
 
 @lru_cache(maxsize=32)
-def node_programs(options: PlanOptions, layout: Layout, causal: bool, node: int = 0) -> ProgramSet:
+def node_programs(
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    node: int = 0,
+    cross: tuple[str, str] = ("q", "q"),
+) -> ProgramSet:
     """Programs of one node's ranks only (``"symmetric"`` mode, Note [Node symmetry]).
 
     Wire precisions are decided as for a whole plan, among this node's programs."""
@@ -104,21 +117,29 @@ def node_programs(options: PlanOptions, layout: Layout, causal: bool, node: int 
         )
     p = layout.ranks_per_node
     ranks = range(node * p, (node + 1) * p)
-    fwd, bwd = rank_programs(options, layout, causal, ranks)
+    fwd, bwd = rank_programs(options, layout, causal, ranks, cross)
     compact = compact_channels(options)
     # receives from outside the node keep the default precision, the input dtype
     fwd_w, bwd_w = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
     return ProgramSet(options, layout, causal, fwd_w, bwd_w, sym)
 
 
-def programs(options: PlanOptions, layout: Layout, causal: bool, mode: str = "auto") -> ProgramSet:
-    """Programs to replay for ``method`` on ``layout`` (see :data:`MODES`)."""
+def programs(
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    mode: str = "auto",
+    shape: AttnShape | None = None,
+) -> ProgramSet:
+    """Programs to replay for ``options`` on ``layout`` (see :data:`MODES`); ``shape`` decides
+    charm's ``cross_level="auto"`` as :func:`megatron_charm.plan.cross_levels` does."""
+    cross = cross_levels(options, layout, causal, shape)
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
     if mode == "auto":
         small = layout.cp_size <= FULL_MODE_MAX_RANKS
         mode = "full" if small or symmetry_of(options.method, layout) is None else "symmetric"
     if mode == "symmetric" and layout.num_nodes > 1:
-        return node_programs(options, layout, causal)
-    plan = build_plan(options, layout, causal)
+        return node_programs(options, layout, causal, 0, cross)
+    plan = plan_with_levels(options, layout, causal, cross)
     return ProgramSet(options, layout, causal, plan.forward, plan.backward, "none")

@@ -112,3 +112,28 @@ def test_charm_input_dtype_cross_returns(pools):
     )
     for rank_results in results:
         check(rank_results)
+
+
+GQA_VARIANTS = [
+    (causal, h_kv, dtype)
+    for causal in (True, False)
+    for h_kv in (2, 1)  # 4:1 and 8:1 (MQA) over h = 8
+    for dtype in ("float32", "bfloat16")
+]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("cross_level", ["q", "kv", "auto"])
+@pytest.mark.parametrize("n,p", [(4, 2), (6, 2), (8, 4)])
+def test_charm_cross_levels_gqa(pools, cross_level, n, p):
+    """kv crossing nodes (the GQA dual of CHARM+) is exact forward and backward, like q."""
+    results = pools(n).run(
+        tasks.compare_with_reference,
+        method="charm",
+        ranks_per_node=p,
+        variants=GQA_VARIANTS,
+        h=8,
+        options={"cross_level": cross_level},
+    )
+    for rank_results in results:
+        check(rank_results)

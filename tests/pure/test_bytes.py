@@ -66,7 +66,7 @@ def test_rmplus_totals(n):
 
 @pytest.mark.parametrize("m,p", [(1, 4), (2, 1), (2, 2), (2, 4), (4, 2), (3, 2), (8, 1)])
 def test_charm_per_rank(m, p):
-    fwd, _ = plan_bytes(plan_of("charm", Layout(m, p), False), SHAPE)
+    fwd, _ = plan_bytes(plan_of("charm", Layout(m, p), False, cross_level="q"), SHAPE)
     # kv moves once: later rounds (foreign query sets) reuse the kv the first round brought
     rounds = 1
     for x in range(m * p):
@@ -86,7 +86,7 @@ def test_charm_per_rank(m, p):
 
 def test_charm_keeps_kv_inside_nodes():
     for causal in (True, False):
-        plan = plan_of("charm", Layout(4, 2), causal)
+        plan = plan_of("charm", Layout(4, 2), causal, cross_level="q")
         for prog in plan.forward + plan.backward:
             for ex in prog.exchanges():
                 if ex.channel.startswith("cross"):
@@ -96,11 +96,33 @@ def test_charm_keeps_kv_inside_nodes():
 
 
 def test_input_cross_return_halves_cross_returns():
-    exact, _ = plan_bytes(plan_of("charm", Layout(2, 2), False), SHAPE)
-    compact, _ = plan_bytes(plan_of("charm", Layout(2, 2), False, cross_return="input"), SHAPE)
+    exact, _ = plan_bytes(plan_of("charm", Layout(2, 2), False, cross_level="q"), SHAPE)
+    compact, _ = plan_bytes(
+        plan_of("charm", Layout(2, 2), False, cross_level="q", cross_return="input"), SHAPE
+    )
     for x in range(4):
         assert exact[x]["cross.o"] == 2 * C * (QE * 4 + LSE)
         assert compact[x]["cross.o"] == 2 * C * (QE * E + LSE)
         assert {k: v for k, v in exact[x].items() if k != "cross.o"} == {
             k: v for k, v in compact[x].items() if k != "cross.o"
         }
+
+
+@pytest.mark.parametrize("m,p", [(2, 1), (2, 2), (2, 4), (4, 2), (3, 2)])
+def test_charm_kv_level_per_rank(m, p):
+    fwd, bwd = plan_bytes(plan_of("charm", Layout(m, p), False, cross_level="kv"), SHAPE)
+    for x in range(m * p):
+        tasks = partner_tasks(x % p, p, split=True)
+        k = sum(t.exchange_kv for t in tasks)
+        q = len(tasks) - k
+        # every round hosts one kv set (own, then each other node's counterpart's) and own q
+        want = {
+            "intra.kv": m * k * 2 * C * KVE * E,
+            "intra.q": m * q * 2 * C * QE * E,
+            "intra.o": m * q * 2 * C * (QE * E + LSE),
+            "cross.kv": (m - 1) * 2 * C * KVE * E,
+        }
+        assert fwd[x] == {ch: b for ch, b in want.items() if b}
+        # backward: kv crosses again and its node-merged dk/dv return (float32 unless one block)
+        assert bwd[x]["cross.kv"] == (m - 1) * 2 * C * KVE * E
+        assert bwd[x]["cross.o"] == (m - 1) * 2 * C * KVE * (E if p == 1 else 4)

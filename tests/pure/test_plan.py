@@ -27,8 +27,12 @@ def test_every_plan_validates(n, p, causal):
             continue  # flat methods ignore the node split
         variants = [False, True] if method == "charm" and n // p == 2 else [False]
         for combine in variants:
-            plan = plan_of(method, Layout(n // p, p), causal, combine_two_nodes=combine)
-            _check_balanced(plan, n, causal)
+            levels = ["q", "kv"] if method == "charm" and n // p > 1 and not combine else ["q"]
+            for level in levels:
+                plan = plan_of(
+                    method, Layout(n // p, p), causal, combine_two_nodes=combine, cross_level=level
+                )
+                _check_balanced(plan, n, causal)
 
 
 def _check_balanced(plan, n, causal):
@@ -171,7 +175,7 @@ def _flip_first_partial_wire(instrs, send):
 
 def test_validator_catches_receive_with_other_wire_precision():
     # the receiver would allocate a buffer of the wrong size: gloo may accept a short message
-    plan = plan_of("charm", Layout(2, 2), False)
+    plan = plan_of("charm", Layout(2, 2), False, cross_level="q")
     bad = _mutated(plan, 1, lambda ins: _flip_first_partial_wire(ins, send=False))
     with pytest.raises(ScheduleError, match="posts"):
         validate(bad)
@@ -181,7 +185,7 @@ def test_validator_catches_receive_with_other_wire_precision():
 def test_validator_catches_wasteful_or_lossy_send(backward):
     # a single block sent in float32 (twice the bytes) or a merged partial sent in the input
     # dtype on an exact channel (one more rounding): the sender's precision breaks the rule
-    plan = plan_of("charm", Layout(2, 2), True)
+    plan = plan_of("charm", Layout(2, 2), True, cross_level="q")
     bad = _mutated(plan, 0, lambda ins: _flip_first_partial_wire(ins, send=True), backward)
     with pytest.raises(ScheduleError, match="float32|input dtype|posts"):
         validate(bad)
