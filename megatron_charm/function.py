@@ -148,9 +148,9 @@ def backward_pass(
         (Kind.QB, x): (Part.FULL, [q, out, dout.contiguous(), lse]),
         (Kind.KV, x): (Part.FULL, [k, v]),
     }
-    accs = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace).run()
-    dq = accs[(Kind.DQ, x)].tensors[0].to(q.dtype)
-    dk, dv = (t.to(k.dtype) for t in accs[(Kind.DKV, x)].tensors)
+    accumulators = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace).run()
+    dq = accumulators[(Kind.DQ, x)].tensors[0].to(q.dtype)
+    dk, dv = (t.to(k.dtype) for t in accumulators[(Kind.DKV, x)].tensors)
     return dq, dk, dv
 
 

@@ -78,11 +78,11 @@ class _RankReplay:
         self.x = prog.cp_rank
         self.pc = 0
         qk = Kind.QB if replay.backward else Kind.Q
-        self.held: dict[tuple[Kind, int], Part] = {
+        self.inputs: dict[tuple[Kind, int], Part] = {
             (qk, self.x): Part.FULL,
             (Kind.KV, self.x): Part.FULL,
         }
-        self.accs: dict[tuple[Kind, int], _Acc] = {}
+        self.accumulators: dict[tuple[Kind, int], _Acc] = {}
         self.partials: dict[tuple[int, Kind, int], _Acc] = {}
         self.completed: set[int] = set()
         self.waited: set[int] = set()
@@ -96,7 +96,7 @@ class _RankReplay:
         return self.pc >= len(self.prog.instrs)
 
     def has(self, kind: Kind, owner: int, part: Part) -> bool:
-        got = self.held.get((kind, owner))
+        got = self.inputs.get((kind, owner))
         return got is not None and got.contains(part)
 
     def step(self) -> bool:
@@ -122,7 +122,7 @@ class _RankReplay:
                 continue
             p = op.payload
             if p.kind.is_partial:
-                acc = self.accs.pop((p.kind, p.owner), None)
+                acc = self.accumulators.pop((p.kind, p.owner), None)
                 if acc is None or acc.part != p.part:
                     raise self.err(f"sends {p} but holds {acc and acc.part}")
                 if acc.single_block and op.wire != Wire.INPUT:
@@ -144,7 +144,7 @@ class _RankReplay:
         self.waited.add(w.handle)
         for payload, acc in self.inbox.pop(w.handle):
             if acc is None:
-                self.held[(payload.kind, payload.owner)] = payload.part
+                self.inputs[(payload.kind, payload.owner)] = payload.part
             else:
                 self.partials[(w.handle, payload.kind, payload.owner)] = acc
 
@@ -185,9 +185,9 @@ class _RankReplay:
         self._add((p.kind, p.owner), acc.part, acc.pairs, False)
 
     def _add(self, key: tuple[Kind, int], part: Part, pairs: set[Pair], computed: bool) -> None:
-        acc = self.accs.get(key)
+        acc = self.accumulators.get(key)
         if acc is None:
-            self.accs[key] = _Acc(part, set(pairs), computed and len(pairs) == 1)
+            self.accumulators[key] = _Acc(part, set(pairs), computed and len(pairs) == 1)
             return
         twice = [
             (q, kv)
@@ -251,14 +251,14 @@ class _Mailbox:
     def deliver(self, ranks: list[_RankReplay]) -> bool:
         """Complete every ready exchange; whether any completed."""
         heads, ready = self.ready()
-        for x, ch in ready:
-            ex = self.fifo[(x, ch)].popleft()
+        for x, channel in ready:
+            ex = self.fifo[(x, channel)].popleft()
             rank = ranks[x]
             rank.completed.add(ex.handle)
             for op in ex.ops:
                 if op.send:
                     continue
-                peer_ex = heads[(op.peer, ch)]
+                peer_ex = heads[(op.peer, channel)]
                 idx = next(
                     i
                     for i, o in enumerate(peer_ex.ops)
@@ -317,11 +317,11 @@ class Replay:
                 }
             else:
                 want = {(Kind.O, r.x): {(r.x, y) for y in range(n)}}
-            got = {k: {(q, kv) for q, kv, _ in a.pairs} for k, a in r.accs.items()}
+            got = {k: {(q, kv) for q, kv, _ in a.pairs} for k, a in r.accumulators.items()}
             if got != want:
                 extra = {k: sorted(v) for k, v in got.items() if want.get(k) != v}
                 raise ScheduleError(f"cp_rank {r.x} ends with wrong accumulators: {extra}")
-            for k, a in r.accs.items():
+            for k, a in r.accumulators.items():
                 if a.part != Part.FULL:
                     raise ScheduleError(f"cp_rank {r.x} accumulator {k} covers only {a.part}")
         costs = {x: round(self.report.cost.get(x, 0.0), 9) for x in range(n)}

@@ -134,10 +134,10 @@ class Engine:
         backward: bool,
         record: bool = False,
     ) -> None:
-        lay = progs.layout
-        if (lay.num_nodes, lay.ranks_per_node) != (topo.num_nodes, topo.ranks_per_node):
+        layout = progs.layout
+        if (layout.num_nodes, layout.ranks_per_node) != (topo.num_nodes, topo.ranks_per_node):
             raise ValueError(
-                f"plan layout {lay.num_nodes}x{lay.ranks_per_node} does not match topology "
+                f"plan layout {layout.num_nodes}x{layout.ranks_per_node} does not match topology "
                 f"{topo.num_nodes}x{topo.ranks_per_node}"
             )
         self.progs = progs

@@ -26,7 +26,7 @@ from megatron_charm.sim.topology import PRESETS, Topology
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Attention shape of a GPT-3-like model (DESIGN section 5)."""
+    """Attention shape of a GPT-3-like model (the GPT-3 sizes of docs/training.md, "Configs")."""
 
     name: str
     heads: int
