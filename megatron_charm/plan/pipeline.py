@@ -126,6 +126,9 @@ class _Pass:
         # kv kept across rounds: kv owner -> part held here; (peer, kv owner) -> part held there
         self.kv_here: dict[int, Part] = {}
         self.kv_there: dict[tuple[int, int], Part] = {}
+        # queries kept across rounds, likewise: q owner -> part held here; (peer, owner) -> there
+        self.q_here: dict[int, Part] = {}
+        self.q_there: dict[tuple[int, int], Part] = {}
         # Partials for this rank's own q and kv are merged one round late (or at the end), so
         # that a round never waits for a partner's result it does not need to finish.
         self.deferred_merges: list[Payload] = []
@@ -137,9 +140,12 @@ class _Pass:
         """How the crossing input (q, or kv) of ``owner`` travels to ``node``: one part, or two
         halves (a foreign q needed whole)."""
         if self.kv_cross:
-            return [foreign_kv_part(owner, node, self.layout, self.causal)]
-        part = foreign_q_part(owner, node, self.layout, self.causal)
+            part = foreign_kv_part(owner, node, self.layout, self.causal)
+        else:
+            part = foreign_q_part(owner, node, self.layout, self.causal)
         if part == Part.FULL and self.cfg.split_foreign and not self.combined:
+            # whole foreign blocks are unmasked, so they may be computed in halves (of q, or of
+            # kv): the first half's results travel back while the second half still crosses
             return [Part.FIRST, Part.SECOND]
         return [part]
 
@@ -153,11 +159,15 @@ class _Pass:
         m = self.layout.num_nodes
         if self.combined:
             return [[(0, 0), (1, 0)]]
-        out = [[(0, 0)]]
+        foreign = []
         for o in range(1, m):
             count = len(self.pieces(self.source(self.x, o), self.layout.node(self.x)))
-            out += [[(o, i)] for i in range(count)]
-        return out
+            foreign += [[(o, i)] for i in range(count)]
+        if self.kv_cross and self.bwd:
+            # The backward's float32 dk/dv returns are larger than the kv that came in: the own
+            # round goes last, so that it hides the last return instead of the first arrival.
+            return foreign + [[(0, 0)]]
+        return [[(0, 0)], *foreign]
 
     def qsets(self, cp_rank: int, rnd: list[Slot]) -> list[QSet]:
         """The query sets ``cp_rank`` hosts in round ``rnd``."""
@@ -181,28 +191,29 @@ class _Pass:
         g = self.source(cp_rank, o)
         return (g, self.pieces(g, self.layout.node(cp_rank))[i])
 
-    def block(self, qs: QSet, kv_owner: int) -> tuple[Part, Part, bool] | None:
-        qp, kp, masked = block_parts(qs[0], kv_owner, self.causal)
-        rq = restrict(qp, qs[1])
-        return None if rq is None else (rq, kp, masked)
+    def block(self, qs: QSet, ks: KVSet) -> tuple[Part, Part, bool] | None:
+        """The block of a query set against a kv set: its parts, or ``None`` if empty."""
+        qp, kp, masked = block_parts(qs[0], ks[0], self.causal)
+        rq, rk = restrict(qp, qs[1]), restrict(kp, ks[1])
+        return None if rq is None or rk is None else (rq, rk, masked)
 
-    def kv_part(self, qsets: list[QSet], kv_owner: int) -> Part:
+    def kv_part(self, qsets: list[QSet], ks: KVSet) -> Part | None:
+        """The part of a kv set that the query sets' blocks use (``None``: no block)."""
         part: Part | None = None
         for qs in qsets:
-            blk = self.block(qs, kv_owner)
+            blk = self.block(qs, ks)
             if blk is not None:
                 part = blk[1] if part is None else part.union(blk[1])
-        assert part is not None, "a kv exchange that no block uses"
         return part
 
-    def compute(self, qs: QSet, kv_owner: int) -> None:
-        blk = self.block(qs, kv_owner)
+    def compute(self, qs: QSet, ks: KVSet) -> None:
+        blk = self.block(qs, ks)
         if blk is not None:
-            self.b.compute(qs[0], kv_owner, *blk, q_kind=self.qkind)
+            self.b.compute(qs[0], ks[0], *blk, q_kind=self.qkind)
 
-    def q_parts(self, qsets: list[QSet], kv_owner: int) -> list[tuple[int, Part]]:
-        """``(q owner, part)`` of every query set's block against ``kv_owner``'s kv."""
-        return [(g, blk[0]) for g, p in qsets if (blk := self.block((g, p), kv_owner))]
+    def q_parts(self, qsets: list[QSet], ks: KVSet) -> list[tuple[int, Part]]:
+        """``(q owner, part)`` of every query set's block against a kv set."""
+        return [(g, blk[0]) for g, p in qsets if (blk := self.block((g, p), ks))]
 
     # --- cross-node level -----------------------------------------------------------------------
 
@@ -288,7 +299,7 @@ class _Pass:
     # --- one round of the intra-node pipeline ---------------------------------------------------
 
     def intra_round(self, rnd: list[Slot]) -> None:
-        my_qs, my_kv = self.qsets(self.x, rnd), self.kvset(self.x, rnd)[0]
+        my_qs, my_kv = self.qsets(self.x, rnd), self.kvset(self.x, rnd)
         window = _Window(self, rnd, my_qs)
         # kv exchanges carry only home tensors, so they start before the diagonal block; q
         # exchanges may carry a foreign query set that is still crossing the node boundary.
@@ -321,17 +332,17 @@ class _Pass:
     ) -> list[Payload]:
         """My query sets against the partner's kv set; backward: swap the dk/dv partials."""
         y = self.layout.rank(self.layout.node(self.x), task.peer_local)
-        their_kv = self.kvset(y, rnd)[0]
+        their_kv = self.kvset(y, rnd)
         for qs in my_qs:
             self.compute(qs, their_kv)
         if not self.bwd:
             return []
         mine, theirs = self.kv_part(my_qs, their_kv), self.kv_part(self.qsets(y, rnd), my_kv)
-        self.b.exchange(
-            self.channel["o"],
-            [send(y, Kind.DKV, their_kv, mine), recv(y, Kind.DKV, my_kv, theirs)],
-        )
-        return [Payload(Kind.DKV, my_kv, theirs)]
+        ops = [send(y, Kind.DKV, their_kv[0], mine)] if mine is not None else []
+        ops += [recv(y, Kind.DKV, my_kv[0], theirs)] if theirs is not None else []
+        if ops:
+            self.b.exchange(self.channel["o"], ops)
+        return [op.payload for op in ops if not op.send]
 
     def q_partner_blocks(
         self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet], my_kv: int
@@ -343,8 +354,9 @@ class _Pass:
             self.compute(qs, my_kv)
         kind = self.result_kind
         ops = [send(y, kind, g, part) for g, part in self.q_parts(peer_qs, my_kv)]
-        ops += [recv(y, kind, g, part) for g, part in self.q_parts(my_qs, self.kvset(y, rnd)[0])]
-        self.b.exchange(self.channel["o"], ops)
+        ops += [recv(y, kind, g, part) for g, part in self.q_parts(my_qs, self.kvset(y, rnd))]
+        if ops:
+            self.b.exchange(self.channel["o"], ops)
         return [op.payload for op in ops if not op.send]
 
     def post(self, task: PartnerTask, my_qs: list[QSet], rnd: list[Slot]) -> None:
@@ -352,27 +364,45 @@ class _Pass:
         x = self.x
         y = self.layout.rank(self.layout.node(x), task.peer_local)
         peer_qs = self.qsets(y, rnd)
-        my_kv, their_kv = self.kvset(x, rnd)[0], self.kvset(y, rnd)[0]
+        my_kv, their_kv = self.kvset(x, rnd), self.kvset(y, rnd)
         if not task.exchange_kv:
-            ops = [send(y, self.qkind, g, part) for g, part in self.q_parts(my_qs, their_kv)]
-            ops += [recv(y, self.qkind, g, part) for g, part in self.q_parts(peer_qs, my_kv)]
-            self.b.exchange(self.channel["q"], ops)
+            ops = [
+                send(y, self.qkind, g, missing)
+                for g, need in self.q_parts(my_qs, their_kv)
+                if (missing := _missing(self.q_there, (y, g), need, widen=g == x))
+            ]
+            ops += [
+                recv(y, self.qkind, g, missing)
+                for g, need in self.q_parts(peer_qs, my_kv)
+                if (missing := _missing(self.q_here, g, need, widen=g == y))
+            ]
+            if ops:
+                self.b.exchange(self.channel["q"], ops)
             return
         # A kv that arrived in an earlier round is kept if it covers what this round needs
-        # (both sides know both holdings, so they agree on what moves).
+        # (both sides know both holdings, so they agree on what moves). Own kv is widened to
+        # what earlier rounds used too, since later rounds may need it again; a foreign kv
+        # piece is sent as it is (its other half belongs to another round).
         ops = []
         there, here = self.kv_part(peer_qs, my_kv), self.kv_part(my_qs, their_kv)
-        held_there, held_here = self.kv_there.get((y, my_kv)), self.kv_here.get(their_kv)
-        if held_there is None or not held_there.contains(there):
-            there = there if held_there is None else there.union(held_there)
-            ops.append(send(y, Kind.KV, my_kv, there))
-            self.kv_there[(y, my_kv)] = there
-        if held_here is None or not held_here.contains(here):
-            here = here if held_here is None else here.union(held_here)
-            ops.append(recv(y, Kind.KV, their_kv, here))
-            self.kv_here[their_kv] = here
+        if there and (there := _missing(self.kv_there, (y, my_kv[0]), there, my_kv[0] == x)):
+            ops.append(send(y, Kind.KV, my_kv[0], there))
+        if here and (here := _missing(self.kv_here, their_kv[0], here, their_kv[0] == y)):
+            ops.append(recv(y, Kind.KV, their_kv[0], here))
         if ops:
             self.b.exchange(self.channel["kv"], ops)
+
+
+def _missing(held: dict, key: object, need: Part, widen: bool) -> Part | None:
+    """The part to send so that the holder of ``held[key]`` covers ``need`` (``None``: it does
+    already), and record it. ``widen`` (a rank's own tensor, which later rounds may need again)
+    sends the union with what is held; a foreign piece is sent as it is."""
+    have = held.get(key)
+    if have is not None and have.contains(need):
+        return None
+    part = need.union(have) if have is not None and widen else need
+    held[key] = part
+    return part
 
 
 class _Window:

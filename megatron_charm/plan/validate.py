@@ -41,7 +41,7 @@ class ScheduleError(RuntimeError):
     """A plan violates an invariant (internal error: plans are generated, not user input)."""
 
 
-Pair = tuple[int, int, Part]  # (q owner, kv owner, q part) of a block
+Pair = tuple[int, int, Part, Part]  # (q owner, kv owner, q part, kv part) of a block (piece)
 
 
 @dataclass
@@ -151,9 +151,12 @@ class _RankReplay:
     def _compute(self, c: Compute) -> None:
         replay = self.replay
         qp, kp, masked = block_parts(c.q_owner, c.kv_owner, replay.plan.causal)
-        # a block may be computed in two halves of its queries (never the masked one)
-        split = qp == Part.FULL and c.q_part != Part.FULL and not masked
-        if (kp, masked) != (c.kv_part, c.masked) or not (c.q_part == qp or split):
+        # a block may be computed in two halves of its queries or of its keys (never the
+        # masked one)
+        q_split = qp == Part.FULL and c.q_part != Part.FULL and c.kv_part == kp
+        kv_split = kp == Part.FULL and c.kv_part != Part.FULL and c.q_part == qp
+        whole = (c.q_part, c.kv_part) == (qp, kp)
+        if masked != c.masked or not (whole or ((q_split or kv_split) and not masked)):
             raise self.err(f"block ({c.q_owner},{c.kv_owner}) uses wrong parts")
         qk = Kind.QB if replay.backward else Kind.Q
         if not self.has(qk, c.q_owner, c.q_part):
@@ -161,14 +164,14 @@ class _RankReplay:
         if not self.has(Kind.KV, c.kv_owner, c.kv_part):
             raise self.err(f"computes with kv{c.kv_owner}.{c.kv_part.value} not received")
         pair = (c.q_owner, c.kv_owner)
-        replay.pair_parts.setdefault(pair, []).append(c.q_part)
-        share = c.q_part.fraction / qp.fraction
+        replay.pair_parts.setdefault(pair, []).append((c.q_part, c.kv_part))
+        share = (c.q_part.fraction / qp.fraction) * (c.kv_part.fraction / kp.fraction)
         report = replay.report
         report.cost[self.x] = report.cost.get(self.x, 0.0) + share * block_cost(
             *pair, replay.plan.causal
         )
         report.blocks[self.x] = report.blocks.get(self.x, 0) + 1
-        block = {(*pair, c.q_part)}
+        block = {(*pair, c.q_part, c.kv_part)}
         if replay.backward:
             self._add((Kind.DQ, c.q_owner), c.q_part, block, True)
             self._add((Kind.DKV, c.kv_owner), c.kv_part, block, True)
@@ -191,9 +194,11 @@ class _RankReplay:
             return
         twice = [
             (q, kv)
-            for q, kv, qp in pairs
-            for q2, kv2, qp2 in acc.pairs
-            if (q, kv) == (q2, kv2) and (qp.contains(qp2) or qp2.contains(qp))
+            for q, kv, qp, kp in pairs
+            for q2, kv2, qp2, kp2 in acc.pairs
+            if (q, kv) == (q2, kv2)
+            and (qp.contains(qp2) or qp2.contains(qp))
+            and (kp.contains(kp2) or kp2.contains(kp))
         ]
         if twice:
             raise self.err(f"accumulator {key} merges blocks {sorted(twice)} twice")
@@ -299,10 +304,17 @@ class Replay:
 
     def _final_checks(self) -> None:
         n, causal = self.n, self.plan.causal
+        halves = sorted([Part.FIRST, Part.SECOND])
         for pair, parts in self.pair_parts.items():
-            whole = block_parts(*pair, causal)[0]
-            if sorted(parts) != [whole] and sorted(parts) != sorted([Part.FIRST, Part.SECOND]):
-                raise ScheduleError(f"block {pair} computed as {[p.value for p in parts]}")
+            qp, kp, _ = block_parts(*pair, causal)
+            tilings = (
+                [(qp, kp)],
+                sorted((h, kp) for h in halves),
+                sorted((qp, h) for h in halves),
+            )
+            if sorted(parts) not in tilings:
+                shown = [f"{q.value}x{k.value}" for q, k in parts]
+                raise ScheduleError(f"block {pair} computed as {shown}")
         if len(self.pair_parts) != n * n:
             raise ScheduleError(f"{n * n - len(self.pair_parts)} blocks never computed")
         for r in self.ranks:
@@ -317,7 +329,7 @@ class Replay:
                 }
             else:
                 want = {(Kind.O, r.x): {(r.x, y) for y in range(n)}}
-            got = {k: {(q, kv) for q, kv, _ in a.pairs} for k, a in r.accumulators.items()}
+            got = {k: {(q, kv) for q, kv, _, _ in a.pairs} for k, a in r.accumulators.items()}
             if got != want:
                 extra = {k: sorted(v) for k, v in got.items() if want.get(k) != v}
                 raise ScheduleError(f"cp_rank {r.x} ends with wrong accumulators: {extra}")

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     sim.add_argument("--mode", choices=MODES, default="auto", help="replay all ranks or one node")
     sim.add_argument("--window", type=int, default=2, help="prefetch window of the pipelines")
+    sim.add_argument(
+        "--cross-level",
+        choices=("auto", "q", "kv"),
+        default="auto",
+        help="what charm ships across nodes (auto: fewer bytes for the head ratio)",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap
 
@@ -156,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo, problem, compute, methods = _resolve(args)
         pred = predict(
-            topo, problem, compute, tuple(methods), args.mode, PlanOptions(window=args.window)
+            topo,
+            problem,
+            compute,
+            tuple(methods),
+            args.mode,
+            PlanOptions(window=args.window, cross_level=args.cross_level),
         )
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)

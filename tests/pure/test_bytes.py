@@ -115,11 +115,14 @@ def test_charm_kv_level_per_rank(m, p):
         tasks = partner_tasks(x % p, p, split=True)
         k = sum(t.exchange_kv for t in tasks)
         q = len(tasks) - k
-        # every round hosts one kv set (own, then each other node's counterpart's) and own q
+        # every round hosts own q and one kv set: own kv, then each other node's counterpart's
+        # kv in two halves (two rounds, so that results of the first leave while the second
+        # crosses); a partner keeps q and kv across rounds, but every round returns results
+        rounds = 1 + 2 * (m - 1)
         want = {
             "intra.kv": m * k * 2 * C * KVE * E,
-            "intra.q": m * q * 2 * C * QE * E,
-            "intra.o": m * q * 2 * C * (QE * E + LSE),
+            "intra.q": q * 2 * C * QE * E,
+            "intra.o": rounds * q * 2 * C * (QE * E + LSE),
             "cross.kv": (m - 1) * 2 * C * KVE * E,
         }
         assert fwd[x] == {ch: b for ch, b in want.items() if b}

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan, cross_levels
 from megatron_charm.plan.cost import cross_link_bytes
-from megatron_charm.plan.types import Kind
+from megatron_charm.plan.types import Kind, Part
 
 H = 16
 RATIOS = [1, 2, 4, 8, H]
@@ -74,8 +74,14 @@ def test_kv_level_keeps_queries_inside_nodes_and_kv_crosses_once(mp, causal):
             ]
             kinds = {op.payload.kind for _, op in crossing}
             assert kinds <= ({Kind.KV, Kind.DKV} if backward else {Kind.KV})
-            # kv of this rank: once to each other node, to the rank with its local index
+            # kv of this rank crosses once to each other node, to the rank with its local
+            # index: whole, or as two disjoint halves (no part twice)
             kv_sends = [op for _, op in crossing if op.payload.kind == Kind.KV]
-            assert len(kv_sends) == m - 1
             assert {layout.local(op.peer) for op in kv_sends} == {layout.local(prog.cp_rank)}
             assert all(op.payload.owner == prog.cp_rank for op in kv_sends)
+            per_node: dict[int, list[Part]] = {}
+            for op in kv_sends:
+                per_node.setdefault(layout.node(op.peer), []).append(op.payload.part)
+            assert len(per_node) == m - 1
+            for parts in per_node.values():
+                assert sum(part.fraction for part in parts) <= 1.0 and len(set(parts)) == len(parts)
