@@ -47,7 +47,7 @@ class LaunchResult:
     ranks: list[RankExit]
     elapsed_s: float
     timed_out: bool
-    timeout_s: float
+    timeout_s: float | None
     first_failure: int | None = None
     """Rank whose failure made the launcher stop the others (lowest failing rank)."""
 
@@ -82,7 +82,7 @@ def run(spec: LaunchSpec) -> LaunchResult:
     """
     group = RankGroup(spec)
     start = time.monotonic()
-    deadline = start + spec.timeout_s
+    deadline = start + spec.timeout_s if spec.timeout_s is not None else float("inf")
     timed_out = False
     handlers = _SignalScope(group)
     try:

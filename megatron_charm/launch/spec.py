@@ -44,8 +44,9 @@ class LaunchSpec:
     """Port of the TCP rendezvous; ``None`` picks a free one."""
     store_path: str | None = None
     """File of the file-store rendezvous (must not exist yet); required with ``"file"``."""
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    """Seconds the whole run may take; then every rank is stopped and the run fails."""
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    """Seconds the whole run may take; then every rank is stopped and the run fails. ``None``:
+    no limit (a training run; its collectives still time out on their own)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Variables for every rank, over this process's environment."""
     rank_env: Callable[[int], Mapping[str, str]] | None = None
@@ -69,7 +70,7 @@ class LaunchSpec:
             )
         if self.rendezvous == "file" and not self.store_path:
             raise ValueError("rendezvous='file' needs store_path, the file of the store")
-        if not self.timeout_s > 0:
+        if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r}: must be positive")
         if self.kill_grace_s < 0:
             raise ValueError(f"kill_grace_s={self.kill_grace_s!r}: must not be negative")
