@@ -64,7 +64,7 @@ def function_spec(
     """
     payload = os.path.join(workdir, "payload.pkl")
     with open(payload, "wb") as f:
-        pickle.dump((list(sys.path), fn.__module__, fn.__qualname__, pickle.dumps(args)), f)
+        pickle.dump((list(sys.path), _module_of(fn), fn.__qualname__, pickle.dumps(args)), f)
     kw.setdefault("rendezvous", "file")
     if kw["rendezvous"] == "file":
         kw.setdefault("store_path", os.path.join(workdir, "store"))
@@ -75,6 +75,22 @@ def function_spec(
     if spec is not None:
         return replace(spec, cmd=cmd, env={**spec.env, **extra}, **kw)
     return LaunchSpec(cmd=cmd, env=extra, **kw)
+
+
+def _module_of(fn: Callable[..., Any]) -> str:
+    """The name under which a rank can import ``fn``."""
+    module = fn.__module__
+    if module == "__main__":
+        # Started with ``python -m pkg.mod``: the ranks import it as ``pkg.mod``.
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        if spec is None:
+            raise ValueError(
+                f"{fn.__qualname__} is defined in a script run by path; ranks import their "
+                "function by module name: run the script with python -m, or move the function "
+                "into a module"
+            )
+        module = spec.name
+    return module
 
 
 def run_function(fn: Callable[..., Any], *args: Any, nproc: int, **kw: Any) -> LaunchResult:
