@@ -8,14 +8,17 @@ importable by module and name, or a ``"module:function"`` string. With ``context
 gets a :class:`RankContext` first. Every call has a deadline, so a hang fails the test instead of
 the suite. A pool whose rank died or hung is broken: it refuses further tasks.
 
-Ranks talk to the pool over one authenticated Unix socket each; they share one gloo world (file
-store, so pools never race other processes for a port) and run one compute thread each.
+Ranks talk to the pool over one authenticated Unix socket each, in plain pickles (tensors are
+copied, not shared through ``torch.multiprocessing``'s file descriptors). They share one gloo
+world (a file store, so pools never race other processes for a port) and run one compute thread
+each.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import secrets
 import shutil
 import tempfile
@@ -84,7 +87,7 @@ def _serve(info: RankInfo, address: str, authkey: bytes, context: bool, pg_timeo
     ctx = RankContext(info.rank, info.world_size)
     while True:
         try:
-            task = conn.recv()
+            task = pickle.loads(conn.recv_bytes())
         except EOFError:
             break
         if task is None:
@@ -94,9 +97,11 @@ def _serve(info: RankInfo, address: str, authkey: bytes, context: bool, pg_timeo
             fn: Any = importlib.import_module(module)
             for part in name.split("."):
                 fn = getattr(fn, part)
-            conn.send((True, fn(ctx, *args, **kwargs) if context else fn(*args, **kwargs)))
+            answer = (True, fn(ctx, *args, **kwargs) if context else fn(*args, **kwargs))
+            data = pickle.dumps(answer)
         except BaseException as exc:  # noqa: BLE001 - report everything to the test process
-            conn.send((False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            data = pickle.dumps((False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        conn.send_bytes(data)
     dist.destroy_process_group()
 
 
@@ -161,7 +166,7 @@ class RankPool:
             return {}
         task = (*_resolve(target), args, kwargs)
         for rank in range(self.world_size):
-            self._conns[rank].send(task)
+            self._conns[rank].send_bytes(pickle.dumps(task))
         waiting = {conn: rank for rank, conn in self._conns.items()}
         got: dict[int, tuple[bool, Any]] = {}
         grace_set = False
@@ -169,7 +174,7 @@ class RankPool:
             for conn in wait(list(waiting), timeout=0.5):
                 rank = waiting.pop(conn)
                 try:
-                    got[rank] = conn.recv()
+                    got[rank] = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     pass  # the rank died; it is missing from the answer
             if not grace_set and any(self._dead(r) for r in waiting.values()):
@@ -207,7 +212,7 @@ class RankPool:
         self.broken = True
         for conn in self._conns.values():
             try:
-                conn.send(None)
+                conn.send_bytes(pickle.dumps(None))
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + CLOSE_GRACE_S
