@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -54,9 +54,7 @@ class RankInfo:
         )
 
 
-def function_spec(
-    fn: Callable[..., Any], args: tuple, workdir: str, spec: LaunchSpec | None = None, **kw: Any
-) -> LaunchSpec:
+def function_spec(fn: Callable[..., Any], args: tuple, workdir: str, **kw: Any) -> LaunchSpec:
     """A spec whose ranks call ``fn(info, *args)``; the payload is written into ``workdir``.
 
     ``fn`` must be importable by its module and name. ``kw`` are :class:`LaunchSpec` fields
@@ -72,8 +70,6 @@ def function_spec(
     path = extra.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     extra["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
     cmd = [sys.executable, "-m", "megatron_charm.launch", payload]
-    if spec is not None:
-        return replace(spec, cmd=cmd, env={**spec.env, **extra}, **kw)
     return LaunchSpec(cmd=cmd, env=extra, **kw)
 
 

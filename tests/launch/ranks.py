@@ -1,45 +1,21 @@
-"""Rank programs and a launcher process for the launcher's tests (run as scripts, not imported
-by pytest). Each rank records its pid and its child's pid in a folder, then does what the test
-asks."""
+"""A launcher process for the launcher's signal tests (run as a script, not imported by pytest):
+``ranks.py DIR NPROC TIMEOUT_S`` runs ``rank.sh`` ranks that wait until a signal comes."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
+from pathlib import Path
 
 from megatron_charm.launch import LaunchSpec, run
 
-
-def rank() -> None:
-    """``ranks.py rank DIR ACTION``: ACTION is ``sleep``, ``exit3@R`` or ``sigkill@R``."""
-    out, action = sys.argv[2], sys.argv[3]
-    me = int(os.environ["RANK"])
-    # A child in the rank's process group: stopping a rank must reach it too.
-    child = subprocess.Popen(["sleep", "60"])
-    with open(os.path.join(out, f"rank{me}.json.tmp"), "w") as f:
-        json.dump({"pid": os.getpid(), "child": child.pid, "env": dict(os.environ)}, f)
-    os.replace(os.path.join(out, f"rank{me}.json.tmp"), os.path.join(out, f"rank{me}.json"))
-    what, _, who = action.partition("@")
-    if who and int(who) == me:
-        time.sleep(0.3)
-        if what == "exit3":
-            sys.exit(3)
-        if what == "sigkill":
-            os.kill(os.getpid(), 9)
-    time.sleep(60)
+RANK_SH = str(Path(__file__).with_name("rank.sh"))
 
 
-def launcher() -> None:
-    """``ranks.py launcher DIR NPROC TIMEOUT_S``: run sleeping ranks until a signal comes."""
-    out, nproc, timeout_s = sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+def main() -> None:
+    out, nproc, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     spec = LaunchSpec(
-        cmd=[sys.executable, __file__, "rank", out, "sleep"],
-        nproc=nproc,
-        timeout_s=timeout_s,
-        kill_grace_s=1.0,
+        cmd=["sh", RANK_SH, out, "wait", "-1"], nproc=nproc, timeout_s=timeout_s, kill_grace_s=1.0
     )
     with open(os.path.join(out, "launcher.pid"), "w") as f:
         f.write(str(os.getpid()))
@@ -51,4 +27,4 @@ def launcher() -> None:
 
 
 if __name__ == "__main__":
-    {"rank": rank, "launcher": launcher}[sys.argv[1]]()
+    main()
