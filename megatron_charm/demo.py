@@ -8,28 +8,21 @@ largest difference from plain attention on the whole sequence.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megatron_charm.launch import RankInfo, run_function
 
 
-def _rank_main(cp_rank: int, args: argparse.Namespace, store: str) -> None:
+def _rank_main(info: RankInfo, args: argparse.Namespace) -> None:
     import megatron_charm as mc
     from megatron_charm.kernels.backends import _KERNELS
     from megatron_charm.plan import zigzag_positions
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=cp_rank,
-        world_size=args.ranks,
-        timeout=timedelta(seconds=120),
-    )
+    cp_rank = info.rank
+    info.init_process_group("gloo")
     topo = mc.CPTopology.build(None, ranks_per_node=args.ranks_per_node)
     b, seq, h, h_kv, d = 2, args.seq, 8, 2, 64
     gen = torch.Generator().manual_seed(0)
@@ -76,10 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--method", default="charm")
     ap.add_argument("--seq", type=int, default=512)
     args = ap.parse_args(argv)
-    fd, store = tempfile.mkstemp(prefix="mc-demo-")
-    os.close(fd)
-    os.unlink(store)
-    mp.spawn(_rank_main, args=(args, store), nprocs=args.ranks)
+    run_function(_rank_main, args, nproc=args.ranks)
 
 
 if __name__ == "__main__":

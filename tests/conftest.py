@@ -1,18 +1,18 @@
 import pytest
 
-from tests.gloo.pool import WorkerPool
+from tests.rank_pool import RankPool
 
-_pools: dict[int, WorkerPool] = {}
+_pools: dict[int, RankPool] = {}
 
 
-def get_pool(world_size: int) -> WorkerPool:
+def get_pool(world_size: int) -> RankPool:
     """One live pool at a time: switching sizes closes the previous pool (2 cores, little RAM)."""
     pool = _pools.get(world_size)
     if pool is not None and not pool.broken:
         return pool
     for size in list(_pools):
         _pools.pop(size).close()
-    pool = _pools[world_size] = WorkerPool(world_size)
+    pool = _pools[world_size] = RankPool(world_size, context=True)
     return pool
 
 

@@ -17,11 +17,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from megatron_charm.bench.methods import BASELINES, OURS
 from megatron_charm.bench.summary import markdown, summarise
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -68,7 +68,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--kernel", default=None)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=2 * DEFAULT_TIMEOUT_S,
+        help="seconds for the whole run (default: twice the collective timeout)",
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
     ap.add_argument("--md", dest="md_out", default=None, help="write the markdown table here")
     ap.add_argument("--raw", dest="raw_out", default=None, help="keep the per-rank raw JSON")
@@ -127,45 +132,22 @@ def _env() -> dict[str, str]:
 
 
 def _run_loopback(cfg: dict, cfg_path: str) -> None:
-    import socket
+    from megatron_charm.launch import LaunchError, LaunchSpec, run
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = cfg["nodes"] * cfg["ranks_per_node"]
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, **_env())
-        env.update(
-            RANK=str(r),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(r % cfg["ranks_per_node"]),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-            MEGATRON_CHARM_NODE_ID=f"loopback-n{r // cfg['ranks_per_node']}",
-        )
-        procs.append(subprocess.Popen(_worker_cmd(cfg_path), env=env))
-    deadline = time.monotonic() + cfg["timeout_s"]
-    try:
-        # Poll all ranks: one failing rank must not leave the caller waiting on a hung peer.
-        while any(pr.poll() is None for pr in procs):
-            bad = [
-                (r, pr.returncode) for r, pr in enumerate(procs) if pr.returncode not in (None, 0)
-            ]
-            if bad:
-                raise RuntimeError(f"benchmark rank {bad[0][0]} exited with {bad[0][1]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"benchmark ranks timed out after {cfg['timeout_s']} s")
-            time.sleep(0.1)
-        bad = [(r, pr.returncode) for r, pr in enumerate(procs) if pr.returncode != 0]
-        if bad:
-            raise RuntimeError(f"benchmark rank {bad[0][0]} exited with {bad[0][1]}")
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
-                pr.wait()
+    p = cfg["ranks_per_node"]
+    spec = LaunchSpec(
+        cmd=_worker_cmd(cfg_path),
+        nproc=cfg["nodes"] * p,
+        timeout_s=cfg["timeout_s"],
+        env=_env(),
+        rank_env=lambda r: {
+            "LOCAL_RANK": str(r % p),
+            "MEGATRON_CHARM_NODE_ID": f"loopback-n{r // p}",
+        },
+    )
+    why = run(spec).error()
+    if why is not None:
+        raise LaunchError(f"benchmark {why}")
 
 
 def _run_testbed(cfg: dict, cfg_path: str, args: argparse.Namespace) -> dict:

@@ -23,11 +23,11 @@ import argparse
 import json
 import os
 import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megatron_charm.launch import RankInfo, run_function
 
 SHAPES = {
     # name: (nodes, ranks_per_node, batch, global seq, heads, head dim)
@@ -43,7 +43,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--md", dest="md_out", default=None)
 
 
-def _rank_main(cp_rank: int, shape: tuple, methods: list[str], store: str, out_path: str) -> None:
+def _rank_main(info: RankInfo, shape: tuple, methods: list[str], out_path: str) -> None:
     import megatron_charm as mc
     from megatron_charm.bench.worker import _saved_bytes
     from megatron_charm.plan import zigzag_positions
@@ -51,10 +51,8 @@ def _rank_main(cp_rank: int, shape: tuple, methods: list[str], store: str, out_p
     torch.set_num_threads(1)
     m, p, b, seq, h, d = shape
     world = m * p
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=cp_rank, world_size=world,
-        timeout=timedelta(seconds=600),
-    )  # fmt: skip
+    cp_rank = info.rank
+    info.init_process_group("gloo")
     topo = mc.CPTopology.build(None, ranks_per_node=p)
     s_local = seq // world
     gen = torch.Generator().manual_seed(cp_rank)
@@ -144,9 +142,9 @@ def run_memory(ns: argparse.Namespace) -> dict:
     results = {}
     for name in shapes:
         tmp = tempfile.mkdtemp(prefix="mc-memory-")
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        out = os.path.join(tmp, "out.json")
         m, p = SHAPES[name][:2]
-        mp.spawn(_rank_main, args=(SHAPES[name], methods, store, out), nprocs=m * p)
+        run_function(_rank_main, SHAPES[name], methods, out, nproc=m * p)
         with open(out) as f:
             results[name] = json.load(f)
     md = markdown(results)

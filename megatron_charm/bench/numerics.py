@@ -15,11 +15,11 @@ import argparse
 import json
 import os
 import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megatron_charm.launch import RankInfo, run_function
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -82,16 +82,14 @@ def _single(q, k, v, dout, scale: float) -> dict:
     return res
 
 
-def _rank_main(cp_rank: int, args: dict, store: str, result_path: str) -> None:
+def _rank_main(info: RankInfo, args: dict, result_path: str) -> None:
     import megatron_charm as mc
     from megatron_charm.plan import zigzag_positions
 
     torch.set_num_threads(1)
     world = args["nodes"] * args["ranks_per_node"]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=cp_rank, world_size=world,
-        timeout=timedelta(seconds=600),
-    )  # fmt: skip
+    cp_rank = info.rank
+    info.init_process_group("gloo")
     topo = mc.CPTopology.build(None, ranks_per_node=args["ranks_per_node"])
     scale = args["head_dim"] ** -0.5
     idx = torch.tensor(zigzag_positions(cp_rank, world, args["seq"]))
@@ -168,8 +166,8 @@ def run_numerics(ns: argparse.Namespace) -> dict:
         "dtype": ns.dtype, "methods": methods, "seed": ns.seed,
     }  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="mc-numerics-")
-    store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
-    mp.spawn(_rank_main, args=(args, store, result), nprocs=world)
+    result = os.path.join(tmp, "result.json")
+    run_function(_rank_main, args, result, nproc=world)
     with open(result) as f:
         table = json.load(f)
     md = markdown(table, args)

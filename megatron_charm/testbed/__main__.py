@@ -19,6 +19,7 @@ import json
 import os
 import sys
 
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.testbed.config import PRESET_RATIOS, TOPOLOGIES, TestbedConfig, format_rate
 from megatron_charm.testbed.net import TestbedError, netem_available
 from megatron_charm.testbed.testbed import Testbed, cleanup
@@ -59,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("up", parents=[shape, named], help="build a testbed and leave it running")
     sub.add_parser("down", parents=[named], help="remove the testbed named --name")
     run = sub.add_parser("run", parents=[shape, named], help="run a command as every rank")
-    run.add_argument("--timeout", type=float, default=600.0, help="seconds before ranks are killed")
+    run.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before ranks are killed"
+    )
     run.add_argument("--log-dir", help="write rank<r>.out/.err here instead of the terminal")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
     probe = sub.add_parser("probe", parents=[shape, named], help="measure link bandwidths")

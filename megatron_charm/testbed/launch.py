@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
-import subprocess
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
+from megatron_charm.launch import LaunchSpec, describe_exit, run
 from megatron_charm.testbed.config import (
     TestbedConfig,
     namespace,
@@ -19,10 +18,6 @@ from megatron_charm.testbed.config import (
     rank_ifname,
 )
 from megatron_charm.testbed.net import TestbedError
-
-#: Seconds between SIGTERM and SIGKILL when ranks are stopped.
-KILL_GRACE_S = 3.0
-_POLL_S = 0.05
 
 
 @dataclass
@@ -65,7 +60,7 @@ class RunResult:
             why = f"timed out after {self.elapsed_s:.1f} s"
         else:
             bad = next(r for r in self.ranks if r.rank == self.first_failure)
-            why = f"rank {bad.rank} exited with {bad.returncode}"
+            why = f"rank {bad.rank} {describe_exit(bad.returncode)}"
             if bad.stderr:
                 why += ":\n" + bad.stderr[-2000:]
         where = f" (logs in {self.log_dir})" if self.log_dir else ""
@@ -112,19 +107,21 @@ def launch(
     cmd: Sequence[str],
     *,
     placements: Sequence[tuple[int, int]] | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
     capture: bool = False,
     log_dir: str | None = None,
     link_info: Mapping[str, str] | None = None,
     master_port: int | None = None,
 ) -> RunResult:
-    """Start ``cmd`` once per rank and wait for all of them.
+    """Start ``cmd`` once per rank, inside its node's namespace, and wait for all of them.
 
     ``placements`` lists ``(node, local index)`` per rank (default: every slot, rank
     ``node * ranks_per_node + local``). If a rank exits non-zero, or ``timeout_s`` passes, or the
     caller is interrupted, every other rank is stopped (SIGTERM to its process group, SIGKILL after
-    ``KILL_GRACE_S``). ``capture`` keeps each rank's output in the result; ``log_dir`` writes it to
+    ``megatron_charm.launch.KILL_GRACE_S``), as :func:`megatron_charm.launch.run` does for every
+    launcher of the project.
+    ``capture`` keeps each rank's output in the result; ``log_dir`` writes it to
     ``rank<r>.out/.err`` there; with neither, ranks share the caller's terminal.
     """
     if not cmd:
@@ -147,95 +144,36 @@ def launch(
     own_dir = capture and log_dir is None
     if own_dir:
         log_dir = tempfile.mkdtemp(prefix="mctb-logs-")
-    if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
 
-    procs: list[subprocess.Popen] = []
-    files = []
-    killed: set[int] = set()
-    start = time.monotonic()
-    timed_out = False
-    first_failure = None
-    try:
-        for rank, (node, local) in enumerate(placements):
-            renv = dict(os.environ)
-            renv.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks per host
-            if env:
-                renv.update(env)
-            renv.update(
-                rank_env(cfg, rank, node, local, world, per_node[node], master, link_info or {})
-            )
-            out = err = None
-            if log_dir is not None:
-                out = open(os.path.join(log_dir, f"rank{rank}.out"), "w")
-                err = open(os.path.join(log_dir, f"rank{rank}.err"), "w")
-                files += [out, err]
-            argv = ["ip", "netns", "exec", namespace(cfg.name, node), *cmd]
-            procs.append(
-                subprocess.Popen(argv, env=renv, stdout=out, stderr=err, start_new_session=True)
-            )
-        deadline = start + timeout_s
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad or time.monotonic() > deadline:
-                if bad:
-                    first_failure = bad[0]
-                else:
-                    timed_out = True
-                killed |= _stop(procs)
-                break
-            time.sleep(_POLL_S)
-    except BaseException:
-        killed |= _stop(procs)
-        raise
-    finally:
-        for f in files:
-            f.close()
-    elapsed = time.monotonic() - start
-    if first_failure is None and not timed_out:
-        # Several ranks may have failed within one poll; blame the lowest.
-        first_failure = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+    def env_of(rank: int) -> dict[str, str]:
+        node, local = placements[rank]
+        return rank_env(cfg, rank, node, local, world, per_node[node], master, link_info or {})
 
+    spec = LaunchSpec(
+        cmd=list(cmd),
+        nproc=world,
+        master_addr=master[0],
+        master_port=master[1],
+        timeout_s=timeout_s,
+        env=dict(env or {}),
+        rank_env=env_of,
+        prefix=lambda rank: ["ip", "netns", "exec", namespace(cfg.name, placements[rank][0])],
+        log_dir=log_dir,
+    )
+    outcome = run(spec)
     results = []
-    for rank, ((node, local), proc) in enumerate(zip(placements, procs, strict=True)):
-        res = RankResult(rank, node, local, proc.returncode, killed=rank in killed)
+    for exit_, (node, local) in zip(outcome.ranks, placements, strict=True):
+        res = RankResult(exit_.rank, node, local, exit_.returncode, killed=exit_.killed)
         if capture:
-            res.stdout = _read(os.path.join(log_dir, f"rank{rank}.out"))
-            res.stderr = _read(os.path.join(log_dir, f"rank{rank}.err"))
+            res.stdout = _read(os.path.join(log_dir, f"rank{exit_.rank}.out"))
+            res.stderr = _read(os.path.join(log_dir, f"rank{exit_.rank}.err"))
         results.append(res)
     if own_dir:
         shutil.rmtree(log_dir, ignore_errors=True)
         log_dir = None
-    return RunResult(results, elapsed, timed_out, first_failure, log_dir, list(cmd))
-
-
-def _stop(procs: Sequence[subprocess.Popen]) -> set[int]:
-    """Terminate every still-running rank (its whole process group); returns their indices."""
-    running = {r for r, p in enumerate(procs) if p.poll() is None}
-    for r in running:
-        _signal_group(procs[r], signal.SIGTERM)
-    deadline = time.monotonic() + KILL_GRACE_S
-    while time.monotonic() < deadline and any(procs[r].poll() is None for r in running):
-        time.sleep(_POLL_S)
-    for r in running:
-        if procs[r].poll() is None:
-            _signal_group(procs[r], signal.SIGKILL)
-    for r in running:
-        try:
-            procs[r].wait(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass  # unkillable (D state); reported as returncode None
-    return running
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    return RunResult(
+        results, outcome.elapsed_s, outcome.timed_out, outcome.first_failure, log_dir, list(cmd)
+    )
 
 
 def _read(path: str) -> str:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.testbed import net
 from megatron_charm.testbed.config import (
     NAME_PREFIX,
@@ -213,7 +214,7 @@ class Testbed:
         self,
         cmd: Sequence[str],
         *,
-        timeout_s: float = 600.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         env: Mapping[str, str] | None = None,
         capture: bool = False,
         log_dir: str | None = None,

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_charm.launch import LaunchSpec, free_port, run
 from megatron_charm.train.config import Config
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -73,60 +71,25 @@ def apply_slurm_env(env: MutableMapping[str, str]) -> None:
     env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def spawn_local_ranks(nproc: int, argv: Sequence[str], module: str) -> int:
-    """Run ``python -m module argv`` as ``nproc`` local ranks; return the first failing status.
+    """Run ``python -m module argv`` as ``nproc`` local ranks; return the job's exit status.
 
-    If one rank fails, the others are stopped instead of waiting on a collective forever.
+    Fail-fast and signals as in :mod:`megatron_charm.launch.run`: when one rank fails the others
+    are stopped and the status is the failing rank's (128 + signal number when a signal killed
+    it); Ctrl-C gives 130; SIGTERM or SIGHUP stop every rank, then end this process as they
+    would have without it. A training run has no overall time limit.
     """
-    port = free_port()
-    procs = []
-    for local_rank in range(nproc):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(local_rank),
-            WORLD_SIZE=str(nproc),
-            LOCAL_RANK=str(local_rank),
-            LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        # One compute thread per rank: the ranks share this machine's cores.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
-    status = 0
+    spec = LaunchSpec(cmd=[sys.executable, "-m", module, *argv], nproc=nproc, timeout_s=None)
     try:
-        while procs:
-            for proc in list(procs):
-                code = proc.poll()
-                if code is None:
-                    continue
-                procs.remove(proc)
-                if code != 0 and status == 0:
-                    status = code
-                    _stop(procs)
-            time.sleep(0.2)
+        result = run(spec)
     except KeyboardInterrupt:
-        _stop(procs)
-        status = 130
-    return status
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        return 130
+    why = result.error()
+    if why is None:
+        return 0
+    print(f"[megatron-charm] {why}", file=sys.stderr, flush=True)
+    code = result.ranks[result.first_failure].returncode or 1
+    return code if code > 0 else 128 - code
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Functions that run on every rank of a worker pool (see :mod:`tests.gloo.pool`)."""
+"""Functions that run on every rank of a worker pool (see :mod:`tests.rank_pool`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gloo import tasks
-from tests.gloo.pool import WorkerPool
+from tests.rank_pool import RankPool
 
 CASES = {
     "odd_causal": "even local sequence",
@@ -44,7 +44,7 @@ def test_unequal_nodes(pools):
 
 @pytest.mark.gloo
 def test_dead_rank_raises_within_timeout():
-    pool = WorkerPool(2)
+    pool = RankPool(2, context=True)
     try:
         got = pool.run_raw(tasks.dead_rank, timeout=120, timeout_s=5.0)
     finally:

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from integration_pool import RankPool  # noqa: E402
+from tests.rank_pool import RankPool  # noqa: E402
 
 # Run directories of the training workloads (the workers inherit the environment).
 if "MC_TEST_RUN_ROOT" not in os.environ:

@@ -1,0 +1,118 @@
+"""Python functions as ranks: ``fn(info, *args)`` in ``nproc`` fresh interpreters.
+
+``python -m megatron_charm.launch PAYLOAD`` is the rank side (:func:`rank_main`): it restores
+the launcher's ``sys.path``, imports the function by module and name and calls it with a
+:class:`RankInfo` built from the launcher's environment. Arguments travel pickled in a private
+folder, as with ``multiprocessing``'s spawn.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
+from megatron_charm.launch.run import LaunchResult, run
+from megatron_charm.launch.spec import ENV_INIT_METHOD, LaunchSpec
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a function rank sits in its launch."""
+
+    rank: int
+    """This process's global rank."""
+    world_size: int
+    """Number of ranks of the launch."""
+    local_rank: int
+    """Rank among the ranks of this machine."""
+    init_method: str
+    """``torch.distributed``'s ``init_method`` for the launch's rendezvous."""
+
+    def init_process_group(
+        self, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        """Join the launch's ``torch.distributed`` world."""
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend,
+            init_method=self.init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+
+def function_spec(fn: Callable[..., Any], args: tuple, workdir: str, **kw: Any) -> LaunchSpec:
+    """A spec whose ranks call ``fn(info, *args)``; the payload is written into ``workdir``.
+
+    ``fn`` must be importable by its module and name. ``kw`` are :class:`LaunchSpec` fields
+    (``nproc`` at least); the rendezvous defaults to a file store in ``workdir``.
+    """
+    payload = os.path.join(workdir, "payload.pkl")
+    with open(payload, "wb") as f:
+        pickle.dump((list(sys.path), _module_of(fn), fn.__qualname__, pickle.dumps(args)), f)
+    kw.setdefault("rendezvous", "file")
+    if kw["rendezvous"] == "file":
+        kw.setdefault("store_path", os.path.join(workdir, "store"))
+    extra = dict(kw.pop("env", {}))
+    path = extra.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    extra["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+    cmd = [sys.executable, "-m", "megatron_charm.launch", payload]
+    return LaunchSpec(cmd=cmd, env=extra, **kw)
+
+
+def _module_of(fn: Callable[..., Any]) -> str:
+    """The name under which a rank can import ``fn``."""
+    module = fn.__module__
+    if module == "__main__":
+        # Started with ``python -m pkg.mod``: the ranks import it as ``pkg.mod``.
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        if spec is None:
+            raise ValueError(
+                f"{fn.__qualname__} is defined in a script run by path; ranks import their "
+                "function by module name: run the script with python -m, or move the function "
+                "into a module"
+            )
+        module = spec.name
+    return module
+
+
+def run_function(fn: Callable[..., Any], *args: Any, nproc: int, **kw: Any) -> LaunchResult:
+    """Run ``fn(info, *args)`` as ``nproc`` ranks; raises :class:`LaunchError` if any fails.
+
+    ``kw`` are further :class:`LaunchSpec` fields (``timeout_s``, ``env``, ...).
+    """
+    workdir = tempfile.mkdtemp(prefix="mc-ranks-")
+    try:
+        return run(function_spec(fn, args, workdir, nproc=nproc, **kw)).check()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def rank_main(payload: str) -> None:
+    """The rank side of :func:`function_spec`: call the function of ``payload``."""
+    with open(payload, "rb") as f:
+        path, module, qualname, args = pickle.load(f)
+    sys.path[:] = path
+    import importlib
+
+    fn: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    env = os.environ
+    info = RankInfo(
+        int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), env[ENV_INIT_METHOD]
+    )
+    fn(info, *pickle.loads(args))
