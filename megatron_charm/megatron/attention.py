@@ -62,8 +62,7 @@ class CharmDotProductAttention(MegatronModule):
     Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
     MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. CUDA graphs that would
     capture this module are refused (its communication is scheduled from Python). Everything else
-    raises a
-    ``ValueError`` that says what to change.
+    raises a ``ValueError`` that says what to change.
     """
 
     def __init__(
