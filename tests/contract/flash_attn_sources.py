@@ -17,9 +17,7 @@ version (so three versions load in one process), and the CUDA-only custom ops ge
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
 import sys
 import tarfile
 import types
@@ -28,6 +26,8 @@ from pathlib import Path
 import torch
 
 from megatron_charm.kernels.math_kernel import math_backward, math_forward
+from tests.contract import pypi
+from tests.contract.pypi import SourceUnavailable
 
 #: The newest release of each supported minor version.
 VERSIONS = ("2.6.3", "2.7.4.post1", "2.8.3")
@@ -35,14 +35,7 @@ FILES = ("flash_attn/flash_attn_interface.py", "csrc/flash_attn/flash_api.cpp")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MEGATRON_CHARM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron-charm"
-    )
-    return Path(root) / "flash-attn-sources"
-
-
-class SourceUnavailable(RuntimeError):
-    """The sdist could not be downloaded (no network, no index): tests skip with this reason."""
+    return pypi.cache_dir() / "flash-attn-sources"
 
 
 def fetch_sources(version: str) -> Path:
@@ -54,18 +47,13 @@ def fetch_sources(version: str) -> Path:
     dl.mkdir(parents=True, exist_ok=True)
     tarball = dl / f"flash_attn-{version}.tar.gz"
     if not tarball.is_file():
-        env = dict(
-            os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE", PIP_DISABLE_PIP_VERSION_CHECK="1"
-        )
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        cmd += ["--no-build-isolation", f"flash-attn=={version}", "-d", str(dl)]
-        try:
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise SourceUnavailable(f"pip download flash-attn=={version}: {exc}") from exc
-        if res.returncode != 0 or not tarball.is_file():
-            tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-            raise SourceUnavailable(f"pip download flash-attn=={version} failed: {tail}")
+        # The sdist's metadata step imports torch and would build CUDA code without this.
+        pypi.pip_download(
+            f"flash-attn=={version}", dl, "--no-binary", ":all:", "--no-build-isolation",
+            env={"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"},
+        )  # fmt: skip
+        if not tarball.is_file():
+            raise SourceUnavailable(f"pip download flash-attn=={version} left no {tarball.name}")
     with tarfile.open(tarball) as tar:
         for member in tar.getmembers():
             rel = member.name.split("/", 1)[-1]
