@@ -131,3 +131,11 @@ def test_fp32_on_cuda_uses_an_fp32_kernel_not_float64_math():
     assert select_kernel(cuda, torch.float64).name == "math"
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         select_kernel(cuda, torch.float64, "torch")
+
+
+def test_native_gqa_flag_tells_callers_when_to_expand_once():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    kern = select_kernel(cuda, torch.bfloat16, "torch")
+    assert kern.native_gqa(cuda, torch.bfloat16) and not kern.native_gqa(cuda, torch.float32)
+    assert kern.native_gqa(cpu, torch.float32) == torch_kernel.cpu_native_gqa()
+    assert not select_kernel(cpu, torch.float64).native_gqa(cpu, torch.float64)
