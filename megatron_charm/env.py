@@ -13,6 +13,8 @@ MEGATRON_CHARM_RANKS_PER_NODE  CP ranks per node for the Megatron integration, w
                                and ``--charm-ranks-per-node`` do not set it.
 MEGATRON_CHARM_TIMEOUT_S       seconds before a CHARM+ channel group times out under Megatron
                                (default: 600, Megatron's own ``--distributed-timeout-minutes``).
+MEGATRON_CHARM_KERNEL          the block kernel when a call does not name one (``torch``,
+                               ``flash_attn``, ``math``).
 ============================== =============================================================
 """
 
@@ -27,6 +29,13 @@ from megatron_charm.constants import DEFAULT_TIMEOUT_S
 NODE_ID = "MEGATRON_CHARM_NODE_ID"
 RANKS_PER_NODE = "MEGATRON_CHARM_RANKS_PER_NODE"
 TIMEOUT_S = "MEGATRON_CHARM_TIMEOUT_S"
+KERNEL = "MEGATRON_CHARM_KERNEL"
+
+
+def kernel(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$MEGATRON_CHARM_KERNEL``, or ``None`` when unset or empty."""
+    environ = os.environ if environ is None else environ
+    return environ.get(KERNEL) or None
 
 
 def node_id(environ: Mapping[str, str] | None = None) -> str:

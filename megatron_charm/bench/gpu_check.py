@@ -1,182 +1,207 @@
-"""One-GPU check: block kernels against torch SDPA, merge bandwidth, ``cp_attention`` at CP = 1.
+"""The one-GPU check (``scripts/gpu_check.sh``), also runnable on CPU kernels (``--device cpu``).
 
-``scripts/gpu_check.sh`` runs this (``python -m megatron_charm.bench.gpu_check``); it needs CUDA
-and exits with status 2 at once when there is none. Sized for well under 5 minutes on one H200.
+Checks, each written to the JSON report as soon as it ends (a partial run still reports):
 
-1. Parity: every available block backend (``torch``: PyTorch's CUDA flash op; ``flash_attn`` if
-   installed) forward and backward against float64 attention and against
-   ``torch.nn.functional.scaled_dot_product_attention`` (bf16), causal and not.
-2. Speed: forward and backward of each backend and of SDPA, CUDA-event timed, in TFLOP/s.
-3. Merge: :func:`megatron_charm.kernels.merge.merge_partial` bandwidth in GB/s.
-4. ``cp_attention`` on a one-rank NCCL group, every method, forward + backward, against SDPA, with
-   ``torch.cuda.max_memory_allocated``.
+1. ``versions``: torch, CUDA, NCCL, flash-attn, Transformer Engine, megatron-core, and the
+   flash-attn call form that the adapter selected from its signature.
+2. ``kernel_matrix``: every available block kernel (no ``math``: it is the reference) over dtypes,
+   heads/kv heads, head dims and block shapes on non-contiguous slices, forward and merged-lse
+   backward against float64 (see :mod:`megatron_charm.bench.kernel_matrix`).
+3. ``merge``: :func:`~megatron_charm.kernels.merge.merge_partial` against float64, and its
+   bandwidth (recorded, not asserted).
+4. ``speed`` (CUDA only): kernel and SDPA TFLOP/s per dtype and head dim (recorded).
+5. ``cp1``: ``cp_attention`` on a one-rank group (NCCL on CUDA, gloo on CPU), every method,
+   forward and backward, against SDPA.
 
-Exit status 1 if a parity check fails.
+Not implemented yet (the report says so): CP with several processes on one GPU, megatron-core
+``GPTModel`` on CUDA, and the ``CUDA_DEVICE_MAX_CONNECTIONS`` overlap measurement.
+
+Exit status: 0 when every check passed, 1 on any failure, 2 when ``--device cuda`` has no CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from megatron_charm.bench.kernel_matrix import DTYPES, MatrixConfig, run_matrix
+
 Tensor = torch.Tensor
-FAILURES: list[str] = []
+CHECKS = ("versions", "kernel_matrix", "merge", "speed", "cp1")
+NOT_IMPLEMENTED = {
+    "cp_multiprocess": "CP with 4 processes on one GPU (NCCL and staged gloo): not implemented",
+    "megatron_core_cuda": "GPTModel + CharmDotProductAttention and 20 train iterations: not "
+    "implemented",
+    "max_connections": "overlap with CUDA_DEVICE_MAX_CONNECTIONS=1 vs 8: not implemented",
+}
 
 
-def _require_cuda() -> None:
-    if not torch.cuda.is_available():
-        sys.stderr.write(
-            "gpu_check: CUDA is not available (torch "
-            f"{torch.__version__}, cuda build {torch.version.cuda}); this check needs one GPU. "
-            "Install a CUDA build of torch and run it on a GPU machine.\n"
-        )
-        sys.exit(2)
+class Report:
+    """The JSON report, rewritten after every check."""
+
+    def __init__(self, path: str | None, device: torch.device) -> None:
+        self.path = Path(path) if path else None
+        self.data: dict = {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "checks": {},
+            "not_implemented": NOT_IMPLEMENTED,
+            "failures": [],
+        }
+
+    def record(self, name: str, result, failures: list[str]) -> None:
+        self.data["checks"][name] = result
+        self.data["failures"].extend(f"{name}: {f}" for f in failures)
+        self.save()
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
 
 
-def _bench(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()`` by CUDA events."""
-    for _ in range(warmup):
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions(device: torch.device) -> dict:
+    from megatron_charm.kernels.flash_attn_kernel import load_flash_attn
+
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": None,
+        "flash_attn": _version("flash-attn"),
+        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
+        "megatron_core": _version("megatron-core"),
+    }
+    if device.type == "cuda":
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        iface, why = load_flash_attn()
+        info["flash_attn_adapter"] = iface.describe() if iface is not None else why
+    return info
+
+
+def _kernels(device: torch.device):
+    from megatron_charm.kernels import available_kernels, select_kernel
+
+    names = [n for n in available_kernels(device) if n != "math"]
+    # flash_attn takes only half precision; select_kernel checks the (device, dtype) pair per cell
+    return [select_kernel(device, torch.bfloat16 if n == "flash_attn" else torch.float32, n)
+            for n in names]  # fmt: skip
+
+
+def kernel_matrix(device: torch.device, cfg: MatrixConfig, report: Report) -> tuple[dict, list]:
+    kernels = _kernels(device)
+    partial: dict = {"config": vars(cfg) | {"heads": [list(h) for h in cfg.heads]}}
+
+    def save(rows: list) -> None:
+        report.data["checks"]["kernel_matrix"] = partial | {"rows": rows}
+        report.save()
+
+    rows = []
+    for kern in kernels:
+        dts = [d for d in cfg.dtypes if kern.name != "flash_attn" or d != "fp32"]
+        sub = MatrixConfig(**(vars(cfg) | {"dtypes": tuple(dts)}))
+        rows += run_matrix([kern], sub, device, lambda r, done=list(rows): save(done + r))
+    bad = [
+        f"{r['kernel']} {r['dtype']} heads={r['heads']} d={r['head_dim']} {r['block']}: "
+        f"{r['failed']}"
+        for r in rows
+        if not r["ok"]
+    ]
+    return partial | {"rows": rows, "cells": len(rows), "failed_cells": len(bad)}, bad
+
+
+def merge_check(device: torch.device, seq: int) -> tuple[dict, list]:
+    from megatron_charm.kernels.merge import merge_partial
+
+    g = torch.Generator().manual_seed(1)
+    s, b, h, d = seq, 2, 16, 128
+    o_a, o_b = (torch.randn(s, b, h, d, generator=g).to(device) for _ in range(2))
+    l_a, l_b = (torch.randn(s, b, h, generator=g).to(device) * 4 for _ in range(2))
+    w = torch.sigmoid(l_b.double() - l_a.double()).unsqueeze(-1)
+    ref = (1 - w) * o_a.double() + w * o_b.double()
+    acc_o, acc_l = o_a.clone(), l_a.clone()
+    merge_partial(acc_o, acc_l, o_b, l_b)
+    err = (acc_o.double() - ref).abs().max().item()
+    lse_err = (acc_l.double() - torch.logaddexp(l_a.double(), l_b.double())).abs().max().item()
+    t = _timed(lambda: merge_partial(acc_o, acc_l, o_b, l_b), device)
+    nbytes = 3 * o_a.numel() * 4 + 3 * l_a.numel() * 4
+    res = {
+        "max_err": err,
+        "lse_err": lse_err,
+        "ms": round(t, 4),
+        "GB_s": round(nbytes / t / 1e6, 1),
+    }
+    bad = [f"merge error {err:.2e} / lse {lse_err:.2e} > 1e-5"] if max(err, lse_err) > 1e-5 else []
+    return res, bad
+
+
+def _timed(fn, device: torch.device, iters: int = 10) -> float:
+    """Median milliseconds of ``fn()``."""
+    for _ in range(2):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
-def _check(name: str, err: float, tol: float) -> str:
-    ok = err <= tol
-    if not ok:
-        FAILURES.append(f"{name}: {err:.2e} > {tol:.0e}")
-    return f"{err:.2e} ({'ok' if ok else 'FAIL'}, tol {tol:.0e})"
-
-
-def _sdpa(q, k, v, causal, scale):
-    """SDPA on ``[s, b, h, d]`` tensors (it takes ``[b, h, s, d]``)."""
-    bh = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
-    return F.scaled_dot_product_attention(*bh, is_causal=causal, scale=scale).permute(2, 0, 1, 3)
-
-
-def parity(report: dict) -> None:
-    from megatron_charm.kernels.backends import _KERNELS, available_kernels
-
-    dev = torch.device("cuda")
-    s, b, h, d = 1024, 2, 8, 128
+def _speed_cell(kern, q: Tensor, k: Tensor, v: Tensor, do: Tensor, device) -> dict:
+    s, b, h, d = q.shape
     scale = d**-0.5
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v, do = (
-        torch.randn(s, b, h, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(4)
-    )
-    math = _KERNELS["math"]
-    rows = {}
-    for causal in (False, True):
-        ref_o, ref_lse = math.forward(q.double(), k.double(), v.double(), causal, scale)
-        ref_g = math.backward(
-            do.double(), q.double(), k.double(), v.double(), ref_o, ref_lse, causal, scale
-        )
-        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-        so = _sdpa(qs, ks, vs, causal, scale)
-        so.backward(do)
-        sdpa_err = max(
-            (a.double() - r.double()).abs().max().item()
-            for a, r in zip((so, qs.grad, ks.grad, vs.grad), (ref_o, *ref_g), strict=True)
-        )
-        rows[f"sdpa causal={causal}"] = {"vs_fp64": sdpa_err}
-        for name in [n for n in available_kernels(dev) if n != "math"]:
-            kern = _KERNELS[name]
-            o, lse = kern.forward(q, k, v, causal, scale)
-            g = kern.backward(do, q, k, v, o, lse, causal, scale)
-            err64 = max(
-                (a.double() - r.double()).abs().max().item()
-                for a, r in zip((o, *g), (ref_o, *ref_g), strict=True)
-            )
-            err_sdpa = max(
-                (a.double() - r.double()).abs().max().item()
-                for a, r in zip((o, *g), (so, qs.grad, ks.grad, vs.grad), strict=True)
-            )
-            lse_err = (lse.double() - ref_lse.permute(2, 0, 1).double()).abs().max().item()
-            rows[f"{name} causal={causal}"] = {
-                "vs_fp64": _check(f"{name} vs fp64", err64, 2 * sdpa_err + 1e-2),
-                "vs_sdpa": err_sdpa,
-                "lse_vs_fp64": _check(f"{name} lse", lse_err, 1e-2),
-            }
-    report["parity"] = rows
-
-
-def speed(report: dict) -> None:
-    from megatron_charm.kernels.backends import _KERNELS, available_kernels
-
-    dev = torch.device("cuda")
-    s, b, h, d = 8192, 2, 16, 128
-    scale = d**-0.5
-    q, k, v, do = (torch.randn(s, b, h, d, device=dev, dtype=torch.bfloat16) for _ in range(4))
-    rows = {}
-    for causal in (False, True):
-        flops = 4 * s * s * b * h * d * (0.5 if causal else 1.0)
-        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-        fwd = _bench(lambda qs=qs, ks=ks, vs=vs, c=causal: _sdpa(qs, ks, vs, c, scale))
-        out = _sdpa(qs, ks, vs, causal, scale)
-        bwd = _bench(
-            lambda out=out, ins=(qs, ks, vs): torch.autograd.grad(out, ins, do, retain_graph=True)
-        )
-        rows[f"sdpa causal={causal}"] = _rates(fwd, bwd, flops)
-        for name in [n for n in available_kernels(dev) if n != "math"]:
-            kern = _KERNELS[name]
-            fwd = _bench(lambda kern=kern, c=causal: kern.forward(q, k, v, c, scale))
-            o, lse = kern.forward(q, k, v, causal, scale)
-            bwd = _bench(
-                lambda kern=kern, o=o, lse=lse, c=causal: kern.backward(
-                    do, q, k, v, o, lse, c, scale
-                )
-            )
-            rows[f"{name} causal={causal}"] = _rates(fwd, bwd, flops)
-    report["speed"] = {"shape_sbhd": [s, b, h, d], "rows": rows}
-
-
-def _rates(fwd_ms: float, bwd_ms: float, flops: float) -> dict:
+    flops = 4 * s * s * b * h * d * 0.5  # causal
+    fwd = _timed(lambda: kern.forward(q, k, v, True, scale), device)
+    o, lse = kern.forward(q, k, v, True, scale)
+    bwd = _timed(lambda: kern.backward(do, q, k, v, o, lse, True, scale), device)
     return {
-        "fwd_ms": round(fwd_ms, 3),
-        "bwd_ms": round(bwd_ms, 3),
-        "fwd_tflops": round(flops / fwd_ms / 1e9, 1),
-        "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1),
+        "fwd_tflops": round(flops / fwd / 1e9, 1),
+        "bwd_tflops": round(2.5 * flops / bwd / 1e9, 1),
     }
 
 
-def merge_bandwidth(report: dict) -> None:
-    from megatron_charm.kernels.merge import merge_partial
-
-    dev = torch.device("cuda")
-    s, b, h, d = 8192, 2, 16, 128
-    out = torch.randn(s, b, h, d, device=dev)
-    lse = torch.randn(s, b, h, device=dev)
+def speed(device: torch.device, seq: int) -> tuple[dict, list]:
     rows = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        out_b = torch.randn(s, b, h, d, device=dev).to(dtype)
-        lse_b = torch.randn(s, b, h, device=dev)
-        ms = _bench(lambda out_b=out_b, lse_b=lse_b: merge_partial(out, lse, out_b, lse_b))
-        # minimum traffic: read out, out_b, lse, lse_b; write out, lse
-        nbytes = 2 * out.numel() * 4 + out_b.numel() * out_b.element_size() + 3 * lse.numel() * 4
-        rows[str(dtype).replace("torch.", "")] = {
-            "ms": round(ms, 3),
-            "GB_s": round(nbytes / ms / 1e6),
-        }
-    report["merge"] = {"shape_sbhd": [s, b, h, d], "partial_dtype": rows}
+    b, h = 2, 16
+    for kern in _kernels(device):
+        for dt in ("bf16", "fp16", "fp32"):
+            if kern.name == "flash_attn" and dt == "fp32":
+                continue
+            for d in (64, 128):
+                q, k, v, do = (
+                    torch.randn(seq, b, h, d, device=device, dtype=DTYPES[dt]) for _ in range(4)
+                )
+                rows[f"{kern.name} {dt} d={d}"] = _speed_cell(kern, q, k, v, do, device)
+    return {"shape_sbhd_causal": [seq, b, h], "rows": rows}, []
 
 
-def cp1(report: dict) -> None:
+def cp1(device: torch.device, seq: int) -> tuple[dict, list]:
     import torch.distributed as dist
 
     import megatron_charm as mc
@@ -185,84 +210,122 @@ def cp1(report: dict) -> None:
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=120)
+    )
+    bad, rows = [], {}
     try:
         topo = mc.CPTopology.build(None)
-        dev = torch.device("cuda")
-        b, s, h, h_kv, d = 2, 4096, 16, 4, 128
-        scale = d**-0.5
-        q, do = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(b, s, h_kv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        rq, rk, rv = (t.clone().requires_grad_() for t in (q, k, v))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        b, h, h_kv, d = 2, 16, 4, 64
+        g = torch.Generator().manual_seed(2)
+        q, do = (torch.randn(b, seq, h, d, generator=g).to(device, dtype) for _ in range(2))
+        k, v = (torch.randn(b, seq, h_kv, d, generator=g).to(device, dtype) for _ in range(2))
+        rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
         ro = F.scaled_dot_product_attention(
-            *(t.transpose(1, 2) for t in (rq, rk, rv)), is_causal=True, scale=scale,
-            enable_gqa=True,
-        ).transpose(1, 2)  # fmt: skip
-        ro.backward(do)
-        rows = {}
+            *(t.transpose(1, 2) for t in (rq, rk, rv)), is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
+        ro.backward(do.double())
+        tol = 5e-2 if dtype != torch.float32 else 1e-4
         for method in METHODS:
             lq, lk, lv = (t.clone().requires_grad_() for t in (q, k, v))
-
-            def step(lq=lq, lk=lk, lv=lv, method=method):
-                for t in (lq, lk, lv):
-                    t.grad = None
-                out = mc.cp_attention(lq, lk, lv, topo, method=method, causal=True)
-                out.backward(do)
-                return out
-
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            out = step()
-            peak = torch.cuda.max_memory_allocated() - base
+            out = mc.cp_attention(lq, lk, lv, topo, method=method, causal=True)
+            out.backward(do)
             err = max(
-                (a.double() - r.double()).abs().max().item()
-                for a, r in zip(
-                    (out, lq.grad, lk.grad, lv.grad), (ro, rq.grad, rk.grad, rv.grad), strict=True
-                )
-            )
-            ms = _bench(step, iters=10)
-            rows[method] = {
-                "max_diff_vs_sdpa": _check(f"cp_attention {method}", err, 5e-2),
-                "fwd_bwd_ms": round(ms, 3),
-                "peak_extra_MiB": round(peak / 2**20, 1),
-            }
-        report["cp_attention_cp1"] = {"shape_bshd": [b, s, h, h_kv, d], "rows": rows}
+                (a.double() - r).abs().max().item()
+                for a, r in zip((out, lq.grad, lk.grad, lv.grad), (ro, rq.grad, rk.grad, rv.grad),
+                                strict=True)
+            )  # fmt: skip
+            rows[method] = {"max_err_vs_fp64_sdpa": err, "tol": tol}
+            if not err <= tol:
+                bad.append(f"cp_attention {method}: {err:.2e} > {tol:.0e}")
     finally:
         dist.destroy_process_group()
+    return {"shape_bshd": [b, seq, h, h_kv, d], "rows": rows}, bad
+
+
+def _pairs(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(int(x) for x in p.split("/")) for p in text.split(","))  # type: ignore[misc]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument(
+        "--json", dest="json_out", default=None, help="report path (rewritten per check)"
+    )
+    ap.add_argument("--checks", default=",".join(CHECKS), help=f"subset of {','.join(CHECKS)}")
+    ap.add_argument("--seq", type=int, default=None, help="block size (default 1024 CUDA, 64 CPU)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--heads", default="16/16,16/4,16/1", help="query/kv head pairs")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--blocks", default=",".join(MatrixConfig.blocks))
+    args = ap.parse_args(argv)
+    unknown = set(args.checks.split(",")) - set(CHECKS)
+    if unknown:
+        ap.error(f"--checks: unknown {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args(argv)
-    _require_cuda()
-    t0 = time.time()
-    report: dict = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-    try:
-        import flash_attn
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.stderr.write(
+            f"gpu_check: CUDA is not available (torch {torch.__version__}, cuda build "
+            f"{torch.version.cuda}); run on a GPU machine, or pass --device cpu to check the CPU "
+            "kernels.\n"
+        )
+        return 2
+    if device.type == "cuda":
+        from megatron_charm.device import set_cuda_device_from_env
 
-        report["flash_attn"] = flash_attn.__version__
-    except ImportError:
-        report["flash_attn"] = None
-    for step in (parity, speed, merge_bandwidth, cp1):
-        t = time.time()
-        step(report)
-        print(f"{step.__name__}: {time.time() - t:.1f} s", file=sys.stderr, flush=True)
-    report["seconds"] = round(time.time() - t0, 1)
-    report["failures"] = FAILURES
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text)
-    return 1 if FAILURES else 0
+        device = torch.device("cuda", set_cuda_device_from_env())
+    seq = args.seq or (1024 if device.type == "cuda" else 64)
+    cfg = MatrixConfig(
+        seq=seq,
+        batch=args.batch,
+        dtypes=tuple(args.dtypes.split(",")),
+        heads=_pairs(args.heads),
+        head_dims=tuple(int(x) for x in args.head_dims.split(",")),
+        blocks=tuple(args.blocks.split(",")),
+    )
+    report = Report(args.json_out, device)
+    report.save()
+    selected = args.checks.split(",")
+    t_all = time.time()
+    for name in CHECKS:
+        if name not in selected or (name == "speed" and device.type != "cuda"):
+            continue
+        t0 = time.time()
+        try:
+            if name == "versions":
+                result, bad = versions(device), []
+            elif name == "kernel_matrix":
+                result, bad = kernel_matrix(device, cfg, report)
+            elif name == "merge":
+                result, bad = merge_check(device, 4 * seq)
+            elif name == "speed":
+                result, bad = speed(device, 8 * seq)
+            else:
+                result, bad = cp1(device, seq)
+        except Exception as exc:  # noqa: BLE001 - report the crash, go on with the next check
+            result, bad = {"error": f"{type(exc).__name__}: {exc}"}, [f"crashed: {exc}"]
+        if isinstance(result, dict):
+            result["seconds"] = round(time.time() - t0, 1)
+        report.record(name, result, bad)
+        status = "ok" if not bad else f"FAILED ({len(bad)})"
+        print(
+            f"gpu_check {name}: {status} in {time.time() - t0:.1f} s", file=sys.stderr, flush=True
+        )
+    report.data["seconds"] = round(time.time() - t_all, 1)
+    report.save()
+    for f in report.data["failures"]:
+        print(f"FAIL {f}", file=sys.stderr)
+    return 1 if report.data["failures"] else 0
 
 
 if __name__ == "__main__":

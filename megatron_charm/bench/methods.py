@@ -133,12 +133,16 @@ class RingFlash(Contender):
         return out, self.q.grad, self.k.grad, self.v.grad
 
 
+#: Where TE keeps ``attn_forward_func_with_cp`` (it moved in TE 2.2).
+TE_CP_MODULES = (
+    "transformer_engine.pytorch.attention.dot_product_attention.context_parallel",
+    "transformer_engine.pytorch.attention",
+)
+
+
 def _te_cp_function() -> Callable:
     """TE's ``attn_forward_func_with_cp``; its module moved between TE releases."""
-    for mod in (
-        "transformer_engine.pytorch.attention.dot_product_attention.context_parallel",
-        "transformer_engine.pytorch.attention",
-    ):
+    for mod in TE_CP_MODULES:
         try:
             fn = getattr(importlib.import_module(mod), "attn_forward_func_with_cp", None)
         except ImportError:
@@ -149,6 +153,22 @@ def _te_cp_function() -> Callable:
         "te-p2p needs Transformer Engine with attn_forward_func_with_cp (pip install "
         "transformer_engine[pytorch]); leave te-p2p out of --methods otherwise"
     )
+
+
+def te_cp_kwargs(q: Tensor, k: Tensor, v: Tensor, topo, stream, causal: bool, scale: float) -> dict:
+    """Keyword arguments of TE's ``attn_forward_func_with_cp`` for ``bshd`` inputs
+    ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv, d]`` in the zigzag CP layout."""
+    b, s_local = q.shape[:2]
+    seq = s_local * topo.cp_size
+    cu = torch.arange(0, (b + 1) * seq, seq, dtype=torch.int32, device=q.device)
+    return dict(
+        is_training=True, q=q, k=k, v=v,
+        cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=seq, max_seqlen_kv=seq,
+        cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+        dropout_p=0.0, cp_group=topo.cp_group, cp_global_ranks=topo.global_ranks,
+        cp_stream=stream, cp_comm_type="p2p", softmax_scale=scale, qkv_format="bshd",
+        attn_mask_type="causal" if causal else "no_mask",
+    )  # fmt: skip
 
 
 class TransformerEngineP2P(Contender):
@@ -167,30 +187,17 @@ class TransformerEngineP2P(Contender):
         self.params = set(inspect.signature(self.fn).parameters)
 
     def _call(self) -> Tensor:
-        b, s_local = self.q.shape[:2]
-        seq = s_local * self.topo.cp_size
-        cu = torch.arange(0, (b + 1) * seq, seq, dtype=torch.int32, device=self.q.device)
-        kwargs = dict(
-            is_training=True,
-            q=self.q,
-            k=self.k,
-            v=self.v,
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=seq,
-            max_seqlen_kv=seq,
-            cu_seqlens_q_padded=cu,
-            cu_seqlens_kv_padded=cu,
-            dropout_p=0.0,
-            cp_group=self.topo.cp_group,
-            cp_global_ranks=self.topo.global_ranks,
-            cp_stream=self.stream,
-            cp_comm_type="p2p",
-            softmax_scale=self.scale,
-            qkv_format="bshd",
-            attn_mask_type="causal" if self.causal else "no_mask",
+        kwargs = te_cp_kwargs(
+            self.q, self.k, self.v, self.topo, self.stream, self.causal, self.scale
         )
-        return self.fn(**{k: v for k, v in kwargs.items() if k in self.params})
+        unknown = sorted(set(kwargs) - self.params)
+        if unknown:
+            # Dropping one silently (e.g. attn_mask_type) would benchmark different attention.
+            raise RuntimeError(
+                f"this Transformer Engine's attn_forward_func_with_cp takes no {unknown}; "
+                "use a TE release the contract tests cover (2.1 to 2.20)"
+            )
+        return self.fn(**kwargs)
 
     def forward(self) -> Tensor:
         return self._call().view_as(self.q)

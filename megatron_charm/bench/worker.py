@@ -14,7 +14,6 @@ and merges, from the executor trace); of ring-flash-attention the time in its fl
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -147,7 +146,9 @@ def run(cfg: dict) -> dict | None:
     torch.set_num_threads(cfg.get("threads", 1))
     device = torch.device(cfg.get("device", "cpu"))
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from megatron_charm.device import set_cuda_device_from_env
+
+        set_cuda_device_from_env()
         device = torch.device("cuda", torch.cuda.current_device())
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():

@@ -61,8 +61,9 @@ class CharmDotProductAttention(MegatronModule):
     are extra keywords that spec helpers set through ``ModuleSpec.params``.
 
     Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
-    MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. Everything else raises a
-    ``ValueError`` that says what to change.
+    MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. CUDA graphs that would
+    capture this module are refused (its communication is scheduled from Python). Everything else
+    raises a ``ValueError`` that says what to change.
     """
 
     def __init__(
@@ -225,8 +226,40 @@ def _check_config(
             f"softmax_type={softmax_type!r}: CHARM+ implements the vanilla softmax only. Set "
             "--softmax-type vanilla."
         )
+    _check_cuda_graphs(config)
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
         raise ValueError(
             "qk_clip / log_max_attention_logit need per-head max logits, which CHARM+ does not "
             "compute. Turn off --qk-clip and --log-max-attention-logit."
+        )
+
+
+def _captures_attention(config: TransformerConfig) -> str | None:
+    """The CUDA-graph setting that would capture this module, or ``None``."""
+    for legacy in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(config, legacy, False):
+            return f"{legacy}=True"
+    impl = str(getattr(config, "cuda_graph_impl", "none") or "none")
+    if impl == "none":
+        return None
+    raw = getattr(config, "cuda_graph_scope", None) or []
+    scopes = [
+        getattr(x, "name", str(x)) for x in (raw if isinstance(raw, (list, tuple)) else [raw])
+    ]
+    # "local" graphs whole layers (or the whole iteration) whatever the scope; Transformer
+    # Engine's graphs leave attention out only when the scope lists other parts alone.
+    if impl != "transformer_engine" or not scopes or {"attn", "full"} & set(scopes):
+        return f"cuda_graph_impl={impl!r} with cuda_graph_scope={scopes or 'the whole layer'}"
+    return None
+
+
+def _check_cuda_graphs(config: TransformerConfig) -> None:
+    setting = _captures_attention(config)
+    if setting is not None:
+        raise ValueError(
+            f"{setting}: CUDA graphs would capture CHARM+ attention, whose communication is "
+            "scheduled from Python per call (and uses all_gather_object), which a graph replay "
+            "cannot repeat. Turn CUDA graphs off (--cuda-graph-impl none, no --enable-cuda-graph "
+            "/ --external-cuda-graph), or with cuda_graph_impl=transformer_engine capture only "
+            "other parts (e.g. --cuda-graph-scope mlp)."
         )

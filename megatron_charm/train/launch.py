@@ -119,7 +119,9 @@ def setup_distributed(cfg: Config) -> DistContext:
     on_gpu = use_gpu()
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from megatron_charm.device import set_cuda_device_from_env
+
+        set_cuda_device_from_env()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             # A single rank without a launcher (tests, notebooks): a private rendezvous.

@@ -1,0 +1,96 @@
+"""``scripts/gpu_check.sh --device cpu`` at a small size, and planted bugs that its checks catch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_charm.bench import gpu_check
+from megatron_charm.kernels import torch_kernel
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--device", "cpu", "--seq", "16", "--batch", "1", "--head-dims", "64"]
+SMALL += ["--dtypes", "fp32,bf16"]
+
+
+def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
+    out = tmp_path / "check.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *SMALL, "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    assert set(report["checks"]) == {"versions", "kernel_matrix", "merge", "cp1"}
+    rows = report["checks"]["kernel_matrix"]["rows"]
+    # 2 dtypes x 3 head pairs x 1 head dim x 4 blocks, all on the torch kernel
+    assert len(rows) == 24 and all(r["ok"] and r["kernel"] == "torch" for r in rows)
+    assert {tuple(r["heads"]) for r in rows} == {(16, 16), (16, 4), (16, 1)}
+    assert "cp_multiprocess" in report["not_implemented"]
+
+
+def test_no_cuda_exits_2(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert gpu_check.main(["--device", "cuda"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def _planted(monkeypatch, tmp_path, name, fwd=None, bwd=None):
+    if fwd is not None:
+        real_f = torch_kernel.cpu_forward
+        monkeypatch.setattr(torch_kernel, "cpu_forward", lambda *a: fwd(*real_f(*a)))
+    if bwd is not None:
+        real_b = torch_kernel.cpu_backward
+        monkeypatch.setattr(torch_kernel, "cpu_backward", lambda *a: bwd(*real_b(*a)))
+    out = tmp_path / f"{name}.json"
+    args = [*SMALL, "--dtypes", "fp32", "--heads", "16/4", "--json", str(out)]
+    rc = gpu_check.main([*args, "--checks", "kernel_matrix,cp1"])
+    return rc, json.loads(out.read_text())
+
+
+def _failed_fields(report):
+    return {f for r in report["checks"]["kernel_matrix"]["rows"] for f in r["failed"]}
+
+
+def test_planted_forward_bug_fails(monkeypatch, tmp_path):
+    rc, report = _planted(monkeypatch, tmp_path, "fwd", fwd=lambda o, lse: (o * 1.01, lse))
+    assert rc == 1
+    assert {"out", "merged_out"} <= _failed_fields(report)
+    assert any(f.startswith("cp1:") for f in report["failures"])
+
+
+def test_planted_lse_bug_fails(monkeypatch, tmp_path):
+    rc, report = _planted(monkeypatch, tmp_path, "lse", fwd=lambda o, lse: (o, lse + 0.01))
+    assert rc == 1 and "lse" in _failed_fields(report)
+
+
+def test_planted_backward_bug_fails(monkeypatch, tmp_path):
+    rc, report = _planted(monkeypatch, tmp_path, "bwd", bwd=lambda dq, dk, dv: (dq, dk * 1.01, dv))
+    assert rc == 1
+    assert _failed_fields(report) == {"dk"}
+
+
+def test_planted_merge_bug_fails(monkeypatch, tmp_path):
+    from megatron_charm.bench import kernel_matrix
+
+    real = kernel_matrix.merge_partial
+
+    def bad_merge(out, lse, out_b, lse_b):
+        real(out, lse, out_b, lse_b)
+        lse.add_(1e-2)
+
+    monkeypatch.setattr(kernel_matrix, "merge_partial", bad_merge)
+    out = tmp_path / "merge.json"
+    rc = gpu_check.main([*SMALL, "--dtypes", "fp32", "--heads", "16/16", "--json", str(out),
+                         "--checks", "kernel_matrix"])  # fmt: skip
+    assert rc == 1
+    assert "merged_lse" in _failed_fields(json.loads(out.read_text()))
