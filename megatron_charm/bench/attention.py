@@ -92,6 +92,9 @@ def config_from_args(args: argparse.Namespace) -> dict:
         raise ValueError(
             f"--methods {args.methods!r}: unknown {bad}; choose from {', '.join(OURS + BASELINES)}"
         )
+    for flag in ("seq_local", "batch", "heads", "head_dim", "iters"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if args.causal and args.seq_local % 2:
         raise ValueError(f"--seq-local {args.seq_local} must be even for causal (zigzag halves)")
     if args.iters < 1 or args.warmup < 0:

@@ -37,6 +37,10 @@ def layout_from_nodes(node_ids: list[str], ranks_per_node: int | None) -> Layout
     """Node layout from the node identity of each CP rank (pure; raises ``ValueError``)."""
     cp_size = len(node_ids)
     if ranks_per_node is not None:
+        if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool):
+            raise ValueError(
+                f"ranks_per_node={ranks_per_node!r} must be an integer (or None to detect nodes)"
+            )
         if ranks_per_node < 1 or cp_size % ranks_per_node != 0:
             raise ValueError(
                 f"ranks_per_node={ranks_per_node} must be >= 1 and divide the CP size {cp_size}; "
@@ -129,6 +133,12 @@ class CPTopology:
             )
         group = cp_group if cp_group is not None else dist.group.WORLD
         cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+        if cp_rank < 0:
+            raise ValueError(
+                f"global rank {dist.get_rank()} is not a member of the CP group it passed to "
+                "CPTopology.build (ranks "
+                f"{dist.get_process_group_ranks(group)}); pass this rank's own CP group"
+            )
         global_ranks = dist.get_process_group_ranks(group)
         backend = str(dist.get_backend(group))
         ids: list[str | None] = [None] * cp_size
@@ -144,6 +154,18 @@ class CPTopology:
         errors = sorted({e[2] for e in everyone if e and e[2]})
         if errors:
             raise ValueError(errors[0])
+        splits: dict[tuple, set[int]] = {}
+        for e in everyone:
+            if e:
+                splits.setdefault(e[0], set()).add(e[1])
+        disagree = {ranks: sorted(p) for ranks, p in splits.items() if len(p) > 1}
+        if disagree:
+            ranks, values = next(iter(disagree.items()))
+            raise ValueError(
+                f"ranks of the CP group {list(ranks)} build their topology with different "
+                f"ranks_per_node {values}; every rank must pass the same ranks_per_node (or None "
+                "on all ranks to detect nodes)"
+            )
         groups = sorted({(e[0], e[1]) for e in everyone if e})
         mine: dict[str, dist.ProcessGroup | None] = {}
         for ranks, p in groups:

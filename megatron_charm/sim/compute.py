@@ -16,6 +16,7 @@ the payload's bytes at memory bandwidth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_charm.plan.payloads import AttnShape
@@ -51,7 +52,7 @@ class FlopsCompute:
     """Fixed seconds per block (kernel launch, tiny-block inefficiency)."""
 
     def __post_init__(self) -> None:
-        if self.tflops <= 0 or not 0 < self.efficiency <= 1:
+        if not (math.isfinite(self.tflops) and self.tflops > 0) or not 0 < self.efficiency <= 1:
             raise ValueError(
                 f"tflops {self.tflops} must be > 0 and efficiency {self.efficiency} in (0, 1]; "
                 "pass --tflops and --efficiency accordingly"

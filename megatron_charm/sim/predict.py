@@ -41,9 +41,9 @@ class Problem:
     def shape(self, cp_size: int) -> AttnShape:
         """The per-rank :class:`AttnShape`; raises ``ValueError`` if ``seq`` does not split."""
         unit = 2 * cp_size if self.causal else cp_size
-        if self.seq % unit != 0:
+        if self.seq < 1 or self.seq % unit != 0:
             raise ValueError(
-                f"--seq {self.seq} must be divisible by {unit} "
+                f"--seq {self.seq} must be positive and divisible by {unit} "
                 f"({'2 x ' if self.causal else ''}cp_size {cp_size}"
                 f"{', zigzag halves' if self.causal else ''}); pick a multiple of {unit}"
             )

@@ -23,6 +23,7 @@ Channels (kv, q, out, cross q/out) are independent: they contend only through th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 FABRICS = ("nvlink", "pcie")
@@ -60,12 +61,12 @@ class Topology:
                 f"topology {self.num_nodes}x{self.ranks_per_node}: nodes and ranks per node must "
                 "be >= 1; pass e.g. --gpus 2x8"
             )
-        if self.intra_bw <= 0 or self.cross_bw <= 0:
+        if not all(math.isfinite(x) and x > 0 for x in (self.intra_bw, self.cross_bw)):
             raise ValueError(
                 f"bandwidths must be > 0 GB/s (intra {self.intra_bw}, cross {self.cross_bw}); "
                 "pass positive --intra-bw/--cross-bw"
             )
-        if self.intra_lat < 0 or self.cross_lat < 0:
+        if not all(math.isfinite(x) and x >= 0 for x in (self.intra_lat, self.cross_lat)):
             raise ValueError("latencies must be >= 0 seconds")
         if self.fabric not in FABRICS:
             raise ValueError(

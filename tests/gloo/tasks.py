@@ -197,6 +197,8 @@ def expect_value_error(ctx, case: str):
         elif case == "device":
             m = lambda x: x.to("meta")  # noqa: E731
             mc.cp_attention(m(q), m(k), m(v), topo)
+        elif case == "rpn_disagree":
+            mc.CPTopology.build(None, ranks_per_node=2 if r == 0 else 4)
         elif case == "rpn_divide":
             mc.CPTopology.build(None, ranks_per_node=3)
         elif case == "unequal_nodes":

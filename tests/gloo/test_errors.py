@@ -23,6 +23,7 @@ CASES = {
     "format": "unknown qkv_format 'thd'",
     "device": "cannot be communicated",
     "rpn_divide": "ranks_per_node=3",
+    "rpn_disagree": "different ranks_per_node [2, 4]",
 }
 
 

@@ -25,3 +25,8 @@ def test_rejects_unequal_or_interleaved_nodes():
         layout_from_nodes(["a", "a", "a", "b"], None)
     with pytest.raises(ValueError, match="not contiguous"):
         layout_from_nodes(["a", "b", "a", "b"], None)
+
+
+def test_ranks_per_node_must_be_an_integer():
+    with pytest.raises(ValueError, match="ranks_per_node='2' must be an integer"):
+        layout_from_nodes(["a"] * 4, "2")  # type: ignore[arg-type]

@@ -73,9 +73,14 @@ def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--seq", "1001"], "must be divisible by"),
+        (["--seq", "1001"], "positive and divisible by 8"),
         (["--gpus", "2by8"], "NODESxRANKS_PER_NODE"),
         (["--cross-bw", "0"], "must be > 0"),
+        (["--seq", "0"], "must be positive"),
+        (["--seq", "-16"], "must be positive"),
+        (["--cross-bw", "nan"], "must be > 0"),
+        (["--intra-bw", "inf"], "must be > 0"),
+        (["--tflops", "nan"], "tflops nan must be > 0"),
         (["--methods", "ring,zigzag"], "not in"),
     ],
 )
