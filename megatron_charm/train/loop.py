@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.train import checkpoint as ckpt
-from megatron_charm.train.config import Config, dump_config
+from megatron_charm.train.config import Config, TrainConfig, dump_config
 from megatron_charm.train.data import build_train_dataset, get_microbatch
 from megatron_charm.train.launch import DistContext, setup_distributed
 from megatron_charm.train.metrics import (
@@ -23,9 +24,11 @@ from megatron_charm.train.metrics import (
     peak_memory_mb,
 )
 from megatron_charm.train.model import build_model, count_parameters
-from megatron_charm.train.optim import build_optimizer
-from megatron_charm.train.schedule import learning_rate
+from megatron_charm.train.optim import MegatronOptimizer, TorchOptimizer, build_optimizer
+from megatron_charm.train.rundir import METRICS_FILE, check_run_dir, clear_previous
+from megatron_charm.train.schedule import learning_rate, resolved_schedule, schedule_on_resume
 from megatron_charm.train.tokenizer import ByteTokenizer, padded_vocab_size
+from megatron_charm.train.validate import validate_config
 
 logger = logging.getLogger("megatron_charm")
 
@@ -69,36 +72,110 @@ def _local_batch(batch: dict[str, torch.Tensor], ctx: DistContext) -> dict[str, 
     return get_batch_on_this_cp_rank(batch)
 
 
-def train(cfg: Config, grad_hook: GradHook | None = None) -> TrainResult:
-    """Train ``cfg``; collective over all ranks of the job. Returns the per-iteration records."""
+@dataclass
+class Trainer:
+    """Everything one invocation of :func:`train` works with, built once by :func:`setup`."""
+
+    cfg: Config
+    ctx: DistContext
+    model: torch.nn.Module
+    opt: TorchOptimizer | MegatronOptimizer
+    dataset: Any
+    schedule: TrainConfig
+    """The learning-rate schedule in force: ``cfg.train``, or the one a resumed checkpoint saved."""
+    start: int
+    """Iteration this invocation starts from (0, or the checkpoint it resumed)."""
+    num_micro: int
+    tokens_per_iter: int
+    flops_per_iter: float
+    dtype: torch.dtype
+    metrics: MetricsWriter = field(default_factory=lambda: MetricsWriter(None))
+    progress: Progress = field(default_factory=lambda: Progress(0, 0))
+
+    @property
+    def is_logger(self) -> bool:
+        return self.ctx.global_rank == 0
+
+
+def _env_world_size() -> int | None:
+    """The job's size when a launcher has already set it (``None`` for a lone process)."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value and value.isdigit() else None
+
+
+def setup(cfg: Config) -> Trainer:
+    """Validate, join the job, build model and optimizer, resume if asked, open the logs."""
+    validate_config(cfg, _env_world_size())
+    # Every rank decides, so that a refusal stops all of them instead of leaving some waiting.
+    resume_at = check_run_dir(cfg)
     ctx = setup_distributed(cfg)
-    is_logger = ctx.global_rank == 0
     dtype = _dtype(cfg, ctx.on_gpu)
     tokenizer = ByteTokenizer()
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
     model = build_model(cfg, vocab, ctx.on_gpu, dtype)
     opt = build_optimizer(model, cfg, ctx.on_gpu, dtype, ctx.dp_cp_group)
-
+    schedule = _resume(cfg, ctx, opt, resume_at)
     t = cfg.train
-    run_dir = cfg.run_dir
-    start = 0
-    latest = ckpt.latest_iteration(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
-    if latest is not None:
-        state = ckpt.load_checkpoint(cfg.checkpoint_dir, latest)
-        opt.load_state_dict(state)
-        start = latest
-        if is_logger:
-            logger.info("resumed from %s at iteration %d", cfg.checkpoint_dir, latest)
-            if latest >= t.train_iters:
-                logger.info(
-                    "the run is already complete (train.train_iters=%d); raise train.train_iters, "
-                    "or set checkpoint.resume=false to train from scratch",
-                    t.train_iters,
-                )
     dataset = build_train_dataset(cfg, tokenizer, num_samples=t.train_iters * t.global_batch_size)
+    tokens_per_iter = t.global_batch_size * cfg.model.seq_length
+    trainer = Trainer(
+        cfg=cfg,
+        ctx=ctx,
+        model=model,
+        opt=opt,
+        dataset=dataset,
+        schedule=schedule,
+        start=resume_at or 0,
+        num_micro=t.global_batch_size // (t.micro_batch_size * ctx.dp_size),
+        tokens_per_iter=tokens_per_iter,
+        flops_per_iter=flops_per_iteration(cfg, vocab, tokens_per_iter),
+        dtype=dtype,
+    )
+    _open_run_dir(trainer, resume_at)
+    return trainer
 
+
+def _resume(
+    cfg: Config, ctx: DistContext, opt: TorchOptimizer | MegatronOptimizer, at: int | None
+) -> TrainConfig:
+    """Load checkpoint ``at`` into ``opt`` (if any); returns the schedule to follow."""
+    is_logger = ctx.global_rank == 0
+    if at is None:
+        return cfg.train
+    state, meta = ckpt.load_checkpoint(cfg.checkpoint_dir, at)
+    opt.load_state_dict(state)
     if is_logger:
+        logger.info("resumed from %s at iteration %d", cfg.checkpoint_dir, at)
+        if at >= cfg.train.train_iters:
+            logger.info(
+                "the run is already complete (train.train_iters=%d); raise train.train_iters, "
+                "or start over with --overwrite",
+                cfg.train.train_iters,
+            )
+    saved = meta.get("schedule", {})
+    schedule = schedule_on_resume(cfg.train, saved)
+    if is_logger and schedule.lr_decay_iters != cfg.train.lr_decay_iters:
+        logger.warning(
+            "resuming with train.train_iters=%d, but the checkpoint's learning-rate schedule "
+            "decays over %d iterations; keeping it (the rate stays at train.min_lr=%g after "
+            "iteration %d). Set train.lr_decay_iters=%d to stretch the schedule instead.",
+            cfg.train.train_iters,
+            schedule.lr_decay_iters,
+            cfg.train.min_lr,
+            schedule.lr_decay_iters,
+            cfg.train.train_iters,
+        )
+    return schedule
+
+
+def _open_run_dir(trainer: Trainer, resume_at: int | None) -> None:
+    """Rank 0 writes the resolved config and opens the metrics file; every rank a progress."""
+    cfg, ctx = trainer.cfg, trainer.ctx
+    run_dir = cfg.run_dir
+    if trainer.is_logger:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_at is None and cfg.run.overwrite:
+            clear_previous(cfg)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         logger.info(
             "GPT: %d layers, hidden %d, %d heads (%s kv groups), seq %d, %.2fM parameters; "
@@ -108,84 +185,116 @@ def train(cfg: Config, grad_hook: GradHook | None = None) -> TrainResult:
             cfg.model.num_attention_heads,
             cfg.model.num_query_groups or cfg.model.num_attention_heads,
             cfg.model.seq_length,
-            count_parameters(model) / 1e6,
+            count_parameters(trainer.model) / 1e6,
             ctx.world_size,
             ctx.cp_size,
             ctx.dp_size,
             cfg.parallel.cp_comm_type,
             "GPU" if ctx.on_gpu else "CPU",
-            str(dtype).replace("torch.", ""),
+            str(trainer.dtype).replace("torch.", ""),
         )
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if is_logger else None, append=start > 0)
-    progress = Progress(cfg.logging.progress_interval_s if is_logger else 0, t.train_iters)
-    num_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-    tokens_per_iter = t.global_batch_size * cfg.model.seq_length
-    flops = flops_per_iteration(cfg, vocab, tokens_per_iter)
-    result = TrainResult(start_iteration=start, final_iteration=start)
-    progress.start(start)
-    model.train()
+    trainer.metrics = MetricsWriter(
+        run_dir / METRICS_FILE if trainer.is_logger else None, resumed_at=resume_at
+    )
+    trainer.progress = Progress(
+        cfg.logging.progress_interval_s if trainer.is_logger else 0, cfg.train.train_iters
+    )
+
+
+def train_step(trainer: Trainer, iteration: int, grad_hook: GradHook | None) -> dict[str, Any]:
+    """One optimizer step (every micro-batch, gradient sync, step); returns its metrics record."""
+    cfg, ctx, opt = trainer.cfg, trainer.ctx, trainer.opt
+    began = time.perf_counter()
+    opt.zero_grad()
+    batches = [
+        _local_batch(
+            get_microbatch(trainer.dataset, iteration, j, cfg, ctx.dp_rank, ctx.dp_size), ctx
+        )
+        for j in range(trainer.num_micro)
+    ]
+    # Normalise by the global number of loss tokens, so summing gradients over data x context
+    # parallel ranks gives exactly the gradient of the global mean loss.
+    counts = torch.stack([b["loss_mask"].sum() for b in batches]).sum().float()
+    dist.all_reduce(counts, group=ctx.dp_cp_group)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for batch in batches:
+        per_token = opt.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        local = (per_token.float() * batch["loss_mask"]).sum()
+        (local / counts).backward()
+        loss_sum += local.detach()
+    opt.finish_grad_sync()
+    if grad_hook is not None:
+        grad_hook(iteration, trainer.model)
+    lr = learning_rate(trainer.schedule, iteration)
+    grad_norm = opt.step(lr)
+    dist.all_reduce(loss_sum, group=ctx.dp_cp_group)
+    loss = float(loss_sum / counts)
+    elapsed = time.perf_counter() - began
+    return {
+        "iteration": iteration + 1,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "iter_ms": elapsed * 1e3,
+        "tokens_per_s": trainer.tokens_per_iter / elapsed,
+        "tflops_per_rank": trainer.flops_per_iter / elapsed / ctx.world_size / 1e12,
+        "peak_mem_mb": peak_memory_mb(ctx.on_gpu),
+    }
+
+
+def log_iteration(trainer: Trainer, record: dict[str, Any]) -> None:
+    """Metrics file, progress thread and (every ``log_interval``) the console line."""
+    done = record["iteration"]
+    train_iters = trainer.cfg.train.train_iters
+    trainer.progress.iteration = done
+    trainer.metrics.write(record)
+    if trainer.is_logger and (done % trainer.cfg.logging.log_interval == 0 or done == train_iters):
+        print(format_line(record, train_iters), flush=True)
+
+
+def check_finite(record: dict[str, Any]) -> None:
+    """Stop on a non-finite loss instead of training on garbage."""
+    loss = record["loss"]
+    if not torch.isfinite(torch.tensor(loss)):
+        raise FloatingPointError(
+            f"loss is {loss} at iteration {record['iteration']}; lower train.lr or check the data."
+        )
+
+
+def checkpoint_and_maybe_exit(trainer: Trainer, done: int) -> bool:
+    """Save when an interval, ``exit_interval`` or the end says so; True means stop now."""
+    cfg = trainer.cfg
+    t = cfg.train
+    exiting = t.exit_interval is not None and done % t.exit_interval == 0
+    periodic = cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0
+    if cfg.checkpoint.save and (periodic or exiting or done == t.train_iters):
+        meta = {"schedule": resolved_schedule(trainer.schedule), "config": cfg.to_dict()}
+        ckpt.save_checkpoint(cfg.checkpoint_dir, done, trainer.opt.state_dict(), meta)
+        if trainer.is_logger:
+            logger.info("saved checkpoint at iteration %d to %s", done, cfg.checkpoint_dir)
+    if exiting and done < t.train_iters:
+        if trainer.is_logger:
+            logger.info("exit_interval reached at iteration %d; stopping", done)
+        return True
+    return False
+
+
+def train(cfg: Config, grad_hook: GradHook | None = None) -> TrainResult:
+    """Train ``cfg``; collective over all ranks of the job. Returns the per-iteration records."""
+    trainer = setup(cfg)
+    result = TrainResult(start_iteration=trainer.start, final_iteration=trainer.start)
+    trainer.progress.start(trainer.start)
+    trainer.model.train()
     try:
-        for iteration in range(start, t.train_iters):
-            began = time.perf_counter()
-            opt.zero_grad()
-            batches = [
-                _local_batch(
-                    get_microbatch(dataset, iteration, j, cfg, ctx.dp_rank, ctx.dp_size), ctx
-                )
-                for j in range(num_micro)
-            ]
-            # Normalise by the global number of loss tokens, so summing gradients over data x
-            # context parallel ranks gives exactly the gradient of the global mean loss.
-            counts = torch.stack([b["loss_mask"].sum() for b in batches]).sum().float()
-            dist.all_reduce(counts, group=ctx.dp_cp_group)
-            loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
-            for batch in batches:
-                per_token = opt.model(
-                    batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
-                )
-                local = (per_token.float() * batch["loss_mask"]).sum()
-                (local / counts).backward()
-                loss_sum += local.detach()
-            opt.finish_grad_sync()
-            if grad_hook is not None:
-                grad_hook(iteration, model)
-            lr = learning_rate(t, iteration)
-            grad_norm = opt.step(lr)
-            dist.all_reduce(loss_sum, group=ctx.dp_cp_group)
-            loss = float(loss_sum / counts)
-            elapsed = time.perf_counter() - began
-            record = {
-                "iteration": iteration + 1,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "iter_ms": elapsed * 1e3,
-                "tokens_per_s": tokens_per_iter / elapsed,
-                "tflops_per_rank": flops / elapsed / ctx.world_size / 1e12,
-                "peak_mem_mb": peak_memory_mb(ctx.on_gpu),
-            }
+        for iteration in range(trainer.start, cfg.train.train_iters):
+            record = train_step(trainer, iteration, grad_hook)
             result.records.append(record)
-            result.final_iteration = iteration + 1
-            progress.iteration = iteration + 1
-            metrics.write(record)
-            done = iteration + 1
-            if is_logger and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
-                print(format_line(record, t.train_iters), flush=True)
-            if not torch.isfinite(torch.tensor(loss)):
-                raise FloatingPointError(
-                    f"loss is {loss} at iteration {done}; lower train.lr or check the data."
-                )
-            exiting = t.exit_interval is not None and done % t.exit_interval == 0
-            periodic = cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0
-            if cfg.checkpoint.save and (periodic or exiting or done == t.train_iters):
-                ckpt.save_checkpoint(cfg.checkpoint_dir, done, opt.state_dict(), {})
-                if is_logger:
-                    logger.info("saved checkpoint at iteration %d to %s", done, cfg.checkpoint_dir)
-            if exiting and done < t.train_iters:
-                if is_logger:
-                    logger.info("exit_interval reached at iteration %d; stopping", done)
+            result.final_iteration = record["iteration"]
+            log_iteration(trainer, record)
+            check_finite(record)
+            if checkpoint_and_maybe_exit(trainer, record["iteration"]):
                 break
     finally:
-        progress.stop()
-        metrics.close()
+        trainer.progress.stop()
+        trainer.metrics.close()
     return result
