@@ -181,13 +181,21 @@ def latest_iteration(root: Path) -> int | None:
     return int(text)
 
 
+def _unpickler_reason(exc: Exception) -> str:
+    """The one line of torch's refusal that says what was refused (not how to bypass it)."""
+    for line in str(exc).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].split(". Please")[0].strip()
+    return type(exc).__name__
+
+
 def _load(path: Path, what: str, root: Path) -> Any:
     if not path.is_file():
         raise ValueError(f"{what} {path} is missing. " + _way_out(root))
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = _unpickler_reason(exc)
         raise ValueError(
             f"{what} {path} cannot be loaded safely: it is truncated, or holds objects other "
             f"than tensors and plain data, which are never unpickled ({reason}). " + _way_out(root)
