@@ -18,6 +18,8 @@ BASE_OVERRIDES = [
     "logging.log_interval=1000",
     "logging.progress_interval_s=0",
     "checkpoint.save=false",
+    # workloads with the same overrides share a run directory; each starts it over
+    "run.overwrite=true",
     "parallel.timeout_s=120",
     # each test states its node split; the default config emulates 2 nodes of 2 ranks
     "parallel.ranks_per_node=null",

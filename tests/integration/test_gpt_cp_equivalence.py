@@ -12,7 +12,7 @@ import torch
 
 pytestmark = pytest.mark.gloo
 
-TARGET = "integration_workloads:train_run"
+TARGET = "tests.integration.integration_workloads:train_run"
 LOSS_RTOL = 1e-5
 
 
