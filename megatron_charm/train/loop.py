@@ -142,7 +142,7 @@ def _resume(
     is_logger = ctx.global_rank == 0
     if at is None:
         return cfg.train
-    state, meta = ckpt.load_checkpoint(cfg.checkpoint_dir, at)
+    state, meta = _load_on_every_rank(cfg, ctx, at)
     opt.load_state_dict(state)
     if is_logger:
         logger.info("resumed from %s at iteration %d", cfg.checkpoint_dir, at)
@@ -166,6 +166,29 @@ def _resume(
             cfg.train.train_iters,
         )
     return schedule
+
+
+def _load_on_every_rank(cfg: Config, ctx: DistContext, at: int) -> tuple[dict, dict]:
+    """Load checkpoint ``at``; if any rank cannot (its own RNG file may be damaged), all raise.
+
+    Without the agreement the ranks that loaded would wait in their first collective for the
+    one that failed, until the timeout.
+    """
+    error: ValueError | None = None
+    try:
+        state, meta = ckpt.load_checkpoint(cfg.checkpoint_dir, at)
+    except ValueError as exc:
+        error = exc
+    failed = torch.tensor([0.0 if error is None else 1.0], device=ctx.device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise ValueError(
+            f"{int(failed.item())} rank(s) could not load checkpoint iteration {at} from "
+            f"{cfg.checkpoint_dir}; their error messages name the file and the way out."
+        )
+    return state, meta
 
 
 def _open_run_dir(trainer: Trainer, resume_at: int | None) -> None:

@@ -62,6 +62,19 @@ def train_run(overrides: list[str], capture_grads_at: int | None = 0) -> dict[st
     }
 
 
+def train_error(overrides: list[str]) -> str | None:
+    """Like :func:`train_run`, but returns this rank's error message (``None`` if it trained)."""
+    from megatron.core import parallel_state
+
+    try:
+        train_run(overrides, capture_grads_at=None)
+    except ValueError as exc:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        return str(exc)
+    return None
+
+
 def _reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> torch.Tensor:
