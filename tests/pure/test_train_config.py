@@ -231,8 +231,8 @@ def test_progress_line_reports_position_and_eta():
 def test_gpu_only_options_are_refused_on_cpu(monkeypatch):
     import torch
 
-    from megatron_charm.train.loop import _dtype
     from megatron_charm.train.model import build_layer_spec, build_model
+    from megatron_charm.train.setup import _dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="Transformer Engine baseline"):
