@@ -4,6 +4,8 @@ Usage::
 
     megatron-charm-train [--config configs/<name>.yaml] [options] [section.key=value ...]
 
+Options and overrides may come in any order.
+
 Without ``--config`` it trains the embedded default (``configs/gpt-tiny-cpu.yaml``): a tiny GPT
 with CP = 4 on 4 CPU ranks (gloo). Without a launcher it starts its own ranks.
 """
@@ -15,7 +17,11 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_charm.train.config import Config
 
 MODULE = "megatron_charm.train"
 
@@ -47,7 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nproc", type=int, help="ranks to start when not under a launcher (parallel.nproc)"
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint (checkpoint.resume=true)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train from scratch into a run directory that holds an earlier run, replacing it "
+        "(run.overwrite=true)",
+    )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
@@ -72,6 +88,8 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
         out.append(f"parallel.nproc={args.nproc}")
     if args.resume:
         out.append("checkpoint.resume=true")
+    if args.overwrite:
+        out.append("run.overwrite=true")
     return out + list(args.overrides)
 
 
@@ -93,10 +111,44 @@ def _setup_logging(global_rank: int) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Flags and ``section.key=value`` overrides in any order (``k=v --resume k2=v2``)."""
+    return build_parser().parse_intermixed_args(list(argv))
+
+
+def _error(message: object, every_rank: bool = False) -> int:
+    """Report an error and return the exit status.
+
+    Checks made before training give every rank the same answer, so only rank 0 prints them.
+    Errors during training may concern one rank only (its own checkpoint file), so each rank
+    that hits one prints it, with its rank.
+    """
+    rank = os.environ.get("RANK", "0")
+    if every_rank or rank == "0":
+        where = f" (rank {rank})" if every_rank and "WORLD_SIZE" in os.environ else ""
+        print(f"megatron-charm-train: error{where}: {message}", file=sys.stderr)
+    return 2
+
+
+def preflight(cfg: Config, externally_launched: bool, environ: Mapping[str, str]) -> None:
+    """Every check that can fail before a rank starts: config rules with the job's world size,
+    and the run directory.
+
+    Raises:
+        ValueError: naming the setting to change.
+    """
+    from megatron_charm.train.rundir import check_run_dir
+    from megatron_charm.train.validate import validate_config
+
+    world = int(environ.get("WORLD_SIZE", "1")) if externally_launched else cfg.parallel.nproc
+    validate_config(cfg, world)
+    check_run_dir(cfg)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``megatron-charm-train`` (and ``python -m megatron_charm.train``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     _quiet_imports()
     from megatron_charm.train.config import dump_config, load_config
     from megatron_charm.train.launch import apply_slurm_env, launched_externally, spawn_local_ranks
@@ -104,13 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides_from_args(args))
     except (ValueError, OSError) as exc:
-        print(f"megatron-charm-train: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
     apply_slurm_env(os.environ)
-    if not launched_externally(os.environ) and cfg.parallel.nproc > 1:
+    external = launched_externally(os.environ)
+    try:
+        preflight(cfg, external, os.environ)
+    except ValueError as exc:
+        return _error(exc)
+    if not external and cfg.parallel.nproc > 1:
         print(
             f"[megatron-charm] starting {cfg.parallel.nproc} local ranks "
             f"(no torchrun/Slurm environment found)",
@@ -129,8 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = train(cfg)
     except ValueError as exc:
-        print(f"megatron-charm-train: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, every_rank=True)
     finally:
         import torch.distributed as dist
 

@@ -13,12 +13,19 @@ from typing import Any
 
 import yaml
 
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.train.defaults import DEFAULT_CONFIG_YAML
+from megatron_charm.train.validate import CHARM_COMM_TYPES, TE_COMM_TYPES, validate_config
 
-#: cp_comm_type values served by megatron-charm's own attention.
-CHARM_COMM_TYPES = ("charm", "rm+", "merge", "ring")
-#: cp_comm_type values served by Transformer Engine (GPU baselines).
-TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
+__all__ = [
+    "CHARM_COMM_TYPES",
+    "TE_COMM_TYPES",
+    "Config",
+    "config_from_dict",
+    "dump_config",
+    "load_config",
+    "parse_override",
+]
 
 
 @dataclass
@@ -29,6 +36,9 @@ class RunConfig:
     """Run directory (metrics, resolved config, checkpoints); ``None`` means ``runs/<name>``."""
     seed: int = 1234
     """Seed for weights and data order."""
+    overwrite: bool = False
+    """Train from scratch into a run directory that already holds metrics or checkpoints,
+    replacing them. Without it such a run is refused; ``checkpoint.resume`` continues it instead."""
 
 
 @dataclass
@@ -43,8 +53,9 @@ class ParallelConfig:
     """Megatron's ``[ranks_per_node, num_nodes]``; used as the node split when set."""
     nproc: int = 4
     """Ranks to start on this machine when the command is not launched by torchrun or Slurm."""
-    timeout_s: float = 300.0
-    """Timeout for collective operations, so a hang fails instead of waiting forever."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Timeout for collective operations, so a hang fails instead of waiting forever (default:
+    Megatron's own distributed timeout)."""
 
 
 @dataclass
@@ -104,12 +115,15 @@ class TrainConfig:
     """Cosine decay length; ``None`` means ``train_iters``."""
     exit_interval: int | None = None
     """Save a checkpoint and stop when the iteration is a multiple of this (Megatron's
-    ``--exit-interval``); a later run with the same config resumes there."""
+    ``--exit-interval``); a later run with ``checkpoint.resume=true`` continues from there."""
     weight_decay: float = 0.01
     """AdamW weight decay (not applied to biases and norms)."""
     adam_beta1: float = 0.9
+    """AdamW first-moment decay."""
     adam_beta2: float = 0.95
+    """AdamW second-moment decay."""
     adam_eps: float = 1.0e-8
+    """AdamW denominator epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables clipping."""
     precision: str = "auto"
@@ -130,8 +144,8 @@ class CheckpointConfig:
     """Save every this many iterations; 0 saves only at the end."""
     dir: str | None = None
     """Checkpoint directory; ``None`` means ``<run dir>/checkpoints``."""
-    resume: bool = True
-    """Continue from the latest checkpoint in ``dir`` when there is one."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``dir`` when there is one (``--resume``)."""
     save: bool = True
     """Write checkpoints at all."""
 
@@ -226,7 +240,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
                 # Optional fields: take the type from the annotation's non-None default elsewhere.
                 default = _optional_example(section, key)
             setattr(target, key, _coerce(section, key, value, default))
-    validate(cfg)
+    validate_config(cfg)
     return cfg
 
 
@@ -252,7 +266,23 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ValueError(
             f"override {text!r}: the key must be section.key (e.g. train.train_iters=20)."
         )
-    return parts[0], parts[1], yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ValueError(
+            f"override {text!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it, "
+            "e.g. 'run.dir=\"my dir\"'."
+        ) from None
+    return parts[0], parts[1], value
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's complaint and where it is, without the traceback."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return problem
 
 
 def load_config(
@@ -260,7 +290,17 @@ def load_config(
 ) -> Config:
     """Load a YAML config (``None``: the embedded default), then apply ``section.key=value``."""
     text = DEFAULT_CONFIG_YAML if path is None else Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        where = "the embedded default config" if path is None else f"config file {path}"
+        problem = _yaml_problem(exc)
+        raise ValueError(f"{where} is not valid YAML: {problem}. Fix the file.") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"config file {path} must be a mapping of sections (run:, model:, ...), got "
+            f"{type(data).__name__}."
+        )
     for item in overrides:
         section, key, value = parse_override(item)
         data.setdefault(section, {})
@@ -273,60 +313,3 @@ def load_config(
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML (loadable by :func:`load_config`)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-def validate(cfg: Config) -> None:
-    """Check values that do not depend on the world size. Raises ``ValueError`` naming the key."""
-    p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.data
-    if p.cp_comm_type not in CHARM_COMM_TYPES + TE_COMM_TYPES:
-        raise ValueError(
-            f"parallel.cp_comm_type={p.cp_comm_type!r}: choose one of "
-            f"{', '.join(CHARM_COMM_TYPES)} (or, on GPU with Transformer Engine, "
-            f"{', '.join(TE_COMM_TYPES)})."
-        )
-    if p.context_parallel_size < 1:
-        raise ValueError(f"parallel.context_parallel_size={p.context_parallel_size} must be >= 1.")
-    if p.nproc < 1:
-        raise ValueError(f"parallel.nproc={p.nproc} must be >= 1.")
-    if m.seq_length % (2 * p.context_parallel_size) != 0:
-        raise ValueError(
-            f"model.seq_length={m.seq_length} must be divisible by 2 x context_parallel_size = "
-            f"{2 * p.context_parallel_size} (the causal zigzag split). Change model.seq_length."
-        )
-    if m.hidden_size % m.num_attention_heads != 0:
-        raise ValueError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_attention_heads="
-            f"{m.num_attention_heads}."
-        )
-    groups = m.num_query_groups or m.num_attention_heads
-    if m.num_attention_heads % groups != 0:
-        raise ValueError(
-            f"model.num_attention_heads={m.num_attention_heads} must be divisible by "
-            f"model.num_query_groups={groups}."
-        )
-    if p.cp_comm_type in CHARM_COMM_TYPES and m.attention_dropout != 0:
-        raise ValueError(
-            f"model.attention_dropout={m.attention_dropout}: CHARM+ methods do not implement "
-            "attention dropout; set model.attention_dropout=0."
-        )
-    if m.transformer_impl not in ("local", "transformer_engine"):
-        raise ValueError(
-            f"model.transformer_impl={m.transformer_impl!r}: use local or transformer_engine."
-        )
-    if d.kind not in ("indexed", "mock"):
-        raise ValueError(f"data.kind={d.kind!r}: use indexed or mock.")
-    if d.tokenizer != "byte":
-        raise ValueError(f"data.tokenizer={d.tokenizer!r}: only the byte tokenizer is built in.")
-    if t.precision not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"train.precision={t.precision!r}: use auto, fp32 or bf16.")
-    if t.train_iters < 1 or t.micro_batch_size < 1:
-        raise ValueError("train.train_iters and train.micro_batch_size must be >= 1.")
-    if t.global_batch_size % t.micro_batch_size != 0:
-        raise ValueError(
-            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size={t.micro_batch_size}."
-        )
-    if t.lr_warmup_iters < 0 or t.min_lr > t.lr:
-        raise ValueError("train.lr_warmup_iters must be >= 0 and train.min_lr <= train.lr.")
-    if cfg.logging.log_interval < 1:
-        raise ValueError(f"logging.log_interval={cfg.logging.log_interval} must be >= 1.")

@@ -21,7 +21,7 @@ parallel:
                            # null: hierarchical_context_parallel_sizes, else from hostnames
   hierarchical_context_parallel_sizes: null
   nproc: 4                 # ranks started when launched without torchrun/Slurm
-  timeout_s: 300
+  # timeout_s is left at its default: Megatron's distributed timeout
 model:
   num_layers: 2
   hidden_size: 64

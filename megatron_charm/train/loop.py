@@ -1,4 +1,9 @@
-"""The training loop: one loop for CPU and GPU, on megatron-core's GPTModel."""
+"""The training loop: one loop for CPU and GPU, on megatron-core's GPTModel.
+
+:func:`train` is :func:`~megatron_charm.train.setup.setup`, then per iteration
+:func:`train_step`, :func:`log_iteration`, :func:`check_finite` and
+:func:`checkpoint_and_maybe_exit`.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +17,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.train import checkpoint as ckpt
-from megatron_charm.train.config import Config, dump_config
-from megatron_charm.train.data import build_train_dataset, get_microbatch
-from megatron_charm.train.launch import DistContext, setup_distributed
-from megatron_charm.train.metrics import (
-    MetricsWriter,
-    Progress,
-    flops_per_iteration,
-    format_line,
-    peak_memory_mb,
-)
-from megatron_charm.train.model import build_model, count_parameters
-from megatron_charm.train.optim import build_optimizer
-from megatron_charm.train.schedule import learning_rate
-from megatron_charm.train.tokenizer import ByteTokenizer, padded_vocab_size
+from megatron_charm.train.config import Config
+from megatron_charm.train.data import get_microbatch
+from megatron_charm.train.launch import DistContext
+from megatron_charm.train.metrics import format_line, peak_memory_mb
+from megatron_charm.train.schedule import learning_rate, resolved_schedule
+from megatron_charm.train.setup import Trainer, setup
 
 logger = logging.getLogger("megatron_charm")
 
@@ -49,18 +46,6 @@ class TrainResult:
         return [r["loss"] for r in self.records]
 
 
-def _dtype(cfg: Config, on_gpu: bool) -> torch.dtype:
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if on_gpu else "fp32"
-    if precision == "bf16" and not on_gpu:
-        raise ValueError(
-            "train.precision=bf16 on CPU is not supported (CPU runs in fp32); set "
-            "train.precision=auto or fp32."
-        )
-    return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
 def _local_batch(batch: dict[str, torch.Tensor], ctx: DistContext) -> dict[str, torch.Tensor]:
     """This CP rank's zigzag share of a full-sequence batch (Megatron's own slicing)."""
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -69,123 +54,100 @@ def _local_batch(batch: dict[str, torch.Tensor], ctx: DistContext) -> dict[str, 
     return get_batch_on_this_cp_rank(batch)
 
 
+def train_step(trainer: Trainer, iteration: int, grad_hook: GradHook | None) -> dict[str, Any]:
+    """One optimizer step (every micro-batch, gradient sync, step); returns its metrics record."""
+    cfg, ctx, opt = trainer.cfg, trainer.ctx, trainer.opt
+    began = time.perf_counter()
+    opt.zero_grad()
+    batches = [
+        _local_batch(
+            get_microbatch(trainer.dataset, iteration, j, cfg, ctx.dp_rank, ctx.dp_size), ctx
+        )
+        for j in range(trainer.num_micro)
+    ]
+    # Normalise by the global number of loss tokens, so summing gradients over data x context
+    # parallel ranks gives exactly the gradient of the global mean loss.
+    counts = torch.stack([b["loss_mask"].sum() for b in batches]).sum().float()
+    dist.all_reduce(counts, group=ctx.dp_cp_group)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for batch in batches:
+        per_token = opt.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        local = (per_token.float() * batch["loss_mask"]).sum()
+        (local / counts).backward()
+        loss_sum += local.detach()
+    opt.finish_grad_sync()
+    if grad_hook is not None:
+        grad_hook(iteration, trainer.model)
+    lr = learning_rate(trainer.schedule, iteration)
+    grad_norm = opt.step(lr)
+    dist.all_reduce(loss_sum, group=ctx.dp_cp_group)
+    loss = float(loss_sum / counts)
+    elapsed = time.perf_counter() - began
+    return {
+        "iteration": iteration + 1,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "iter_ms": elapsed * 1e3,
+        "tokens_per_s": trainer.tokens_per_iter / elapsed,
+        "tflops_per_rank": trainer.flops_per_iter / elapsed / ctx.world_size / 1e12,
+        "peak_mem_mb": peak_memory_mb(ctx.on_gpu),
+    }
+
+
+def log_iteration(trainer: Trainer, record: dict[str, Any]) -> None:
+    """Metrics file, progress thread and (every ``log_interval``) the console line."""
+    done = record["iteration"]
+    train_iters = trainer.cfg.train.train_iters
+    trainer.progress.iteration = done
+    trainer.metrics.write(record)
+    if trainer.is_logger and (done % trainer.cfg.logging.log_interval == 0 or done == train_iters):
+        print(format_line(record, train_iters), flush=True)
+
+
+def check_finite(record: dict[str, Any]) -> None:
+    """Stop on a non-finite loss instead of training on garbage."""
+    loss = record["loss"]
+    if not torch.isfinite(torch.tensor(loss)):
+        raise FloatingPointError(
+            f"loss is {loss} at iteration {record['iteration']}; lower train.lr or check the data."
+        )
+
+
+def checkpoint_and_maybe_exit(trainer: Trainer, done: int) -> bool:
+    """Save when an interval, ``exit_interval`` or the end says so; True means stop now."""
+    cfg = trainer.cfg
+    t = cfg.train
+    exiting = t.exit_interval is not None and done % t.exit_interval == 0
+    periodic = cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0
+    if cfg.checkpoint.save and (periodic or exiting or done == t.train_iters):
+        meta = {"schedule": resolved_schedule(trainer.schedule), "config": cfg.to_dict()}
+        ckpt.save_checkpoint(cfg.checkpoint_dir, done, trainer.opt.state_dict(), meta)
+        if trainer.is_logger:
+            logger.info("saved checkpoint at iteration %d to %s", done, cfg.checkpoint_dir)
+    if exiting and done < t.train_iters:
+        if trainer.is_logger:
+            logger.info("exit_interval reached at iteration %d; stopping", done)
+        return True
+    return False
+
+
 def train(cfg: Config, grad_hook: GradHook | None = None) -> TrainResult:
     """Train ``cfg``; collective over all ranks of the job. Returns the per-iteration records."""
-    ctx = setup_distributed(cfg)
-    is_logger = ctx.global_rank == 0
-    dtype = _dtype(cfg, ctx.on_gpu)
-    tokenizer = ByteTokenizer()
-    vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
-    model = build_model(cfg, vocab, ctx.on_gpu, dtype)
-    opt = build_optimizer(model, cfg, ctx.on_gpu, dtype, ctx.dp_cp_group)
-
-    t = cfg.train
-    run_dir = cfg.run_dir
-    start = 0
-    latest = ckpt.latest_iteration(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
-    if latest is not None:
-        state = ckpt.load_checkpoint(cfg.checkpoint_dir, latest)
-        opt.load_state_dict(state)
-        start = latest
-        if is_logger:
-            logger.info("resumed from %s at iteration %d", cfg.checkpoint_dir, latest)
-            if latest >= t.train_iters:
-                logger.info(
-                    "the run is already complete (train.train_iters=%d); raise train.train_iters, "
-                    "or set checkpoint.resume=false to train from scratch",
-                    t.train_iters,
-                )
-    dataset = build_train_dataset(cfg, tokenizer, num_samples=t.train_iters * t.global_batch_size)
-
-    if is_logger:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        logger.info(
-            "GPT: %d layers, hidden %d, %d heads (%s kv groups), seq %d, %.2fM parameters; "
-            "%d ranks = CP %d x DP %d, cp_comm_type=%s, %s, %s",
-            cfg.model.num_layers,
-            cfg.model.hidden_size,
-            cfg.model.num_attention_heads,
-            cfg.model.num_query_groups or cfg.model.num_attention_heads,
-            cfg.model.seq_length,
-            count_parameters(model) / 1e6,
-            ctx.world_size,
-            ctx.cp_size,
-            ctx.dp_size,
-            cfg.parallel.cp_comm_type,
-            "GPU" if ctx.on_gpu else "CPU",
-            str(dtype).replace("torch.", ""),
-        )
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if is_logger else None, append=start > 0)
-    progress = Progress(cfg.logging.progress_interval_s if is_logger else 0, t.train_iters)
-    num_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-    tokens_per_iter = t.global_batch_size * cfg.model.seq_length
-    flops = flops_per_iteration(cfg, vocab, tokens_per_iter)
-    result = TrainResult(start_iteration=start, final_iteration=start)
-    progress.start(start)
-    model.train()
+    trainer = setup(cfg)
+    result = TrainResult(start_iteration=trainer.start, final_iteration=trainer.start)
+    trainer.progress.start(trainer.start)
+    trainer.model.train()
     try:
-        for iteration in range(start, t.train_iters):
-            began = time.perf_counter()
-            opt.zero_grad()
-            batches = [
-                _local_batch(
-                    get_microbatch(dataset, iteration, j, cfg, ctx.dp_rank, ctx.dp_size), ctx
-                )
-                for j in range(num_micro)
-            ]
-            # Normalise by the global number of loss tokens, so summing gradients over data x
-            # context parallel ranks gives exactly the gradient of the global mean loss.
-            counts = torch.stack([b["loss_mask"].sum() for b in batches]).sum().float()
-            dist.all_reduce(counts, group=ctx.dp_cp_group)
-            loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
-            for batch in batches:
-                per_token = opt.model(
-                    batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
-                )
-                local = (per_token.float() * batch["loss_mask"]).sum()
-                (local / counts).backward()
-                loss_sum += local.detach()
-            opt.finish_grad_sync()
-            if grad_hook is not None:
-                grad_hook(iteration, model)
-            lr = learning_rate(t, iteration)
-            grad_norm = opt.step(lr)
-            dist.all_reduce(loss_sum, group=ctx.dp_cp_group)
-            loss = float(loss_sum / counts)
-            elapsed = time.perf_counter() - began
-            record = {
-                "iteration": iteration + 1,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "iter_ms": elapsed * 1e3,
-                "tokens_per_s": tokens_per_iter / elapsed,
-                "tflops_per_rank": flops / elapsed / ctx.world_size / 1e12,
-                "peak_mem_mb": peak_memory_mb(ctx.on_gpu),
-            }
+        for iteration in range(trainer.start, cfg.train.train_iters):
+            record = train_step(trainer, iteration, grad_hook)
             result.records.append(record)
-            result.final_iteration = iteration + 1
-            progress.iteration = iteration + 1
-            metrics.write(record)
-            done = iteration + 1
-            if is_logger and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
-                print(format_line(record, t.train_iters), flush=True)
-            if not torch.isfinite(torch.tensor(loss)):
-                raise FloatingPointError(
-                    f"loss is {loss} at iteration {done}; lower train.lr or check the data."
-                )
-            exiting = t.exit_interval is not None and done % t.exit_interval == 0
-            periodic = cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0
-            if cfg.checkpoint.save and (periodic or exiting or done == t.train_iters):
-                ckpt.save_checkpoint(cfg.checkpoint_dir, done, opt.state_dict(), {})
-                if is_logger:
-                    logger.info("saved checkpoint at iteration %d to %s", done, cfg.checkpoint_dir)
-            if exiting and done < t.train_iters:
-                if is_logger:
-                    logger.info("exit_interval reached at iteration %d; stopping", done)
+            result.final_iteration = record["iteration"]
+            log_iteration(trainer, record)
+            check_finite(record)
+            if checkpoint_and_maybe_exit(trainer, record["iteration"]):
                 break
     finally:
-        progress.stop()
-        metrics.close()
+        trainer.progress.stop()
+        trainer.metrics.close()
     return result

@@ -41,15 +41,23 @@ def peak_memory_mb(on_gpu: bool) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per iteration to ``metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON object per iteration to ``metrics.jsonl`` (rank 0 only).
 
-    def __init__(self, path: Path | None, append: bool = False) -> None:
+    A fresh run (``resumed_at=None``) starts the file over. A resumed run keeps the records up to
+    the checkpoint it resumed from and drops later ones: those iterations run again, and a crash
+    between a checkpoint and the next must not leave them in the file twice.
+    """
+
+    def __init__(self, path: Path | None, resumed_at: int | None = None) -> None:
         self.path = path
         self._file: TextIO | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # A resumed run continues the file; a fresh run starts it over.
-            self._file = path.open("a" if append else "w", encoding="utf-8")
+            kept = _records_through(path, resumed_at) if resumed_at is not None else []
+            self._file = path.open("w", encoding="utf-8")
+            for line in kept:
+                self._file.write(line + "\n")
+            self._file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -60,6 +68,21 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _records_through(path: Path, iteration: int) -> list[str]:
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # A line cut short by a crash; everything after it is gone too.
+            break
+        if isinstance(record, dict) and record.get("iteration", 0) <= iteration:
+            kept.append(line)
+    return kept
 
 
 def format_line(record: dict[str, Any], train_iters: int) -> str:

@@ -18,6 +18,8 @@ BASE_OVERRIDES = [
     "logging.log_interval=1000",
     "logging.progress_interval_s=0",
     "checkpoint.save=false",
+    # workloads with the same overrides share a run directory; each starts it over
+    "run.overwrite=true",
     "parallel.timeout_s=120",
     # each test states its node split; the default config emulates 2 nodes of 2 ranks
     "parallel.ranks_per_node=null",
@@ -58,6 +60,19 @@ def train_run(overrides: list[str], capture_grads_at: int | None = 0) -> dict[st
         "grads": grads if dist.get_rank() == 0 else None,
         "nodes": nodes,
     }
+
+
+def train_error(overrides: list[str]) -> str | None:
+    """Like :func:`train_run`, but returns this rank's error message (``None`` if it trained)."""
+    from megatron.core import parallel_state
+
+    try:
+        train_run(overrides, capture_grads_at=None)
+    except ValueError as exc:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        return str(exc)
+    return None
 
 
 def _reference_attention(

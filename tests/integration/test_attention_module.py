@@ -8,6 +8,10 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_charm.megatron import CharmDotProductAttention
 
+WORKLOADS = "tests.integration.integration_workloads"
+MODULE_VS_REFERENCE = f"{WORKLOADS}:module_vs_reference"
+FORWARD_ERRORS = f"{WORKLOADS}:forward_errors"
+
 
 def _config(**kwargs):
     base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0)
@@ -42,9 +46,7 @@ def _build(config, **kwargs):
     ],
 )
 def test_module_matches_fp64_reference_cp4(pool4, method, causal, heads, groups, ranks_per_node):
-    errors = pool4.run(
-        "integration_workloads:module_vs_reference", method, causal, heads, groups, ranks_per_node
-    )
+    errors = pool4.run(MODULE_VS_REFERENCE, method, causal, heads, groups, ranks_per_node)
     assert max(errors) < 1e-5, errors
 
 
@@ -52,21 +54,19 @@ def test_module_matches_fp64_reference_cp4(pool4, method, causal, heads, groups,
 @pytest.mark.parametrize("causal", [True, False])
 def test_module_cp1(pool1, causal):
     """CP size 1 must work too: a config that says charm trains on one rank."""
-    (error,) = pool1.run("integration_workloads:module_vs_reference", "charm", causal, 2, 1, None)
+    (error,) = pool1.run(MODULE_VS_REFERENCE, "charm", causal, 2, 1, None)
     assert error < 1e-5
 
 
 @pytest.mark.gloo
 def test_module_explicit_softmax_scale(pool4):
-    errors = pool4.run(
-        "integration_workloads:module_vs_reference", "charm", True, 4, 2, 2, softmax_scale=0.2
-    )
+    errors = pool4.run(MODULE_VS_REFERENCE, "charm", True, 4, 2, 2, softmax_scale=0.2)
     assert max(errors) < 1e-5, errors
 
 
 @pytest.mark.gloo
 def test_forward_refuses_packed_bias_and_padding(pool1):
-    method, packed, bias, padding = pool1.run("integration_workloads:forward_errors")[0]
+    method, packed, bias, padding = pool1.run(FORWARD_ERRORS)[0]
     assert method == "charm"  # CP = 1: megatron passes no cp_comm_type; the default applies
     assert "packed" in packed and "THD" in packed
     assert "attention_bias" in bias

@@ -12,7 +12,8 @@ import torch
 
 pytestmark = pytest.mark.gloo
 
-TARGET = "integration_workloads:train_run"
+TARGET = "tests.integration.integration_workloads:train_run"
+ERROR_TARGET = "tests.integration.integration_workloads:train_error"
 LOSS_RTOL = 1e-5
 
 
@@ -101,6 +102,14 @@ def test_resume_matches_uninterrupted_run(pool4, tmp_path_factory):
     # Bit-for-bit: the resumed run reads the same samples with the same weights, optimizer
     # moments and learning rates as the uninterrupted one.
     assert first["losses"] + second["losses"] == full["losses"]
+
+    # One rank's damaged RNG file: every rank stops with an error instead of waiting for it.
+    latest = int((run_dir / "checkpoints" / "latest").read_text())
+    rng = run_dir / "checkpoints" / f"iter_{latest:07d}" / "rng_00003.pt"
+    rng.write_bytes(rng.read_bytes()[:40])
+    errors = pool4.run(ERROR_TARGET, [*common, "train.train_iters=12"])
+    assert str(rng) in errors[3] and "truncated" in errors[3]
+    assert all("1 rank(s) could not load checkpoint" in e for e in errors[:3]), errors
 
 
 def test_mock_dataset_trains(pool4):

@@ -50,11 +50,21 @@ def test_default_config_trains_and_resumes(tmp_path):
     assert resolved["train"]["train_iters"] == 20
     assert (run_dir / "checkpoints" / "latest").read_text() == "20"
 
-    second = _run([*common, "--train-iters", "23", "--resume"])
+    # The same command again would replace the run: refused, before any rank starts.
+    again = _run([*common, "--train-iters", "20"])
+    assert again.returncode == 2 and "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert "starting" not in again.stdout
+
+    # Overrides after a flag; more iterations than the schedule was made for.
+    second = _run(["--run-dir", str(run_dir), "logging.log_interval=5", "--resume",
+                   "model.seq_length=64", "--train-iters", "23"])  # fmt: skip
     assert second.returncode == 0, second.stderr[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "resumed from" in second.stdout
     assert [r["iteration"] for r in records] == list(range(1, 24))
+    # The saved schedule is kept: the rate stays at min_lr instead of jumping back up.
+    assert "keeping it" in second.stdout
+    assert all(r["lr"] == pytest.approx(resolved["train"]["min_lr"]) for r in records[20:])
 
 
 def test_bad_config_is_reported_without_starting_ranks(tmp_path):
@@ -62,3 +72,18 @@ def test_bad_config_is_reported_without_starting_ranks(tmp_path):
     assert result.returncode == 2
     assert "parallel.cp_comm_type='p2q'" in result.stderr
     assert "starting" not in result.stdout
+
+
+def test_world_size_rules_are_checked_once_before_launching(tmp_path):
+    result = _run(["--run-dir", str(tmp_path), "--nproc", "6"])
+    assert result.returncode == 2
+    assert result.stderr.count("does not divide the number of ranks 6") == 1, result.stderr
+    assert "starting" not in result.stdout
+
+
+def test_overrides_mix_with_flags_on_the_command_line(tmp_path):
+    result = _run(["train.lr=1e-3", "--resume", "model.hidden_size=32", "--print-config"])
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    assert cfg["train"]["lr"] == pytest.approx(1e-3) and cfg["model"]["hidden_size"] == 32
+    assert cfg["checkpoint"]["resume"] is True

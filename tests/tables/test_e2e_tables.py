@@ -1,9 +1,8 @@
-"""The end-to-end table pipeline (scripts/tables/e2e_tables.py): plan, run, collect, write."""
+"""The end-to-end table pipeline (megatron_charm.bench.tables): plan, run, collect, write."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,28 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from megatron_charm.bench.tables.collect import Result, Row, summarize, summarize_repeats
+from megatron_charm.bench.tables.render import markdown_table, write_csv
+
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "tables" / "e2e_tables.py"
+MODULE = "megatron_charm.bench.tables"
+SHIM = REPO / "scripts" / "tables" / "e2e_tables.py"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("e2e_tables", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    # dataclasses look the module up by name while the class bodies run.
-    sys.modules["e2e_tables"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tables = _load_script()
-
-
-def _run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run_script(
+    *args: str, timeout: float = 120, shim: bool = False
+) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    command = [str(SHIM)] if shim else ["-m", MODULE]
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, *command, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -50,14 +43,14 @@ def _records(times: list[float], mem: list[float]) -> list[dict]:
 
 
 def test_summarize_drops_warmup_and_takes_the_median():
-    result = tables.summarize(_records([900, 500, 30, 20, 10], [1, 2, 3, 5, 4]), 5, warmup=2)
+    result = summarize(_records([900, 500, 30, 20, 10], [1, 2, 3, 5, 4]), 5, warmup=2)
     assert result.iter_ms_median == 20  # iterations 3-5 only
     assert result.measured == 3
     assert result.peak_mem_mb == 5
     with pytest.raises(ValueError, match="only 3 of 5 iterations"):
-        tables.summarize(_records([1, 2, 3], [1, 1, 1]), 5, warmup=1)
+        summarize(_records([1, 2, 3], [1, 1, 1]), 5, warmup=1)
     # Repeats of a cell: the measured iterations of every run pooled, the highest peak.
-    pooled = tables.summarize_repeats(
+    pooled = summarize_repeats(
         [_records([900, 30, 10], [1, 1, 7]), _records([800, 50, 40], [2, 2, 2])], 3, warmup=1
     )
     assert (pooled.iter_ms_median, pooled.measured, pooled.peak_mem_mb) == (35, 4, 7)
@@ -65,12 +58,10 @@ def test_summarize_drops_warmup_and_takes_the_median():
 
 def test_markdown_and_csv_layout(tmp_path):
     def result(ms: float, mb: float) -> object:
-        return tables.Result(ms, ms, mb, 1.0, 3, 5.0)
+        return Result(ms, ms, mb, 1.0, 3, 5.0)
 
-    row6 = tables.Row(
-        6, "gpt-1.3b", 16, 2048, {"ring": result(200.0, 10), "charm": result(80.0, 11)}
-    )
-    md6 = tables.markdown_table(6, [row6], "ring", "cpu")
+    row6 = Row(6, "gpt-1.3b", 16, 2048, {"ring": result(200.0, 10), "charm": result(80.0, 11)})
+    md6 = markdown_table(6, [row6], "ring", "cpu")
     assert md6.splitlines()[0] == (
         "| Batch Size | Seq Len | Model | Ring Latency (ms) | Ring Memory (MB) | CHARM+ Latency "
         "(ms) | CHARM+ Memory (MB) | Speedup |"
@@ -79,16 +70,16 @@ def test_markdown_and_csv_layout(tmp_path):
         md6.splitlines()[2] == "| 16 | 2,048 | GPT-1.3B | 200.0 | 10 | **80.0** | 11 | **2.50×** |"
     )
 
-    row7 = tables.Row(7, "gpt-350m", 128, 2048, {"ring": result(150.0, 1), "charm": None})
+    row7 = Row(7, "gpt-350m", 128, 2048, {"ring": result(150.0, 1), "charm": None})
     row7.errors["charm"] = "exit status 1"
-    md7 = tables.markdown_table(7, [row7], "ring", "H100")
+    md7 = markdown_table(7, [row7], "ring", "H100")
     assert md7.splitlines()[0] == (
         "| Batch Size | Seq Len | Model | Ring H100 (ms) | CHARM+ H100 (ms) | Speedup H100 |"
     )
     assert md7.splitlines()[2] == "| 128 | 2,048 | GPT3-350M | 150.0 | failed | n/a |"
 
     path = tmp_path / "t.csv"
-    tables.write_csv(path, [row6], "ring")
+    write_csv(path, [row6], "ring")
     (line,) = csv.DictReader(path.open())
     assert line["speedup"] == "2.50"
     assert line["baseline_latency_ms"] == "200.0" and line["charm_memory_mb"] == "11"
@@ -114,6 +105,13 @@ def test_gpu_plan_matches_the_paper():
     }
     assert shapes == {("16", "16384"), ("32", "8192"), ("64", "4096"), ("128", "2048")}
     assert "--collect-only" in out.stdout
+    assert f"python -m {MODULE} --scale gpu" in out.stdout
+    # Every run starts its directory over: a re-run must not be refused as a clobber.
+    assert all("run.overwrite=true" in c for c in commands)
+    # The old script path is a shim for the same command.
+    shim = _run_script("--scale", "gpu", "--dry-run", "--out", "/shared/tables", shim=True)
+    assert shim.returncode == 0, shim.stderr
+    assert shim.stdout == out.stdout
 
 
 @pytest.mark.e2e

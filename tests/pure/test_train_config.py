@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 import pytest
 import yaml
 
-from megatron_charm.train.cli import build_parser, overrides_from_args
+from megatron_charm.train.cli import build_parser, overrides_from_args, parse_args
 from megatron_charm.train.config import Config, dump_config, load_config
 from megatron_charm.train.data import (
     TINY_CORPUS_PREFIX,
@@ -35,11 +34,35 @@ def test_embedded_default_is_exactly_the_shipped_tiny_config():
     assert cfg.data.kind == "indexed" and cfg.data.path == ["tiny"]
 
 
-def test_every_training_config_in_configs_loads():
-    for path in sorted((REPO / "configs").glob("*.yaml")):
+def test_every_training_config_in_configs_loads_with_its_values():
+    loaded = []
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
         data = yaml.safe_load(path.read_text())
-        if isinstance(data, dict) and {"model", "train"} <= data.keys():
-            assert isinstance(load_config(path), Config), path
+        if not (isinstance(data, dict) and {"model", "train"} <= data.keys()):
+            continue
+        resolved = load_config(path).to_dict()
+        # Every value written in the file is the value the trainer uses.
+        for section, values in data.items():
+            for key, value in (values or {}).items():
+                got = resolved[section][key]
+                assert got == value or (isinstance(value, list) and got == list(value)), (
+                    path,
+                    section,
+                    key,
+                )
+        loaded.append(path.name)
+    assert {"gpt-tiny-cpu.yaml", "gpt-350m.yaml", "gpt-1.3b.yaml"} <= set(loaded), loaded
+
+
+def test_defaults_do_not_resume_and_time_out_like_megatron():
+    from megatron_charm.constants import DEFAULT_TIMEOUT_S
+
+    # A config without a checkpoint section must not silently continue an earlier run.
+    assert Config().checkpoint.resume is False
+    assert load_config().checkpoint.resume is False
+    assert Config().run.overwrite is False
+    assert Config().parallel.timeout_s == DEFAULT_TIMEOUT_S
+    assert load_config().parallel.timeout_s == DEFAULT_TIMEOUT_S
 
 
 def test_overrides_and_round_trip(tmp_path):
@@ -107,7 +130,19 @@ def test_cli_flags_become_overrides():
     assert cfg_data["data.path"] == ["0.5", "a/b", "0.5", "c/d"]
     assert cfg_data["train.train_iters"] == 3 and cfg_data["parallel.nproc"] == 2
     assert cfg_data["checkpoint.resume"] is True and cfg_data["model.hidden_size"] == 32
-    assert isinstance(args, argparse.Namespace)
+    # Positional overrides come after the flags, so they win.
+    assert overrides[-1] == "model.hidden_size=32"
+
+
+def test_overrides_may_follow_flags():
+    args = parse_args(["train.lr=1e-3", "--resume", "model.hidden_size=32", "--overwrite"])
+    assert args.resume and args.overwrite
+    assert args.overrides == ["train.lr=1e-3", "model.hidden_size=32"]
+    overrides = overrides_from_args(args)
+    assert "checkpoint.resume=true" in overrides and "run.overwrite=true" in overrides
+    cfg = load_config(None, overrides)
+    assert cfg.train.lr == pytest.approx(1e-3) and cfg.model.hidden_size == 32
+    assert cfg.checkpoint.resume and cfg.run.overwrite
 
 
 def test_learning_rate_warmup_then_cosine():
@@ -196,8 +231,8 @@ def test_progress_line_reports_position_and_eta():
 def test_gpu_only_options_are_refused_on_cpu(monkeypatch):
     import torch
 
-    from megatron_charm.train.loop import _dtype
     from megatron_charm.train.model import build_layer_spec, build_model
+    from megatron_charm.train.setup import _dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="Transformer Engine baseline"):

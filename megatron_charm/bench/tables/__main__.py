@@ -1,0 +1,5 @@
+import sys
+
+from megatron_charm.bench.tables.cli import main
+
+sys.exit(main())

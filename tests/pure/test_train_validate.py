@@ -1,0 +1,110 @@
+"""Trainer config rules (one test per rule) and YAML errors that name their source."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_charm.train.cli import preflight
+from megatron_charm.train.config import load_config
+from megatron_charm.train.validate import validate_config
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("model.num_attention_heads", 0),
+        ("model.num_query_groups", 0),
+        ("model.num_query_groups", -2),
+        ("model.hidden_size", -64),
+        ("model.num_layers", 0),
+        ("model.seq_length", 0),
+        ("model.ffn_hidden_size", 0),
+        ("train.micro_batch_size", 0),
+        ("train.global_batch_size", 0),
+        ("train.global_batch_size", -4),
+        ("train.train_iters", 0),
+        ("train.exit_interval", 0),
+        ("train.exit_interval", -5),
+        ("train.lr_decay_iters", 0),
+        ("train.lr_warmup_iters", -1),
+        ("parallel.timeout_s", 0),
+        ("parallel.timeout_s", -1),
+        ("parallel.timeout_s", ".nan"),
+        ("parallel.nproc", 0),
+        ("parallel.context_parallel_size", 0),
+        ("parallel.ranks_per_node", 0),
+        ("logging.log_interval", 0),
+        ("checkpoint.save_interval", -1),
+    ],
+)
+def test_non_positive_sizes_name_the_field(key, value):
+    with pytest.raises(ValueError) as info:
+        load_config(None, [f"{key}={value}"])
+    message = str(info.value)
+    assert message.startswith(f"{key}="), message
+    assert f"set {key}" in message
+
+
+def test_min_lr_above_lr_is_refused():
+    with pytest.raises(ValueError, match=r"train.min_lr=0.1 exceeds train.lr"):
+        load_config(None, ["train.min_lr=0.1", "train.lr=0.01"])
+
+
+def test_ranks_per_node_must_divide_cp():
+    with pytest.raises(ValueError, match=r"parallel.ranks_per_node=3 does not divide"):
+        load_config(None, ["parallel.ranks_per_node=3"])
+    assert load_config(None, ["parallel.ranks_per_node=4"]).parallel.ranks_per_node == 4
+
+
+@pytest.mark.parametrize("sizes", ["[2, 3]", "[8, 1]", "[0, 4]", "[2, 2, 2]"])
+def test_hierarchical_sizes_must_multiply_to_cp(sizes):
+    with pytest.raises(ValueError, match=r"multiply to parallel.context_parallel_size=4"):
+        load_config(None, [f"parallel.hierarchical_context_parallel_sizes={sizes}"])
+
+
+def test_hierarchical_sizes_that_multiply_to_cp_pass():
+    cfg = load_config(None, ["parallel.hierarchical_context_parallel_sizes=[2, 2]"])
+    assert cfg.parallel.hierarchical_context_parallel_sizes == [2, 2]
+
+
+def test_nproc_must_be_a_multiple_of_cp():
+    cfg = load_config(None, ["parallel.nproc=6"])  # fine on its own: no world size yet
+    with pytest.raises(ValueError, match=r"context_parallel_size=4 does not divide .* 6"):
+        validate_config(cfg, world_size=cfg.parallel.nproc)
+    validate_config(load_config(None, ["parallel.nproc=8", "train.global_batch_size=8"]), 8)
+
+
+def test_global_batch_must_cover_the_data_parallel_ranks():
+    cfg = load_config(None, ["parallel.nproc=8"])  # DP 2 with micro-batch 4: needs 8
+    with pytest.raises(ValueError, match=r"global_batch_size=4 must be a multiple of .*4 x 2"):
+        validate_config(cfg, world_size=8)
+
+
+def test_preflight_uses_the_launchers_world_size(tmp_path):
+    cfg = load_config(None, [f"run.dir={str(tmp_path / 'run')!r}", "parallel.nproc=4"])
+    preflight(cfg, externally_launched=False, environ={})
+    with pytest.raises(ValueError, match="does not divide the number of ranks 6"):
+        preflight(cfg, externally_launched=True, environ={"WORLD_SIZE": "6"})
+
+
+def test_yaml_syntax_error_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  lr: [1e-3\n  train_iters: 5\n")
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message and "not valid YAML" in message and "line" in message
+
+
+def test_yaml_syntax_error_in_an_override_names_the_override():
+    with pytest.raises(ValueError) as info:
+        load_config(None, ["data.path=[a, b"])
+    assert "override 'data.path=[a, b'" in str(info.value)
+    assert "not valid YAML" in str(info.value)
+
+
+def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match=f"config file {path} must be a mapping"):
+        load_config(path, ["train.train_iters=3"])
