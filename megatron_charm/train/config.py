@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
+from megatron_charm.plan.options import PlanOptions
 from megatron_charm.train.defaults import DEFAULT_CONFIG_YAML
 from megatron_charm.train.validate import CHARM_COMM_TYPES, TE_COMM_TYPES, validate_config
 
@@ -159,10 +160,15 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    """CHARM+ plan options (``window``, ``cross_level``, ``cross_return``, ``combine_two_nodes``:
+    see :class:`megatron_charm.PlanOptions`); the method is ``parallel.cp_comm_type``."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (what ``config.yaml`` in the run directory holds)."""
-        return dataclasses.asdict(self)
+        """Plain nested dict (what ``config.yaml`` in the run directory holds; it loads back)."""
+        out = dataclasses.asdict(self)
+        del out["plan"]["method"]  # parallel.cp_comm_type
+        return out
 
     @property
     def run_dir(self) -> Path:
@@ -235,11 +241,20 @@ def config_from_dict(data: dict[str, Any]) -> Config:
                 raise ValueError(
                     f"unknown config key {section}.{key}; keys of {section}: {', '.join(known)}."
                 )
+            if (section, key) == ("plan", "method"):
+                raise ValueError(
+                    "plan.method is not a config key: the method is parallel.cp_comm_type."
+                )
             default = getattr(target, key)
             if default is None:
                 # Optional fields: take the type from the annotation's non-None default elsewhere.
                 default = _optional_example(section, key)
-            setattr(target, key, _coerce(section, key, value, default))
+            coerced = _coerce(section, key, value, default)
+            if isinstance(target, PlanOptions):  # frozen: validated whole on every change
+                target = target.replace(**{key: coerced})
+                setattr(cfg, section, target)
+            else:
+                setattr(target, key, coerced)
     validate_config(cfg)
     return cfg
 

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megatron_charm.train.config import Config
 
+from megatron_charm.plan.options import METHODS
+
 #: cp_comm_type values served by megatron-charm's own attention.
-CHARM_COMM_TYPES = ("charm", "rm+", "merge", "ring")
+CHARM_COMM_TYPES = METHODS
 #: cp_comm_type values served by Transformer Engine (GPU baselines).
 TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
 

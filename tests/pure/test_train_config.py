@@ -248,3 +248,15 @@ def test_gpu_only_options_are_refused_on_cpu(monkeypatch):
         _dtype(load_config(None, ["train.precision=bf16"]), on_gpu=False)
     assert _dtype(load_config(), on_gpu=False) is torch.float32
     assert _dtype(load_config(), on_gpu=True) is torch.bfloat16
+
+
+def test_plan_section_sets_plan_options_and_round_trips():
+    from megatron_charm.train.config import config_from_dict, load_config
+
+    cfg = load_config(None, ["plan.cross_level=kv", "plan.window=3", "plan.cross_return=input"])
+    assert (cfg.plan.cross_level, cfg.plan.window, cfg.plan.cross_return) == ("kv", 3, "input")
+    assert config_from_dict(cfg.to_dict()).plan == cfg.plan
+    with pytest.raises(ValueError, match="cross_level='zz': expected one of auto, q, kv"):
+        load_config(None, ["plan.cross_level=zz"])
+    with pytest.raises(ValueError, match="the method is parallel.cp_comm_type"):
+        load_config(None, ["plan.method=ring"])
