@@ -60,7 +60,7 @@ def method_bytes(
     """``{"fwd": LinkBytes, "bwd": LinkBytes}`` of ``method`` on ``layout`` with ``options``
     (its method replaced), as ``cp_attention`` plans it."""
     options = (options or PlanOptions()).replace(method=method)
-    fwd, bwd = validate(build_plan(options, layout, causal))
+    fwd, bwd = validate(build_plan(options, layout, causal, shape))
     return {
         "fwd": classify(fwd, shape, layout, topology),
         "bwd": classify(bwd, shape, layout, topology),

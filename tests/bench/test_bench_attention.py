@@ -34,13 +34,13 @@ def test_link_classes_add_up_to_plan_bytes(method, causal):
     shape = AttnShape(2, 64, 4, 2, 16)
     layout = Layout(2, 4)
     got = method_bytes(method, layout, causal, shape, "rails")
-    fwd, bwd = plan_bytes(build_plan(PlanOptions(method=method), layout, causal), shape)
+    fwd, bwd = plan_bytes(build_plan(PlanOptions(method=method), layout, causal, shape), shape)
     for name, ref in (("fwd", fwd), ("bwd", bwd)):
         total = sum(b for per in ref.values() for b in per.values())
         assert got[name].intra + got[name].cross == total
     if method == "charm":
         # CHARM+ sends across nodes only on its cross channels.
-        cross = sum(per.get("cross.q", 0) + per.get("cross.o", 0) for per in fwd.values())
+        cross = sum(v for per in fwd.values() for ch, v in per.items() if ch.startswith("cross."))
         assert got["fwd"].cross == cross
 
 
@@ -81,3 +81,13 @@ def test_attention_benchmark_2x1(tmp_path):
             assert sum(sent[p].values()) == b["intra"] + b["cross"]
     assert 0 < res["ccr"]["fwd"] and 0 < res["pure_compute_s"]["fwdbwd"]
     assert methods["charm"]["fwdbwd"]["peak_buffer_bytes"]["bwd"] > 0
+
+
+def test_link_bytes_follow_the_cross_level_the_call_uses():
+    # GQA: charm ships kv in both passes, so neither pass moves more across nodes than ring
+    shape = AttnShape(1, 64, 8, 2, 16)
+    layout = Layout(2, 2)
+    charm = method_bytes("charm", layout, True, shape, "shared")
+    ring = method_bytes("ring", layout, True, shape, "shared")
+    for name in ("fwd", "bwd"):
+        assert charm[name].max_cross_link <= ring[name].max_cross_link, name
