@@ -18,7 +18,7 @@ def test_executor_bytes_equal_plan(pools, method, p, causal):
     n = 4
     got = pools(n).run(tasks.bytes_moved, method=method, ranks_per_node=p, causal=causal)
     shape = AttnShape(b=1, s_local=8, h=4, h_kv=2, d=8, itemsize=2)
-    plan = build_plan(PlanOptions(method=method), Layout(n // p, p), causal)
+    plan = build_plan(PlanOptions(method=method), Layout(n // p, p), causal, shape)
     want_fwd, want_bwd = plan_bytes(plan, shape)
     for x in range(n):
         assert got[x][0] == want_fwd.get(x, {}), f"forward, cp_rank {x}"
