@@ -99,8 +99,8 @@ def module_vs_reference(
 ) -> float:
     """Run ``CharmDotProductAttention`` on this rank's zigzag share and compare with fp64.
 
-    Returns the largest absolute error of this rank's output and of the gradient of q
-    (relative to the reference's magnitude).
+    Returns the largest absolute error of this rank's output and of the gradients of q, k and v
+    (each relative to the reference's magnitude).
     """
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -148,21 +148,22 @@ def module_vs_reference(
         per = seq // world
         idx = list(range(rank * per, (rank + 1) * per))
     index = torch.tensor(idx)
-    q_full = q.clone().requires_grad_(True)
+    q_full, k_full, v_full = (t.clone().requires_grad_(True) for t in (q, k, v))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    ref = _reference_attention(q_full, k, v, causal, scale)
+    ref = _reference_attention(q_full, k_full, v_full, causal, scale)
     ref.sum().backward()
-    q_local = q[index].clone().requires_grad_(True)
-    out = module(q_local, k[index], v[index], None, attn_mask_type=mask)
+    q_local, k_local, v_local = (t[index].clone().requires_grad_(True) for t in (q, k, v))
+    out = module(q_local, k_local, v_local, None, attn_mask_type=mask)
     assert out.shape == (len(idx), batch, heads * head_dim), out.shape
     out.sum().backward()
     expected = ref.detach()[index].reshape(len(idx), batch, -1).float()
-    err_out = (out.detach() - expected).abs().max() / expected.abs().max()
-    grad_ref = q_full.grad[index]
-    err_grad = (q_local.grad - grad_ref).abs().max() / grad_ref.abs().max()
+    errors = [(out.detach() - expected).abs().max() / expected.abs().max()]
+    for local, full in ((q_local, q_full), (k_local, k_full), (v_local, v_full)):
+        want = full.grad[index]
+        errors.append((local.grad - want).abs().max() / want.abs().max())
     parallel_state.destroy_model_parallel()
     clear_topology_cache()
-    return float(max(err_out, err_grad))
+    return float(max(errors))
 
 
 def forward_errors() -> list[str]:
