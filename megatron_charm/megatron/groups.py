@@ -35,6 +35,8 @@ logger = logging.getLogger("megatron_charm")
 ENV_RANKS_PER_NODE = env.RANKS_PER_NODE
 ENV_TIMEOUT = env.TIMEOUT_S
 
+#: Cache: one CPTopology per (CP group ranks, node split), shared by every attention layer of the
+#: process (building one is collective); ``clear_topology_cache`` empties it.
 _TOPOLOGIES: dict[tuple[tuple[int, ...], int | None], Any] = {}
 
 

@@ -30,6 +30,7 @@ from megatron_charm.testbed.net import TestbedError
 #: Where a testbed records its configuration while it is up (so ``down``/``run`` can find it).
 STATE_DIR = os.environ.get("MEGATRON_CHARM_TESTBED_STATE", "/run/megatron-charm-testbed")
 
+#: Registry of the testbeds this process brought up, so that SIGTERM/SIGHUP can take them down.
 _LIVE: dict[str, Testbed] = {}
 _LIVE_LOCK = threading.Lock()
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
