@@ -102,7 +102,7 @@ def node_programs(
     layout: Layout,
     causal: bool,
     node: int = 0,
-    cross: tuple[str, str] = ("q", "q"),
+    cross: tuple[str, str] | None = None,
 ) -> ProgramSet:
     """Programs of one node's ranks only (``"symmetric"`` mode, Note [Node symmetry]).
 
@@ -117,6 +117,8 @@ def node_programs(
         )
     p = layout.ranks_per_node
     ranks = range(node * p, (node + 1) * p)
+    if cross is None:
+        cross = cross_levels(options, layout, causal)
     fwd, bwd = rank_programs(options, layout, causal, ranks, cross)
     compact = compact_channels(options)
     # receives from outside the node keep the default precision, the input dtype

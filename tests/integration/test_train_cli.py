@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: float = 1200) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return subprocess.run(

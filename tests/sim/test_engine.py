@@ -17,7 +17,8 @@ SHAPE = AttnShape(b=2, s_local=256, h=4, h_kv=2, d=64)
 
 def test_replay_runs_the_plans_own_instructions() -> None:
     # the engine replays plan instructions directly; a merge is labelled as one
-    progs = programs(PlanOptions(method="charm"), Layout(2, 2), True, mode="full")
+    options = PlanOptions(method="charm", cross_level="q")
+    progs = programs(options, Layout(2, 2), True, mode="full")
     res = simulate_pass(progs, topo(2, 2), SHAPE, COMPUTE, False, record=True)
     labels = {label.split()[0] for r in res.ranks for _, _, label in r.timeline}
     assert labels == {"C", "M", "W"}
