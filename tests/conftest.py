@@ -16,7 +16,8 @@ def get_pool(world_size: int) -> RankPool:
     return pool
 
 
-@pytest.fixture(scope="session")
+# Module scope: idle gloo ranks still cost CPU, so a pool does not outlive its test module.
+@pytest.fixture(scope="module")
 def pools():
     yield get_pool
     for size in list(_pools):

@@ -18,15 +18,17 @@ if "MC_TEST_RUN_ROOT" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["MC_TEST_RUN_ROOT"], ignore_errors=True)
 
 
-@pytest.fixture(scope="package")
+# Module scope: an idle pool whose ranks hold Megatron's many gloo groups keeps two cores busy, so
+# it must not outlive the tests that use it (the trainer tests start their own ranks).
+@pytest.fixture(scope="module")
 def pool4() -> Iterator[RankPool]:
-    """Four CPU ranks (gloo), shared by the tests in this folder."""
+    """Four CPU ranks (gloo), shared by the tests of one module."""
     pool = RankPool(4)
     yield pool
     pool.close()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def pool1() -> Iterator[RankPool]:
     """One CPU rank: the CP = 1 reference runs."""
     pool = RankPool(1)
