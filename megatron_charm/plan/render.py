@@ -77,10 +77,11 @@ def _payload(op: Op) -> str:
 
 def bytes_table(n: int, p: int, causal: bool, shape: AttnShape) -> str:
     """Markdown table: KiB sent per rank (mean over ranks), per method, pass and channel kind."""
-    kinds = ("kv", "q", "o", "cross.q", "cross.o")
+    kinds = ("kv", "q", "o", "cross.q", "cross.kv", "cross.o")
     rows = [
-        "| method | pass | kv | q / bundle | out / grads | cross q | cross out | total |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | pass | kv | q / bundle | out / grads | cross q | cross kv | cross out "
+        "| total |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method in ("ring", "merge", "rm+", "charm"):
         fwd, bwd = plan_bytes(
