@@ -56,9 +56,9 @@ class CharmDotProductAttention(MegatronModule):
     """Context-parallel core attention with the CHARM+ schedules.
 
     Constructor keywords follow megatron-core 0.16.1's ``CoreAttentionBuilder``; ``k_channels`` and
-    ``v_channels`` are accepted for MLA. ``method``, ``ranks_per_node`` and ``options`` (the
-    :class:`megatron_charm.PlanOptions`; its method is replaced by the resolved ``cp_comm_type``)
-    are extra keywords that spec helpers set through ``ModuleSpec.params``.
+    ``v_channels`` are accepted for MLA. ``method``, ``ranks_per_node``, ``node_split`` and
+    ``options`` (the :class:`megatron_charm.PlanOptions`; its method is replaced by the resolved
+    ``cp_comm_type``) are extra keywords that spec helpers set through ``ModuleSpec.params``.
 
     Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
     MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. CUDA graphs that would
@@ -81,6 +81,7 @@ class CharmDotProductAttention(MegatronModule):
         method: str | None = None,
         ranks_per_node: int | None = None,
         options: PlanOptions | None = None,
+        node_split: str = "host",
     ) -> None:
         super().__init__(config=config)
         check_megatron_compat()
@@ -111,6 +112,7 @@ class CharmDotProductAttention(MegatronModule):
         self.topology = get_charm_topology(
             pg_collection,
             ranks_per_node=ranks_per_node,
+            node_split=node_split,
             hierarchical_cp_sizes=getattr(config, "hierarchical_context_parallel_sizes", None),
         )
 

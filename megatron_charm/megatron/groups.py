@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_charm import env
+from megatron_charm.nodes import check_node_split, cuda_device_pci, node_identity
 
 logger = logging.getLogger("megatron_charm")
 
@@ -37,7 +38,7 @@ ENV_TIMEOUT = env.TIMEOUT_S
 
 #: Cache: one CPTopology per (CP group ranks, node split), shared by every attention layer of the
 #: process (building one is collective); ``clear_topology_cache`` empties it.
-_TOPOLOGIES: dict[tuple[tuple[int, ...], int | None], Any] = {}
+_TOPOLOGIES: dict[tuple[tuple[int, ...], int | None, bool], Any] = {}
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ def get_charm_topology(
     pg_collection: Any | None = None,
     ranks_per_node: int | None = None,
     hierarchical_cp_sizes: list[int] | tuple[int, ...] | None = None,
+    node_split: str = "host",
 ) -> Any:
     """Return the :class:`megatron_charm.CPTopology` for this rank's CP group (built once).
 
@@ -156,6 +158,9 @@ def get_charm_topology(
             ``None`` for ``parallel_state``.
         ranks_per_node: explicit override of the node split, see :func:`resolve_node_split`.
         hierarchical_cp_sizes: Megatron's ``hierarchical_context_parallel_sizes``.
+        node_split: what a detected node is, ``"host"`` or ``"numa"``
+            (:func:`megatron_charm.nodes.node_identity`); only used when nothing above sets the
+            split.
     """
     from megatron_charm import CPTopology
 
@@ -164,7 +169,9 @@ def get_charm_topology(
     split = resolve_node_split(cp_size, ranks_per_node, hierarchical_cp_sizes)
     if split.source == "hierarchical_context_parallel_sizes":
         _check_hcp_groups_are_contiguous(pg_collection, cp_group, split.ranks_per_node)
-    key = (tuple(dist.get_process_group_ranks(cp_group)), split.ranks_per_node)
+    check_node_split(node_split)
+    detect = split.ranks_per_node is None and node_split != "host"
+    key = (tuple(dist.get_process_group_ranks(cp_group)), split.ranks_per_node, detect)
     topo = _TOPOLOGIES.get(key)
     if topo is None:
         # CPTopology.build logs the layout itself; we log it once below, with its source.
@@ -173,14 +180,26 @@ def get_charm_topology(
         core_logger.setLevel(logging.WARNING)
         try:
             topo = CPTopology.build(
-                cp_group, ranks_per_node=split.ranks_per_node, timeout=_timeout()
+                cp_group,
+                ranks_per_node=split.ranks_per_node,
+                timeout=_timeout(),
+                node_id=_numa_node_id() if detect else None,
             )
         finally:
             core_logger.setLevel(level)
         _TOPOLOGIES[key] = topo
         if dist.get_rank() == 0:
-            logger.info("CHARM+ topology: %s; node split from %s", _describe(topo), split.source)
+            source = f"NUMA domains ({node_split=})" if detect else split.source
+            logger.info("CHARM+ topology: %s; node split from %s", _describe(topo), source)
     return topo
+
+
+def _numa_node_id() -> str:
+    import torch
+
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    pci = cuda_device_pci(device) if device is not None else None
+    return node_identity(env.node_id(), "numa", pci)
 
 
 def _describe(topo: Any) -> str:

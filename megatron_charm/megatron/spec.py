@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_charm.megatron.attention import CHARM_METHODS, CharmDotProductAttention
 from megatron_charm.megatron.compat import check_megatron_compat
+from megatron_charm.nodes import check_node_split
 from megatron_charm.plan import PlanOptions
 
 
@@ -23,6 +24,7 @@ def charm_core_attention_spec(
     method: str | None = None,
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
+    node_split: str = "host",
 ) -> ModuleSpec:
     """A ``core_attention`` ModuleSpec for :class:`CharmDotProductAttention`.
 
@@ -32,6 +34,8 @@ def charm_core_attention_spec(
         ranks_per_node: explicit node split override (see ``groups.resolve_node_split``).
         options: plan options of every layer (:class:`megatron_charm.PlanOptions`; the method
             comes from ``cp_comm_type`` / ``method``).
+        node_split: what a node is when it is detected: ``"host"`` or ``"numa"`` (Note [NUMA
+            split] in :mod:`megatron_charm.nodes`).
     """
     if method is not None and method not in CHARM_METHODS:
         raise ValueError(
@@ -44,6 +48,8 @@ def charm_core_attention_spec(
         params["ranks_per_node"] = ranks_per_node
     if options is not None:
         params["options"] = options
+    if check_node_split(node_split) != "host":
+        params["node_split"] = node_split
     return ModuleSpec(module=CharmDotProductAttention, params=params)
 
 
@@ -62,20 +68,21 @@ def apply_charm(
     method: str | None = None,
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
+    node_split: str = "host",
 ) -> Any:
     """Return a copy of ``spec`` whose self-attention layers use CHARM+ core attention.
 
     Args:
         spec: a TransformerLayer ``ModuleSpec``, a list of them, a ``TransformerBlockSubmodules``
             (``layer_specs``), or a ``ModuleSpec`` wrapping one (``TransformerBlock``).
-        method, ranks_per_node, options: see :func:`charm_core_attention_spec`.
+        method, ranks_per_node, options, node_split: see :func:`charm_core_attention_spec`.
 
     Raises:
         ValueError: if no self-attention ``core_attention`` slot is found in ``spec``.
         MegatronCompatibilityError: if megatron-core's core_attention contract differs from ours.
     """
     check_megatron_compat()
-    core_attention = charm_core_attention_spec(method, ranks_per_node, options)
+    core_attention = charm_core_attention_spec(method, ranks_per_node, options, node_split)
     new_spec = copy.deepcopy(spec)
     if isinstance(new_spec, (list, tuple)):
         layers = list(new_spec)
@@ -100,6 +107,7 @@ def get_gpt_layer_charm_spec(
     method: str | None = None,
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
+    node_split: str = "host",
     **kwargs: Any,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec (local or Transformer Engine) with CHARM+ core attention.
@@ -107,7 +115,7 @@ def get_gpt_layer_charm_spec(
     Args:
         use_transformer_engine: start from ``get_gpt_layer_with_transformer_engine_spec`` (fused
             TE linears and norms, GPU) instead of ``get_gpt_layer_local_spec`` (runs on CPU).
-        method, ranks_per_node, options: see :func:`charm_core_attention_spec`.
+        method, ranks_per_node, options, node_split: see :func:`charm_core_attention_spec`.
         **kwargs: forwarded to the megatron-core spec function (``qk_layernorm``,
             ``normalization`` for the local spec, ...). ``multi_latent_attention`` is refused.
     """
@@ -122,7 +130,7 @@ def get_gpt_layer_charm_spec(
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
-    return apply_charm(base, method=method, ranks_per_node=ranks_per_node, options=options)
+    return apply_charm(base, method, ranks_per_node, options, node_split)
 
 
 def get_gpt_decoder_block_charm_spec(
@@ -131,6 +139,7 @@ def get_gpt_decoder_block_charm_spec(
     method: str | None = None,
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
+    node_split: str = "host",
     **kwargs: Any,
 ) -> Any:
     """megatron-core's GPT decoder block spec (MoE layer patterns included) with CHARM+ attention.
@@ -140,4 +149,4 @@ def get_gpt_decoder_block_charm_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    return apply_charm(block, method=method, ranks_per_node=ranks_per_node, options=options)
+    return apply_charm(block, method, ranks_per_node, options, node_split)

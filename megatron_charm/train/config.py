@@ -50,6 +50,9 @@ class ParallelConfig:
     """charm | rm+ | merge | ring; on GPU with Transformer Engine also p2p | a2a | all_gather."""
     ranks_per_node: int | None = None
     """Explicit CHARM+ node split (CP ranks per node); overrides everything else."""
+    node_split: str = "host"
+    """What a detected node is: ``host`` (host name) or ``numa`` (NUMA domains of GPUs without
+    NVLink between them, the paper's PCIe servers; needs ``nvidia-ml-py``)."""
     hierarchical_context_parallel_sizes: list[int] | None = None
     """Megatron's ``[ranks_per_node, num_nodes]``; used as the node split when set."""
     nproc: int = 4

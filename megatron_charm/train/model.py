@@ -60,6 +60,7 @@ def build_layer_spec(cfg: Config) -> Any:
             use_transformer_engine=use_te,
             method=cfg.parallel.cp_comm_type,
             ranks_per_node=cfg.parallel.ranks_per_node,
+            node_split=cfg.parallel.node_split,
             options=cfg.plan.replace(method=cfg.parallel.cp_comm_type),
         )
     # TE baselines: p2p / a2a / all_gather run inside TEDotProductAttention.

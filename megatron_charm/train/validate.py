@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from megatron_charm.nodes import NODE_SPLITS
+from megatron_charm.plan.options import METHODS
+
 if TYPE_CHECKING:
     from megatron_charm.train.config import Config
-
-from megatron_charm.plan.options import METHODS
 
 #: cp_comm_type values served by megatron-charm's own attention.
 CHARM_COMM_TYPES = METHODS
@@ -136,6 +137,11 @@ def _check_shapes(cfg: Config) -> None:
 def _check_node_split(cfg: Config) -> None:
     p = cfg.parallel
     cp = p.context_parallel_size
+    if p.node_split not in NODE_SPLITS:
+        raise ValueError(
+            f"parallel.node_split={p.node_split!r} is not one of {', '.join(NODE_SPLITS)}; set "
+            "parallel.node_split=host (host names) or numa (NUMA domains of GPUs without NVLink)."
+        )
     if p.ranks_per_node is not None and cp % p.ranks_per_node != 0:
         raise ValueError(
             f"parallel.ranks_per_node={p.ranks_per_node} does not divide "

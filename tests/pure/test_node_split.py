@@ -32,3 +32,53 @@ def test_bad_splits_name_the_setting(args, fragment):
     with pytest.raises(ValueError) as info:
         resolve_node_split(*args)
     assert fragment in str(info.value)
+
+
+class _FakeTopology:
+    built: list[dict] = []
+
+    @classmethod
+    def build(cls, cp_group, **kwargs):
+        cls.built.append(kwargs)
+        return cls()
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    """A CP group of 4 without process groups: what get_charm_topology reads of the library."""
+    import megatron_charm
+    from megatron_charm.megatron import groups
+
+    monkeypatch.setattr(groups.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(groups.dist, "get_process_group_ranks", lambda group: [0, 1, 2, 3])
+    monkeypatch.setattr(groups.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(megatron_charm, "CPTopology", _FakeTopology)
+    monkeypatch.setattr(groups, "_numa_node_id", lambda: "host-a/numa1")
+    monkeypatch.setattr(groups, "_TOPOLOGIES", {})
+    _FakeTopology.built.clear()
+    return groups
+
+
+def test_numa_split_gives_the_topology_a_numa_node_identity(fake_dist):
+    pgs = type("PGs", (), {"cp": object()})()
+    fake_dist.get_charm_topology(pgs, node_split="numa")
+    assert _FakeTopology.built[-1]["node_id"] == "host-a/numa1"
+    fake_dist.get_charm_topology(pgs)  # host split: a second topology, hostname detection
+    assert _FakeTopology.built[-1]["node_id"] is None and len(_FakeTopology.built) == 2
+    fake_dist.get_charm_topology(pgs, ranks_per_node=2, node_split="numa")  # explicit wins
+    assert _FakeTopology.built[-1]["node_id"] is None
+    assert _FakeTopology.built[-1]["ranks_per_node"] == 2
+
+
+def test_unknown_node_split_is_refused(fake_dist):
+    with pytest.raises(ValueError, match="node_split='socket'"):
+        fake_dist.get_charm_topology(type("PGs", (), {"cp": object()})(), node_split="socket")
+
+
+def test_numa_split_on_a_cpu_rank_names_the_way_out():
+    from megatron_charm.megatron import groups
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA present: this checks the CPU refusal")
+    with pytest.raises(ValueError, match="no CUDA device.*node_split='host'"):
+        groups._numa_node_id()

@@ -50,6 +50,12 @@ def test_min_lr_above_lr_is_refused():
         load_config(None, ["train.min_lr=0.1", "train.lr=0.01"])
 
 
+def test_node_split_must_be_known():
+    with pytest.raises(ValueError, match=r"parallel.node_split='socket' is not one of host, numa"):
+        load_config(None, ["parallel.node_split=socket"])
+    assert load_config(None, ["parallel.node_split=numa"]).parallel.node_split == "numa"
+
+
 def test_ranks_per_node_must_divide_cp():
     with pytest.raises(ValueError, match=r"parallel.ranks_per_node=3 does not divide"):
         load_config(None, ["parallel.ranks_per_node=3"])
