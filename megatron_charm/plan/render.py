@@ -82,9 +82,11 @@ def bytes_table(n: int, p: int, causal: bool, shape: AttnShape) -> str:
         "| method | pass | kv | q / bundle | out / grads | cross q | cross out | total |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for method in ("ring", "merge", "rm+", "charm"):
+    for method in ("ring", "all_gather", "merge", "rm+", "charm"):
         fwd, bwd = plan_bytes(
-            build_plan(PlanOptions(method=method), Layout(n // p, p), causal), shape
+            # the columns are charm's query-parallel cross level (cross_level="q")
+            build_plan(PlanOptions(method=method, cross_level="q"), Layout(n // p, p), causal),
+            shape,
         )
         for name, per_rank in (("fwd", fwd), ("bwd", bwd)):
             sums = dict.fromkeys(kinds, 0)
