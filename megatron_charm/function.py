@@ -195,7 +195,8 @@ def cp_attention(
         k, v: same layout with ``h_kv`` heads, ``h % h_kv == 0`` (GQA/MQA travel at ``h_kv``).
         topo: from :meth:`CPTopology.build`.
         method: shorthand for ``options.method``: ``"charm"`` | ``"rm+"`` | ``"merge"`` |
-            ``"ring"``; overrides the method of ``options`` when both are given.
+            ``"ring"`` | ``"all_gather"``; overrides the method of ``options`` when both are
+            given.
         options: every scheduling option (:class:`megatron_charm.PlanOptions`); defaults to
             ``PlanOptions()`` (charm with the default settings). All ranks must pass equal options.
         causal: causal attention over the global sequence; the local sequence must then be in the

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import lru_cache
 
+from megatron_charm.plan.allgather import allgather_backward, allgather_forward
 from megatron_charm.plan.cost import cross_link_bytes
 from megatron_charm.plan.layout import block_parts, zigzag_positions
 from megatron_charm.plan.options import METHODS, PlanOptions, check_method
@@ -66,6 +67,10 @@ def rank_programs(
     if method == "ring":
         return [ring_forward(r, n, causal) for r in ranks], [
             ring_backward(r, n, causal) for r in ranks
+        ]
+    if method == "all_gather":
+        return [allgather_forward(r, n, causal) for r in ranks], [
+            allgather_backward(r, n, causal) for r in ranks
         ]
     if method == "charm":
         cfg = PipelineConfig(

@@ -75,17 +75,24 @@ def _payload(op: Op) -> str:
     return f"{op.payload}/fp32" if op.wire == Wire.FP32 else str(op.payload)
 
 
-def bytes_table(n: int, p: int, causal: bool, shape: AttnShape) -> str:
-    """Markdown table: KiB sent per rank (mean over ranks), per method, pass and channel kind."""
+def bytes_table(n: int, p: int, causal: bool, shape: AttnShape, cross_level: str = "auto") -> str:
+    """Markdown table: KiB sent per rank (mean over ranks), per method, pass and channel kind;
+    charm's rows use ``cross_level``."""
     kinds = ("kv", "q", "o", "cross.q", "cross.kv", "cross.o")
     rows = [
         "| method | pass | kv | q / bundle | out / grads | cross q | cross kv | cross out "
         "| total |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in ("ring", "merge", "rm+", "charm"):
+    for method in ("ring", "all_gather", "merge", "rm+", "charm"):
         fwd, bwd = plan_bytes(
-            build_plan(PlanOptions(method=method), Layout(n // p, p), causal), shape
+            build_plan(
+                PlanOptions(method=method, cross_level=cross_level),
+                Layout(n // p, p),
+                causal,
+                shape,
+            ),
+            shape,
         )
         for name, per_rank in (("fwd", fwd), ("bwd", bwd)):
             sums = dict.fromkeys(kinds, 0)
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.bytes:
         shape = AttnShape(b=1, s_local=4096, h=8, h_kv=8, d=64, itemsize=2)
         n = args.nodes * args.ranks_per_node
-        print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape))
+        print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape, args.cross_level))
         return
     options = PlanOptions(method=args.method, cross_level=args.cross_level)
     shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=args.kv_heads or args.heads, d=64)

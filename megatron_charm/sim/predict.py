@@ -14,9 +14,10 @@ from megatron_charm.sim.programs import programs
 from megatron_charm.sim.topology import Topology
 
 # Methods whose predicted fwd+bwd times are within this fraction count as a tie; ties go to the
-# simplest method (ring is stock Megatron/TE p2p, then merge, rm+, charm).
+# simplest method (ring and all_gather are stock Megatron/TE p2p and all_gather, then merge, rm+,
+# charm).
 TIE = 0.02
-SIMPLICITY = ("ring", "merge", "rm+", "charm")
+SIMPLICITY = ("ring", "all_gather", "merge", "rm+", "charm")
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,11 @@ def advise(pred: Prediction) -> Advice:
             f"cross-node links ({topo.cross_bw:g} GB/s) are {topo.intra_bw / topo.cross_bw:.1f}x "
             "slower than intra-node ones: ring and flat schedules wait for them every step, "
             "charm keeps kv inside the node and overlaps the query transfers"
+        )
+    elif choice == "all_gather":
+        reasons.append(
+            "all_gather posts every kv transfer at once: no transfer waits for another, at the "
+            "cost of holding every rank's kv"
         )
     else:
         reasons.append(

@@ -17,10 +17,11 @@ from megatron_charm.plan.options import METHODS
 if TYPE_CHECKING:
     from megatron_charm.train.config import Config
 
-#: cp_comm_type values served by megatron-charm's own attention.
-CHARM_COMM_TYPES = METHODS
 #: cp_comm_type values served by Transformer Engine (GPU baselines).
 TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
+#: cp_comm_type values served by megatron-charm's own attention. A name that both serve keeps
+#: its Transformer Engine meaning here, as in Megatron-LM (the trainer runs TE's ``all_gather``).
+CHARM_COMM_TYPES = tuple(m for m in METHODS if m not in TE_COMM_TYPES)
 
 
 def _positive(name: str, value: int | float | None, optional: bool = False) -> None:

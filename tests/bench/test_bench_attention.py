@@ -27,7 +27,7 @@ def _launcher() -> str:
     return "testbed"
 
 
-@pytest.mark.parametrize("method", ["charm", "rm+", "merge", "ring"])
+@pytest.mark.parametrize("method", ["charm", "rm+", "merge", "ring", "all_gather"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_link_classes_add_up_to_plan_bytes(method, causal):
     # Classifying sends by peer node must neither lose nor invent bytes.

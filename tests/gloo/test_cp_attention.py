@@ -30,6 +30,8 @@ for n, splits in LAYOUTS.items():
         CASES.append((n, method, n))
     for p in splits:
         CASES.append((n, "charm", p))
+    if n <= 4:  # all-gather has no node structure and no levels: small groups cover it
+        CASES.append((n, "all_gather", n))
 
 
 def check(results):

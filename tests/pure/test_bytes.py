@@ -129,3 +129,32 @@ def test_charm_kv_level_per_rank(m, p):
         # backward: kv crosses again and its node-merged dk/dv return (float32 unless one block)
         assert bwd[x]["cross.kv"] == (m - 1) * 2 * C * KVE * E
         assert bwd[x]["cross.o"] == (m - 1) * 2 * C * KVE * (E if p == 1 else 4)
+
+
+def _link_bytes(programs, shape):
+    """``{(channel, src, dst): bytes}`` of every send in ``programs``."""
+    from megatron_charm.plan.payloads import payload_bytes
+
+    out = {}
+    for prog in programs:
+        for ex in prog.exchanges():
+            for op in ex.ops:
+                if op.send:
+                    key = (ex.channel, prog.cp_rank, op.peer)
+                    out[key] = out.get(key, 0) + payload_bytes(op.payload, shape, op.wire)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("causal", [True, False])
+def test_all_gather_per_link(n, causal):
+    plan = plan_of("all_gather", Layout(1, n), causal)
+    # tokens of kv_x that y's queries see: the first half (c) when x < y under causal, else all
+    seen = {(x, y): C if causal and x < y else 2 * C for x in range(n) for y in range(n)}
+    kv = {("full.kv", x, y): seen[(x, y)] * KVE * E for x in range(n) for y in range(n) if x != y}
+    assert _link_bytes(plan.forward, SHAPE) == kv
+    # backward: kv again, and each partial dk/dv goes straight home as one block (input dtype)
+    dkv = {("full.o", x, y): seen[(y, x)] * KVE * E for x in range(n) for y in range(n) if x != y}
+    assert _link_bytes(plan.backward, SHAPE) == {**kv, **dkv}
+    if not causal:  # the classic all-gather volume: every rank's kv to every other rank
+        assert sum(kv.values()) == n * (n - 1) * 2 * C * KVE * E

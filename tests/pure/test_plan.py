@@ -210,3 +210,26 @@ def test_plan_options_are_checked():
         PlanOptions.from_dict({"windw": 2})
     with pytest.raises(ValueError, match="combine_two_nodes=True .* 4 nodes"):
         plan_of("charm", Layout(4, 2), True, combine_two_nodes=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_all_gather_posts_the_gather_before_computing(n, causal):
+    # the gather overlaps the own block, and each block waits only for the kv it uses
+    plan = plan_of("all_gather", Layout(1, n), causal)
+    for backward in (False, True):
+        for prog in plan.programs(backward):
+            instrs = prog.instrs
+            first = _index_in(instrs, Compute)
+            assert [type(i) for i in instrs[:first]] == [Exchange] * (n - 1)
+            assert (instrs[first].q_owner, instrs[first].kv_owner) == (prog.cp_rank,) * 2
+            delivers = {
+                ins.handle: op.payload.owner
+                for ins in instrs[:first]
+                for op in ins.ops
+                if not op.send
+            }
+            for k, ins in enumerate(instrs):
+                if isinstance(ins, Wait) and ins.handle in delivers:
+                    nxt = next(i for i in instrs[k:] if isinstance(i, Compute))
+                    assert nxt.kv_owner == delivers[ins.handle]

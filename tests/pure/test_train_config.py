@@ -235,8 +235,9 @@ def test_gpu_only_options_are_refused_on_cpu(monkeypatch):
     from megatron_charm.train.setup import _dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="Transformer Engine baseline"):
-        build_layer_spec(load_config(None, ["parallel.cp_comm_type=p2p"]))
+    for te_type in ("p2p", "all_gather"):  # all_gather keeps its Megatron-LM meaning: TE's
+        with pytest.raises(ValueError, match="Transformer Engine baseline"):
+            build_layer_spec(load_config(None, [f"parallel.cp_comm_type={te_type}"]))
     with pytest.raises(ValueError, match="transformer_impl=local"):
         build_model(
             load_config(None, ["model.transformer_impl=transformer_engine"]),

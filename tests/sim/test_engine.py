@@ -197,7 +197,7 @@ def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
             backward,
         )
         assert not b.exact
-        tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3}[method]
+        tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3, "all_gather": 0.2}[method]
         assert b.makespan == pytest.approx(a.makespan, rel=tol)
 
 
