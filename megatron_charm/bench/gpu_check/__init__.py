@@ -155,7 +155,7 @@ def _run_check(name: str, args: argparse.Namespace, device: torch.device, report
 
         iters = args.train_iters if args.train_iters is not None else (
             20 if device.type == "cuda" else 6)  # fmt: skip
-        return megatron_check(device, iters, args.plant, lambda r: report.partial(name, r))
+        return megatron_check(device, iters, args.plant)
     from megatron_charm.bench.gpu_check.overlap import overlap
 
     # NCCL that did not run for cp4 (several processes on one GPU) is not tried again

@@ -20,6 +20,8 @@ Transports:
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -163,6 +165,7 @@ def cp4(
     for transport in transports:
         cfg = base | {"transport": transport}
         best_effort = transport == "nccl"
+        t0 = time.time()
         try:
             per_rank = run_ranks(
                 cp4_worker, WORLD, cfg, timeout_s=120 if best_effort else 240, plant=plant,
@@ -176,7 +179,9 @@ def cp4(
             save_partial(result)
             continue
         rows = _combine([r["rows"] for r in per_rank])
-        result["transports"][transport] = {"ran": True, "rows": rows}
+        result["transports"][transport] = {
+            "ran": True, "seconds": round(time.time() - t0, 1), "rows": rows,
+        }  # fmt: skip
         if transport == "gloo-staged":
             staged = [r["staged_exchanges"] for r in per_rank]
             result["transports"][transport]["staged_exchanges_per_rank"] = staged

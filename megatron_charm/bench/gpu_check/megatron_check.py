@@ -76,12 +76,13 @@ def _attention_errors(call: dict) -> tuple[dict, dict]:
 
     q, k, v = call["qkv"]
     out = call["out"]
-    dout = out.grad.view(q.shape)  # [s, b, h*d] -> [s, b, h, d]
+    dout = out.grad.reshape(q.shape)  # [s, b, h*d] -> [s, b, h, d]
     scale = call["module"].softmax_scale
     bshd = [t.detach().transpose(0, 1) for t in (q, k, v, dout)]
     ref = sdpa_with_grads(*(t.double() for t in bshd), True, scale)
     same = sdpa_with_grads(*bshd, True, scale)
-    got = [out.detach().view(q.shape).transpose(0, 1), *(t.grad.transpose(0, 1) for t in (q, k, v))]
+    got = [out.detach().reshape(q.shape).transpose(0, 1)]
+    got += [t.grad.transpose(0, 1) for t in (q, k, v)]
     eps = torch.finfo(q.dtype).eps
     errs = {n: max_err(g, r) for n, g, r in zip(TENSORS, got, ref, strict=True)}
     tols = {n: 2 * max_err(s, r) + eps * r.abs().max().item()
@@ -167,16 +168,23 @@ def megatron_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
         torch.cuda.set_device(0)
     init_group(global_rank, world, port, "nccl" if on_gpu else "gloo", 120)
     out: dict = {"model": {}, "failures": []}
+
+    def part(name: str, fn, *args) -> dict:  # noqa: ANN001
+        # a crash of one part is its failure; the other parts still run and report
+        try:
+            res, bad = fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            res, bad = {"error": f"{type(exc).__name__}: {exc}"}, [f"{name} crashed: {exc}"]
+        out["failures"] += bad
+        return res
+
     try:
         for impl in cfg["impls"]:
             c = _config(cfg["device"], cfg["run_dir"], cfg["iterations"], impl)
-            res, bad = _model_check(c, impl)
-            out["model"][impl] = res
-            out["failures"] += bad
+            out["model"][impl] = part(impl, _model_check, c, impl)
         if cfg["iterations"] > 0:
             c = _config(cfg["device"], cfg["run_dir"], cfg["iterations"], "local")
-            out["trainer"], bad = _trainer_check(c, on_gpu)
-            out["failures"] += bad
+            out["trainer"] = part("trainer", _trainer_check, c, on_gpu)
         else:
             out["trainer"] = {"skipped": "--train-iters 0"}
     finally:
@@ -188,7 +196,9 @@ def megatron_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
     return out
 
 
-def megatron_check(device: torch.device, iterations: int, plant: str | None, save_partial):
+def megatron_check(
+    device: torch.device, iterations: int, plant: str | None
+) -> tuple[dict, list[str]]:
     """Run :func:`megatron_worker` in a spawned process; ``(result, failures)``."""
     from megatron_charm.train.model import transformer_engine_available
 
