@@ -21,6 +21,7 @@ SMALL = ["--device", "cpu", "--seq", "16", "--batch", "1", "--head-dims", "64"]
 SMALL += ["--dtypes", "fp32,bf16"]
 
 
+@pytest.mark.gloo
 def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     out = tmp_path / "check.json"
     env = dict(os.environ, PYTHON=sys.executable)
@@ -123,6 +124,7 @@ def test_planted_merge_bug_fails(monkeypatch, tmp_path):
     assert "merged_lse" in _failed_fields(json.loads(out.read_text()))
 
 
+@pytest.mark.gloo
 def test_planted_merge_bug_fails_cp4(tmp_path):
     """The executor's merge of partial results scales the output by 1.01 in every rank."""
     out = tmp_path / "cp4.json"
@@ -134,6 +136,7 @@ def test_planted_merge_bug_fails_cp4(tmp_path):
     assert all(any(f.startswith("out") for f in r["failed"]) for r in rows)
 
 
+@pytest.mark.gloo
 def test_planted_kernel_bug_fails_megatron(tmp_path):
     """The torch kernel's forward scales its output by 1.01 inside the model's attention."""
     out = tmp_path / "megatron.json"
