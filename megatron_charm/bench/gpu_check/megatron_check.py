@@ -210,7 +210,7 @@ def megatron_check(
         cfg = {"device": device.type, "impls": impls, "iterations": iterations,
                "run_dir": run_dir}  # fmt: skip
         try:
-            (res,) = run_ranks(megatron_worker, 1, cfg, timeout_s=420, env=env, plant=plant)
+            (res,) = run_ranks(megatron_worker, 1, cfg, timeout_s=300, env=env, plant=plant)
         except RanksFailed as exc:
             return {"impls": impls, "error": str(exc)[-3000:]}, [f"did not run: {exc}"[:500]]
     failures = res.pop("failures")

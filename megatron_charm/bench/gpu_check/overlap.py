@@ -98,7 +98,7 @@ def _run(cfg: dict, env: dict[str, str], plant: str | None) -> dict:
     for transport in cfg["transports"]:
         try:
             per_rank = run_ranks(
-                overlap_worker, WORLD, cfg | {"transport": transport}, timeout_s=120,
+                overlap_worker, WORLD, cfg | {"transport": transport}, timeout_s=90,
                 env=env, plant=plant, per_rank_env=nccl_env if transport == "nccl" else None,
             )  # fmt: skip
         except RanksFailed as exc:
