@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -13,28 +14,55 @@ import torch
 
 from megatron_charm.bench import gpu_check
 from megatron_charm.kernels import torch_kernel
+from megatron_charm.plan import METHODS
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--device", "cpu", "--seq", "16", "--batch", "1", "--head-dims", "64"]
 SMALL += ["--dtypes", "fp32,bf16"]
 
 
+@pytest.mark.gloo
 def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     out = tmp_path / "check.json"
     env = dict(os.environ, PYTHON=sys.executable)
     proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *SMALL, "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *SMALL, "--json", str(out),
+         "--cp4-transports", "gloo,gloo-staged"],
+        env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failures"] == []
-    assert set(report["checks"]) == {"versions", "kernel_matrix", "merge", "cp1"}
+    assert report["not_implemented"] == {}
+    # every check but speed (CUDA only)
+    assert set(report["checks"]) == set(gpu_check.CHECKS) - {"speed"}
     rows = report["checks"]["kernel_matrix"]["rows"]
     # 2 dtypes x 3 head pairs x 1 head dim x 4 blocks, all on the torch kernel
     assert len(rows) == 24 and all(r["ok"] and r["kernel"] == "torch" for r in rows)
     assert {tuple(r["heads"]) for r in rows} == {(16, 16), (16, 4), (16, 1)}
-    assert "cp_multiprocess" in report["not_implemented"]
+
+    cp4 = report["checks"]["cp4"]["transports"]
+    assert list(cp4) == ["gloo", "gloo-staged"]
+    for transport in cp4.values():
+        cases = {(r["split"], r["causal"], r["method"]) for r in transport["rows"]}
+        assert cases == set(itertools.product(("2x2", "1x4"), (True, False), METHODS))
+        assert all(r["ok"] for r in transport["rows"])
+    # the staging wrapper carried the exchanges (through plain host copies on CPU)
+    assert min(cp4["gloo-staged"]["staged_exchanges_per_rank"]) > 0
+
+    meg = report["checks"]["megatron"]
+    assert [len(meg["model"]["local"]["attention_calls"])] == [2]  # one per layer
+    losses = meg["trainer"]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert meg["trainer"]["gradients"]["missing"] == 0
+
+    over = report["checks"]["overlap"]["breakdown"]
+    assert over["transport"] == "gloo"
+    for pass_ in ("forward", "backward"):
+        times = over["passes"][pass_]
+        assert times["compute_ms"] > 0 and times["comm_ms"] > 0
+        assert times["span_ms"] >= max(times["compute_ms"], times["comm_ms"])
+    assert "skipped" in report["checks"]["overlap"]["max_connections"]
 
 
 def test_no_cuda_exits_2(capsys):
@@ -94,3 +122,28 @@ def test_planted_merge_bug_fails(monkeypatch, tmp_path):
                          "--checks", "kernel_matrix"])  # fmt: skip
     assert rc == 1
     assert "merged_lse" in _failed_fields(json.loads(out.read_text()))
+
+
+@pytest.mark.gloo
+def test_planted_merge_bug_fails_cp4(tmp_path):
+    """The executor's merge of partial results scales the output by 1.01 in every rank."""
+    out = tmp_path / "cp4.json"
+    rc = gpu_check.main(["--device", "cpu", "--checks", "cp4", "--methods", "charm",
+                         "--plant", "merge", "--json", str(out)])  # fmt: skip
+    assert rc == 1
+    rows = json.loads(out.read_text())["checks"]["cp4"]["transports"]["gloo"]["rows"]
+    assert len(rows) == 4 and not any(r["ok"] for r in rows)
+    assert all(any(f.startswith("out") for f in r["failed"]) for r in rows)
+
+
+@pytest.mark.gloo
+def test_planted_kernel_bug_fails_megatron(tmp_path):
+    """The torch kernel's forward scales its output by 1.01 inside the model's attention."""
+    out = tmp_path / "megatron.json"
+    rc = gpu_check.main(["--device", "cpu", "--checks", "megatron", "--train-iters", "0",
+                         "--plant", "kernel", "--json", str(out)])  # fmt: skip
+    assert rc == 1
+    report = json.loads(out.read_text())
+    calls = report["checks"]["megatron"]["model"]["local"]["attention_calls"]
+    assert calls and all("out" in c["failed"] for c in calls)
+    assert report["checks"]["megatron"]["trainer"] == {"skipped": "--train-iters 0"}

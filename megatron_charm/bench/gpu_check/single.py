@@ -1,35 +1,12 @@
-"""The one-GPU check (``scripts/gpu_check.sh``), also runnable on CPU kernels (``--device cpu``).
-
-Checks, each written to the JSON report as soon as it ends (a partial run still reports):
-
-1. ``versions``: torch, CUDA, NCCL, flash-attn, Transformer Engine, megatron-core, and the
-   flash-attn call form that the adapter selected from its signature.
-2. ``kernel_matrix``: every available block kernel (no ``math``: it is the reference) over dtypes,
-   heads/kv heads, head dims and block shapes on non-contiguous slices, forward and merged-lse
-   backward against float64 (see :mod:`megatron_charm.bench.kernel_matrix`).
-3. ``merge``: :func:`~megatron_charm.kernels.merge.merge_partial` against float64, and its
-   bandwidth (recorded, not asserted).
-4. ``speed`` (CUDA only): kernel and SDPA TFLOP/s per dtype and head dim (recorded).
-5. ``cp1``: ``cp_attention`` on a one-rank group (NCCL on CUDA, gloo on CPU), every method,
-   forward and backward, against SDPA.
-
-Not implemented yet (the report says so): CP with several processes on one GPU, megatron-core
-``GPTModel`` on CUDA, and the ``CUDA_DEVICE_MAX_CONNECTIONS`` overlap measurement.
-
-Exit status: 0 when every check passed, 1 on any failure, 2 when ``--device cuda`` has no CUDA.
-"""
+"""The single-process checks of the one-GPU check: versions, kernel matrix, merge, speed, cp1."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
-import json
-import os
 import socket
-import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -37,39 +14,6 @@ import torch.nn.functional as F  # noqa: N812
 from megatron_charm.bench.kernel_matrix import DTYPES, MatrixConfig, run_matrix
 
 Tensor = torch.Tensor
-CHECKS = ("versions", "kernel_matrix", "merge", "speed", "cp1")
-NOT_IMPLEMENTED = {
-    "cp_multiprocess": "CP with 4 processes on one GPU (NCCL and staged gloo): not implemented",
-    "megatron_core_cuda": "GPTModel + CharmDotProductAttention and 20 train iterations: not "
-    "implemented",
-    "max_connections": "overlap with CUDA_DEVICE_MAX_CONNECTIONS=1 vs 8: not implemented",
-}
-
-
-class Report:
-    """The JSON report, rewritten after every check."""
-
-    def __init__(self, path: str | None, device: torch.device) -> None:
-        self.path = Path(path) if path else None
-        self.data: dict = {
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "checks": {},
-            "not_implemented": NOT_IMPLEMENTED,
-            "failures": [],
-        }
-
-    def record(self, name: str, result, failures: list[str]) -> None:
-        self.data["checks"][name] = result
-        self.data["failures"].extend(f"{name}: {f}" for f in failures)
-        self.save()
-
-    def save(self) -> None:
-        if self.path is None:
-            return
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
 
 
 def _version(dist: str) -> str | None:
@@ -106,13 +50,14 @@ def _kernels(device: torch.device):
             for n in names]  # fmt: skip
 
 
-def kernel_matrix(device: torch.device, cfg: MatrixConfig, report: Report) -> tuple[dict, list]:
+def kernel_matrix(
+    device: torch.device, cfg: MatrixConfig, save_partial: Callable[[dict], None]
+) -> tuple[dict, list]:
     kernels = _kernels(device)
     partial: dict = {"config": vars(cfg) | {"heads": [list(h) for h in cfg.heads]}}
 
     def save(rows: list) -> None:
-        report.data["checks"]["kernel_matrix"] = partial | {"rows": rows}
-        report.save()
+        save_partial(partial | {"rows": rows})
 
     rows = []
     for kern in kernels:
@@ -244,89 +189,3 @@ def cp1(device: torch.device, seq: int) -> tuple[dict, list]:
     finally:
         dist.destroy_process_group()
     return {"shape_bshd": [b, seq, h, h_kv, d], "rows": rows}, bad
-
-
-def _pairs(text: str) -> tuple[tuple[int, int], ...]:
-    return tuple(tuple(int(x) for x in p.split("/")) for p in text.split(","))  # type: ignore[misc]
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument(
-        "--json", dest="json_out", default=None, help="report path (rewritten per check)"
-    )
-    ap.add_argument("--checks", default=",".join(CHECKS), help=f"subset of {','.join(CHECKS)}")
-    ap.add_argument("--seq", type=int, default=None, help="block size (default 1024 CUDA, 64 CPU)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
-    ap.add_argument("--heads", default="16/16,16/4,16/1", help="query/kv head pairs")
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--blocks", default=",".join(MatrixConfig.blocks))
-    args = ap.parse_args(argv)
-    unknown = set(args.checks.split(",")) - set(CHECKS)
-    if unknown:
-        ap.error(f"--checks: unknown {sorted(unknown)}; choose from {', '.join(CHECKS)}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.stderr.write(
-            f"gpu_check: CUDA is not available (torch {torch.__version__}, cuda build "
-            f"{torch.version.cuda}); run on a GPU machine, or pass --device cpu to check the CPU "
-            "kernels.\n"
-        )
-        return 2
-    if device.type == "cuda":
-        from megatron_charm.device import set_cuda_device_from_env
-
-        device = torch.device("cuda", set_cuda_device_from_env())
-    seq = args.seq or (1024 if device.type == "cuda" else 64)
-    cfg = MatrixConfig(
-        seq=seq,
-        batch=args.batch,
-        dtypes=tuple(args.dtypes.split(",")),
-        heads=_pairs(args.heads),
-        head_dims=tuple(int(x) for x in args.head_dims.split(",")),
-        blocks=tuple(args.blocks.split(",")),
-    )
-    report = Report(args.json_out, device)
-    report.save()
-    selected = args.checks.split(",")
-    t_all = time.time()
-    for name in CHECKS:
-        if name not in selected or (name == "speed" and device.type != "cuda"):
-            continue
-        t0 = time.time()
-        try:
-            if name == "versions":
-                result, bad = versions(device), []
-            elif name == "kernel_matrix":
-                result, bad = kernel_matrix(device, cfg, report)
-            elif name == "merge":
-                result, bad = merge_check(device, 4 * seq)
-            elif name == "speed":
-                result, bad = speed(device, 8 * seq)
-            else:
-                result, bad = cp1(device, seq)
-        except Exception as exc:  # noqa: BLE001 - report the crash, go on with the next check
-            result, bad = {"error": f"{type(exc).__name__}: {exc}"}, [f"crashed: {exc}"]
-        if isinstance(result, dict):
-            result["seconds"] = round(time.time() - t0, 1)
-        report.record(name, result, bad)
-        status = "ok" if not bad else f"FAILED ({len(bad)})"
-        print(
-            f"gpu_check {name}: {status} in {time.time() - t0:.1f} s", file=sys.stderr, flush=True
-        )
-    report.data["seconds"] = round(time.time() - t_all, 1)
-    report.save()
-    for f in report.data["failures"]:
-        print(f"FAIL {f}", file=sys.stderr)
-    return 1 if report.data["failures"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
