@@ -132,3 +132,6 @@ def test_damaged_checkpoint_stops_the_resume_with_a_value_error_naming_the_file(
     assert stderr.startswith("megatron-charm-train: error"), stderr
     assert str(named(root)) in stderr and says in stderr, stderr
     assert "--overwrite" in stderr and "Traceback" not in stderr, stderr
+    # Iteration 2 is the only complete one: offered back only when it is not the damaged one.
+    offered = "write one of the complete iterations (2)" in stderr
+    assert offered == (kind in ("garbage_latest", "latest_missing_iteration")), stderr
