@@ -122,7 +122,11 @@ def _rank(name: str, cp_rank: int, out: Path, timeout_s: float) -> None:
         timeout=timedelta(seconds=STARTUP_S),
     )
     short = timedelta(seconds=timeout_s)
+    # Barriers on the start-up timeout line the ranks up, so that a rank the loaded machine
+    # starts late does not time out the short-timeout groups while they are being set up.
+    dist.barrier()
     group = dist.new_group(list(range(case.cp_size)), timeout=short)
+    dist.barrier()
     topo = mc.CPTopology.build(group, ranks_per_node=case.ranks_per_node, timeout=short)
     dist.barrier()
     faulty = cp_rank == case.cp_size - 1
