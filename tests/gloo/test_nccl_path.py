@@ -4,6 +4,7 @@ pairs are connected at build, in one exchange per group, and every group carries
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_charm.comm.topology import warm_pairs
 from megatron_charm.plan import Layout
@@ -32,3 +33,22 @@ def test_build_connects_every_channel_pair_and_sets_timeouts(pools, p):
         )
         assert ops == want, f"cp_rank {cp_rank}"
         assert set(timeouts.values()) == {timeout_s}, timeouts
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("method,p", [("charm", 2), ("ring", 4)])
+def test_gqa_kv_expanded_once_per_delivery_without_native_gqa(pools, method, p):
+    h, h_kv = 4, 2
+    got = pools(4).run(
+        nccl_path_tasks.gqa_expansions, method=method, ranks_per_node=p, h=h, h_kv=h_kv
+    )
+    for cp_rank, answers in enumerate(got):
+        expanded, native = answers[False], answers[True]
+        # k and v of every kv delivery are expanded once, however many blocks use it
+        assert expanded["expansions"] == [2 * n for n in expanded["deliveries"]], cp_rank
+        assert expanded["heads"] == [h]
+        assert native["expansions"] == [0, 0] and native["heads"] == [h_kv]
+        for a, b in zip(expanded["results"], native["results"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        # the expanded copies are buffers of the pass
+        assert all(e > n for e, n in zip(expanded["peak"], native["peak"], strict=True))
