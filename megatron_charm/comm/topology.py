@@ -122,7 +122,8 @@ class CPTopology:
             cp_group: the context-parallel group (``None``: the whole job).
             ranks_per_node: CP ranks per node; ``None`` detects it from node identities
                 gathered over the CP group.
-            timeout: timeout of every channel group; a dead peer raises after it.
+            timeout: timeout of every channel group; after it a dead peer raises (gloo) or
+                NCCL's watchdog ends the process (docs/launchers.md, "NCCL: what differs").
             node_id: this rank's node identity; ``None`` reads it with
                 :func:`megatron_charm.env.node_id` (``$MEGATRON_CHARM_NODE_ID``, else hostname).
         """
