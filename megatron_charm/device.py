@@ -41,6 +41,14 @@ def select_cuda_device(local_rank: int, visible_device_count: int) -> int:
     )
 
 
+def set_cuda_device(index: int) -> None:
+    """``torch.cuda.set_device(index)`` for a caller that chose the device itself (the one-GPU
+    check puts every process on device 0); ranks of a job use :func:`set_cuda_device_from_env`."""
+    import torch
+
+    torch.cuda.set_device(index)
+
+
 def set_cuda_device_from_env() -> int:
     """``torch.cuda.set_device`` to :func:`select_cuda_device` of ``LOCAL_RANK`` (default 0) and
     the visible device count; returns the index."""

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from megatron_charm.bench.gpu_check.procs import RanksFailed, init_group, run_ranks
+from megatron_charm.device import set_cuda_device
 
 Tensor = torch.Tensor
 WORLD = 4
@@ -79,7 +80,7 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
 
     device = torch.device(cfg["device"])
     if device.type == "cuda":
-        torch.cuda.set_device(0)
+        set_cuda_device(0)
         device = torch.device("cuda", 0)
     transport = cfg["transport"]
     backend = "nccl" if transport == "nccl" else "gloo"

@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 from megatron_charm.bench.gpu_check.procs import RanksFailed, init_group, run_ranks
+from megatron_charm.device import set_cuda_device
 
 #: A small GPT (GQA) per device: sized to run in seconds.
 SIZES = {
@@ -165,7 +166,7 @@ def megatron_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
 
     on_gpu = cfg["device"] == "cuda"
     if on_gpu:
-        torch.cuda.set_device(0)
+        set_cuda_device(0)
     init_group(global_rank, world, port, "nccl" if on_gpu else "gloo", 120)
     out: dict = {"model": {}, "failures": []}
 

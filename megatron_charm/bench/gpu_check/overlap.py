@@ -19,6 +19,7 @@ import torch
 
 from megatron_charm.bench.gpu_check.cp4 import DTYPES, nccl_env
 from megatron_charm.bench.gpu_check.procs import RanksFailed, init_group, run_ranks
+from megatron_charm.device import set_cuda_device
 
 WORLD = 4
 STEPS = 5
@@ -46,7 +47,7 @@ def overlap_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
     device = torch.device(cfg["device"])
     on_cuda = device.type == "cuda"
     if on_cuda:
-        torch.cuda.set_device(0)
+        set_cuda_device(0)
         device = torch.device("cuda", 0)
     transport = cfg["transport"]
     init_group(global_rank, world, port, "nccl" if transport == "nccl" else "gloo", 120)
