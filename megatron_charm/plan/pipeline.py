@@ -32,6 +32,8 @@ their outputs start travelling back early (paper Appendix A).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -133,6 +135,7 @@ class _Pass:
         # that a round never waits for a partner's result it does not need to finish.
         self.deferred_merges: list[Payload] = []
         self.posted_cross: set[int] = set()
+        self.ahead_cache: dict[tuple, list[Part | None]] = {}
 
     # --- query sets, kv sets and rounds (identical for all ranks of a node) --------------------
 
@@ -278,9 +281,10 @@ class _Pass:
     # --- the program ----------------------------------------------------------------------------
 
     def build(self) -> Program:
-        rnds = self.rounds()
+        rnds = self.rnds = self.rounds()
         self.post_cross_inputs(rnds[0])
         for r, rnd in enumerate(rnds):
+            self.cur = r
             if r + 1 < len(rnds):
                 self.post_cross_inputs(rnds[r + 1])
             earlier, self.deferred_merges = self.deferred_merges, []
@@ -362,6 +366,35 @@ class _Pass:
             self.b.exchange(self.channel["o"], ops)
         return [op.payload for op in ops if not op.send]
 
+    def ahead(self, key: tuple, use: Callable[[list[Slot]], Part | None]) -> Part | None:
+        """The union of ``use(round)`` over this round and the later ones.
+
+        A rank's own q or kv that a partner needs in several rounds is sent once, whole for all
+        of them, the first time it is needed: a later round that needs another half would
+        otherwise send the tensor again with the half the partner already holds.
+        """
+        suffix = self.ahead_cache.get(key)
+        if suffix is None:
+            # unions over every suffix of the rounds, built once per key (a node may have
+            # hundreds of rounds)
+            suffix = [None] * (len(self.rnds) + 1)
+            for i in range(len(self.rnds) - 1, -1, -1):
+                p, later = use(self.rnds[i]), suffix[i + 1]
+                suffix[i] = later if p is None else (p if later is None else p.union(later))
+            self.ahead_cache[key] = suffix
+        return suffix[self.cur]
+
+    def own_kv_use(self, q_host: int, kv_rank: int, rnd: list[Slot]) -> Part | None:
+        """What ``q_host``'s query sets use of ``kv_rank``'s own kv in ``rnd``."""
+        ks = self.kvset(kv_rank, rnd)
+        return self.kv_part(self.qsets(q_host, rnd), ks) if ks[0] == kv_rank else None
+
+    def own_q_use(self, q_rank: int, kv_host: int, rnd: list[Slot]) -> Part | None:
+        """What ``kv_host``'s kv set uses of ``q_rank``'s own queries in ``rnd``."""
+        own = [qs for qs in self.qsets(q_rank, rnd) if qs[0] == q_rank]
+        parts = [p for _, p in self.q_parts(own, self.kvset(kv_host, rnd))]
+        return None if not parts else functools.reduce(Part.union, parts)
+
     def post(self, task: PartnerTask, my_qs: list[QSet], rnd: list[Slot]) -> None:
         """Post the input exchange with a partner: kv (what is not held yet) or query sets."""
         x = self.x
@@ -372,12 +405,12 @@ class _Pass:
             ops = [
                 send(y, self.qkind, g, missing)
                 for g, need in self.q_parts(my_qs, their_kv)
-                if (missing := _missing(self.q_there, (y, g), need, widen=g == x))
+                if (missing := self._q_missing(self.q_there, (y, g), need, g == x, x, y))
             ]
             ops += [
                 recv(y, self.qkind, g, missing)
                 for g, need in self.q_parts(peer_qs, my_kv)
-                if (missing := _missing(self.q_here, g, need, widen=g == y))
+                if (missing := self._q_missing(self.q_here, g, need, g == y, y, x))
             ]
             if ops:
                 self.b.exchange(self.channel["q"], ops)
@@ -388,12 +421,25 @@ class _Pass:
         # piece is sent as it is (its other half belongs to another round).
         ops = []
         there, here = self.kv_part(peer_qs, my_kv), self.kv_part(my_qs, their_kv)
+        if there and my_kv[0] == x:
+            there = self.ahead(("kv", y, x), lambda r: self.own_kv_use(y, x, r))
+        if here and their_kv[0] == y:
+            here = self.ahead(("kv", x, y), lambda r: self.own_kv_use(x, y, r))
         if there and (there := _missing(self.kv_there, (y, my_kv[0]), there, my_kv[0] == x)):
             ops.append(send(y, Kind.KV, my_kv[0], there))
         if here and (here := _missing(self.kv_here, their_kv[0], here, their_kv[0] == y)):
             ops.append(recv(y, Kind.KV, their_kv[0], here))
         if ops:
             self.b.exchange(self.channel["kv"], ops)
+
+    def _q_missing(
+        self, held: dict, key: object, need: Part, own: bool, q_rank: int, kv_host: int
+    ) -> Part | None:
+        """:func:`_missing` for queries: own queries go whole for every round that needs them."""
+        if own:
+            key = ("q", q_rank, kv_host)
+            need = self.ahead(key, lambda r: self.own_q_use(q_rank, kv_host, r)) or need
+        return _missing(held, key, need, widen=own)
 
 
 def _missing(held: dict, key: object, need: Part, widen: bool) -> Part | None:

@@ -11,6 +11,7 @@ import pytest
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
 from megatron_charm.plan.cost import plan_bytes
 from megatron_charm.plan.partners import partner_tasks
+from megatron_charm.plan.types import Part
 
 
 def plan_of(method, layout, causal, **options):
@@ -66,7 +67,9 @@ def test_rmplus_totals(n):
 
 @pytest.mark.parametrize("m,p", [(1, 4), (2, 1), (2, 2), (2, 4), (4, 2), (3, 2), (8, 1)])
 def test_charm_per_rank(m, p):
-    fwd, _ = plan_bytes(plan_of("charm", Layout(m, p), False, cross_level="q"), SHAPE)
+    fwd, _ = plan_bytes(
+        plan_of("charm", Layout(m, p), False, cross_level="q", cross_return="fp32"), SHAPE
+    )
     # kv moves once: later rounds (foreign query sets) reuse the kv the first round brought
     rounds = 1
     for x in range(m * p):
@@ -96,7 +99,9 @@ def test_charm_keeps_kv_inside_nodes():
 
 
 def test_input_cross_return_halves_cross_returns():
-    exact, _ = plan_bytes(plan_of("charm", Layout(2, 2), False, cross_level="q"), SHAPE)
+    exact, _ = plan_bytes(
+        plan_of("charm", Layout(2, 2), False, cross_level="q", cross_return="fp32"), SHAPE
+    )
     compact, _ = plan_bytes(
         plan_of("charm", Layout(2, 2), False, cross_level="q", cross_return="input"), SHAPE
     )
@@ -110,7 +115,9 @@ def test_input_cross_return_halves_cross_returns():
 
 @pytest.mark.parametrize("m,p", [(2, 1), (2, 2), (2, 4), (4, 2), (3, 2)])
 def test_charm_kv_level_per_rank(m, p):
-    fwd, bwd = plan_bytes(plan_of("charm", Layout(m, p), False, cross_level="kv"), SHAPE)
+    fwd, bwd = plan_bytes(
+        plan_of("charm", Layout(m, p), False, cross_level="kv", cross_return="fp32"), SHAPE
+    )
     for x in range(m * p):
         tasks = partner_tasks(x % p, p, split=True)
         k = sum(t.exchange_kv for t in tasks)
@@ -158,3 +165,29 @@ def test_all_gather_per_link(n, causal):
     assert _link_bytes(plan.backward, SHAPE) == {**kv, **dkv}
     if not causal:  # the classic all-gather volume: every rank's kv to every other rank
         assert sum(kv.values()) == n * (n - 1) * 2 * C * KVE * E
+
+
+RESEND_SPLITS = [(n, p) for n in range(2, 13) for p in range(2, n) if n % p == 0]
+
+
+@pytest.mark.parametrize("n,p", RESEND_SPLITS, ids=[f"{n // p}x{p}" for n, p in RESEND_SPLITS])
+def test_no_rank_receives_an_input_it_already_holds(n, p):
+    """Within a pass a rank keeps every q and kv it received, so receiving a half of it again is
+    a wasted transfer (causal charm once re-sent own kv/q whole in a later round)."""
+    for level in ("q", "kv"):
+        for causal in (True, False):
+            plan = plan_of("charm", Layout(n // p, p), causal, cross_level=level)
+            for prog in plan.forward + plan.backward:
+                held: dict = {}
+                for ex in prog.exchanges():
+                    for op in ex.ops:
+                        if op.send or op.payload.kind.is_partial:
+                            continue
+                        key = (op.payload.kind, op.payload.owner)
+                        halves = (
+                            {Part.FIRST, Part.SECOND}
+                            if op.payload.part == Part.FULL
+                            else {op.payload.part}
+                        )
+                        assert not held.get(key, set()) & halves, (level, causal, prog.cp_rank, ex)
+                        held.setdefault(key, set()).update(halves)
