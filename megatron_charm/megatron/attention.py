@@ -58,7 +58,9 @@ class CharmDotProductAttention(MegatronModule):
     Constructor keywords follow megatron-core 0.16.1's ``CoreAttentionBuilder``; ``k_channels`` and
     ``v_channels`` are accepted for MLA. ``method``, ``ranks_per_node``, ``node_split`` and
     ``options`` (the :class:`megatron_charm.PlanOptions`; its method is replaced by the resolved
-    ``cp_comm_type``) are extra keywords that spec helpers set through ``ModuleSpec.params``.
+    ``cp_comm_type``) and ``timeout_s`` (seconds before a blocked exchange fails: Megatron-LM's
+    ``--distributed-timeout-minutes``) are extra keywords that spec helpers set through
+    ``ModuleSpec.params``.
 
     Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
     MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. CUDA graphs that would
@@ -82,6 +84,7 @@ class CharmDotProductAttention(MegatronModule):
         ranks_per_node: int | None = None,
         options: PlanOptions | None = None,
         node_split: str = "host",
+        timeout_s: float | None = None,
     ) -> None:
         super().__init__(config=config)
         check_megatron_compat()
@@ -114,6 +117,7 @@ class CharmDotProductAttention(MegatronModule):
             ranks_per_node=ranks_per_node,
             node_split=node_split,
             hierarchical_cp_sizes=getattr(config, "hierarchical_context_parallel_sizes", None),
+            timeout_s=timeout_s,
         )
 
     def forward(
@@ -228,6 +232,12 @@ def _check_config(
             f"softmax_type={softmax_type!r}: CHARM+ implements the vanilla softmax only. Set "
             "--softmax-type vanilla."
         )
+    for fp8 in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if getattr(config, fp8, False):
+            raise ValueError(
+                f"{fp8}=True: CHARM+ computes attention in the input dtype (bf16/fp16/fp32), not "
+                f"FP8. Unset {fp8} (FP8 linear layers through --fp8-format stay available)."
+            )
     _check_cuda_graphs(config)
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
         raise ValueError(
@@ -236,8 +246,9 @@ def _check_config(
         )
 
 
-def _captures_attention(config: TransformerConfig) -> str | None:
-    """The CUDA-graph setting that would capture this module, or ``None``."""
+def captures_attention(config: Any) -> str | None:
+    """The CUDA-graph setting of ``config`` (a ``TransformerConfig`` or Megatron-LM's ``args``)
+    that would capture this module, or ``None``."""
     for legacy in ("enable_cuda_graph", "external_cuda_graph"):
         if getattr(config, legacy, False):
             return f"{legacy}=True"
@@ -256,7 +267,7 @@ def _captures_attention(config: TransformerConfig) -> str | None:
 
 
 def _check_cuda_graphs(config: TransformerConfig) -> None:
-    setting = _captures_attention(config)
+    setting = captures_attention(config)
     if setting is not None:
         raise ValueError(
             f"{setting}: CUDA graphs would capture CHARM+ attention, whose communication is "
