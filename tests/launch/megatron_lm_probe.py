@@ -9,7 +9,9 @@ What is stubbed, and why: ``megatron/training/__init__.py`` imports the whole tr
 its optional dependencies), so the ``megatron.training`` package is created empty with the
 checkout's folder as its path, and only ``arguments.py`` and what it imports are loaded. There is
 no GPU here, so ``get_device_arch_version`` reports a Hopper GPU (9), as on an H100/H200, which
-makes ``validate_args`` apply its ``CUDA_DEVICE_MAX_CONNECTIONS`` rule.
+makes ``validate_args`` apply its ``CUDA_DEVICE_MAX_CONNECTIONS`` rule. For every case that
+passes, the patched ``gpt_builders._maybe_apply_charm`` is applied to megatron-core's local layer
+spec, and the resulting ``core_attention`` is reported.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _load_arguments(checkout: str) -> types.ModuleType:
 
     package = types.ModuleType("megatron.training")
     package.__path__ = [os.path.join(checkout, "megatron", "training")]
-    for name in ("get_args", "get_timers", "get_adlr_autoresume"):
+    for name in ("get_args", "get_timers", "get_adlr_autoresume", "print_rank_0"):
         setattr(package, name, lambda *a, **k: None)
     sys.modules["megatron.training"] = package
     megatron.training = package
@@ -66,12 +68,30 @@ def _run(arguments: types.ModuleType, case: dict) -> dict:
             arguments.validate_args(
                 args, {"tokenizer_type": "GPT2BPETokenizer", "charm_model_builder": "gpt"}
             )
-        return {"ok": True, "args": {k: getattr(args, k, None) for k in REPORTED}}
+        return {
+            "ok": True,
+            "args": {k: getattr(args, k, None) for k in REPORTED},
+            "core_attention": _core_attention(args),
+        }
     except (AssertionError, ValueError, ImportError, SystemExit) as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _core_attention(args) -> dict:
+    """What the patched ``gpt_builders._maybe_apply_charm`` makes of megatron-core's local spec."""
+    import gpt_builders
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = gpt_builders._maybe_apply_charm(get_gpt_layer_local_spec(), args)
+    core = spec.submodules.self_attention.submodules.core_attention
+    module = core.module if hasattr(core, "module") else core
+    params = dict(getattr(core, "params", {}) or {})
+    if "options" in params:
+        params["options"] = params["options"].as_dict()
+    return {"module": module.__name__, "params": params}
 
 
 def main() -> None:

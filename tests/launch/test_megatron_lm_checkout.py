@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_charm.megatron import args as margs
+from tests.launch.doc_commands import doc_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("megatron_lm_probe.py")
@@ -82,6 +83,16 @@ CASES: dict[str, dict] = {
     "unknown_comm_type": _case([*BASE, "--cp-comm-type", "charmm", "--attention-dropout", "0"]),
     "p2p_baseline": _case([*BASE, "--cp-comm-type", "p2p"]),
 }
+#: docs/megatron-lm.md's pretrain_gpt.py commands, megatron-args expanded, with their variables.
+DOCS = {
+    f"doc{i}": {
+        "argv": c.argv,
+        "env": {k: v for k, v in c.env.items() if k != "PYTHONPATH"},
+        "world_size": c.world_size,
+    }
+    for i, c in enumerate(doc_commands())
+}
+CASES.update(DOCS)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +170,31 @@ def test_local_impl_without_apex(probe):
 )
 def test_accepted(probe, name):
     _ok(probe, name)
+
+
+@pytest.mark.parametrize("name", sorted(DOCS))
+def test_documented_commands_pass_validate_args(probe, name):
+    args = _ok(probe, name)
+    assert args["cp_comm_type"] in (["charm"], ["p2p"])
+
+
+def test_patched_builder_swaps_in_charm_with_the_flags(probe):
+    _ok(probe, "plan_flags")
+    core = probe["plan_flags"]["core_attention"]
+    assert core["module"] == "CharmDotProductAttention"
+    assert core["params"]["ranks_per_node"] == 4 and core["params"]["node_split"] == "numa"
+    assert core["params"]["timeout_s"] == 600.0
+    assert core["params"]["options"] == {
+        "method": "charm",
+        "window": 3,
+        "combine_two_nodes": True,
+        "cross_return": "input",
+        "cross_level": "kv",
+    }
+    _ok(probe, "timeout")
+    assert probe["timeout"]["core_attention"]["params"]["timeout_s"] == 180
+    _ok(probe, "p2p_baseline")
+    assert probe["p2p_baseline"]["core_attention"]["module"] != "CharmDotProductAttention"
 
 
 def test_plan_flags_reach_the_args(probe):
