@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_charm.megatron import args as margs
+from megatron_charm.megatron.tables import Cell, Cluster, pretrain_gpt_args
 from tests.launch.doc_commands import doc_commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +94,14 @@ DOCS = {
     for i, c in enumerate(doc_commands())
 }
 CASES.update(DOCS)
+#: The GPU path of Tables 6 and 7 (scripts/tables/megatron_tables.py): one point, every arm.
+TABLES = {
+    f"table-{method}": _case(
+        pretrain_gpt_args(Cell(7, "GPT-350M", 16, 16384, method), Cluster()), world_size=16
+    )
+    for method in ("charm", "p2p", "a2a+p2p")
+}
+CASES.update(TABLES)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +185,12 @@ def test_accepted(probe, name):
 def test_documented_commands_pass_validate_args(probe, name):
     args = _ok(probe, name)
     assert args["cp_comm_type"] in (["charm"], ["p2p"])
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_table_runs_pass_validate_args(probe, name):
+    args = _ok(probe, name)
+    assert args["cp_comm_type"] == [name.removeprefix("table-")]
 
 
 def test_patched_builder_swaps_in_charm_with_the_flags(probe):
