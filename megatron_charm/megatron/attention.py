@@ -150,7 +150,9 @@ class CharmDotProductAttention(MegatronModule):
             key: ``[s_local, b, ng, hn]`` with ``np % ng == 0``.
             value: ``[s_local, b, ng, hn]``.
             attention_mask: ignored: causal attention uses the zigzag layout's implicit mask
-                (as Transformer Engine does), no-mask attention has none.
+                (as Transformer Engine does), no-mask attention has none. Megatron-LM's ways to
+                make any other mask (``--reset-attention-mask``, packed sequences, ``--sft``) are
+                refused at argument time (:mod:`megatron_charm.megatron.args`).
             attn_mask_type: overrides the constructor's mask type (``causal`` or ``no_mask``).
             attention_bias: must be ``None``.
             packed_seq_params: must be ``None`` (THD/packed sequences are not supported).
