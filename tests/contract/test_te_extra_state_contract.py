@@ -52,13 +52,13 @@ def te_set_extra_state(version: str):
         base = z.read("transformer_engine/pytorch/module/base.py").decode()
         names = set(z.namelist())
         extra_state = "transformer_engine/pytorch/_extra_state.py"
-        helpers: dict = {}
+        te_functions: dict = {}
         if extra_state in names:
             src = z.read(extra_state).decode()
             # The classifier only names recipe classes by string; the import is for type hints.
             src = src.replace("from ..common.recipe import Recipe", "Recipe = object")
-            exec(compile(src, extra_state, "exec"), helpers)
-    namespace = {"pickle": pickle, "io": io, "torch": torch, **helpers}
+            exec(compile(src, extra_state, "exec"), te_functions)
+    namespace = {"pickle": pickle, "io": io, "torch": torch, **te_functions}
     exec(_function(base, "TransformerEngineBaseModule", "set_extra_state"), namespace)
     return namespace["set_extra_state"]
 
