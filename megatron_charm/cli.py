@@ -194,15 +194,31 @@ def patch_megatron(
 _SHIPPED_CORPUS = "tiny"
 
 
+#: Printed on stderr by ``megatron-args`` with mock data (stdout carries only the flags).
+VOCAB_NOTE = (
+    "note: --vocab-size 256 with --tokenizer-type NullTokenizer gives 257 token ids (256 + "
+    "end-of-document), the vocabulary of megatron-charm-train's byte tokenizer, so both trainers "
+    "build the same model; for GPT-2-sized embeddings append --vocab-size 50257"
+)
+
+
 def megatron_lm_args(cfg: Any) -> list[str]:
     """Megatron-LM ``pretrain_gpt.py`` flags for a ``megatron_charm.train`` ``Config``.
 
     Tokenizer flags for real (indexed) data depend on the corpus; pass them after the config.
+    A Transformer Engine ``cp_comm_type`` (the ``p2p``/``a2a``/``all_gather`` baselines) gets
+    ``--transformer-impl transformer_engine``: Megatron-LM's local attention has no context
+    parallelism. ``--transformer-impl local`` gets ``--no-gradient-accumulation-fusion``, which
+    otherwise needs apex.
 
     Raises:
         ValueError: the config uses something only megatron-charm-train provides.
     """
+    from megatron_charm.megatron.args import CHARM_CP_COMM_TYPES
+
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    charm = p.cp_comm_type in CHARM_CP_COMM_TYPES
+    impl = m.transformer_impl if charm else "transformer_engine"
     flags: list[Any] = [
         "--num-layers", m.num_layers,
         "--hidden-size", m.hidden_size,
@@ -213,7 +229,7 @@ def megatron_lm_args(cfg: Any) -> list[str]:
         "--hidden-dropout", m.hidden_dropout,
         "--init-method-std", m.init_method_std,
         "--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by,
-        "--transformer-impl", m.transformer_impl,
+        "--transformer-impl", impl,
         "--context-parallel-size", p.context_parallel_size,
         "--cp-comm-type", p.cp_comm_type,
         "--distributed-timeout-minutes", max(1, int(p.timeout_s // 60)),
@@ -236,8 +252,10 @@ def megatron_lm_args(cfg: Any) -> list[str]:
         flags += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
     if m.ffn_hidden_size is not None:
         flags += ["--ffn-hidden-size", m.ffn_hidden_size]
-    if p.ranks_per_node is not None:
-        flags += ["--charm-ranks-per-node", p.ranks_per_node]
+    if impl == "local":
+        flags.append("--no-gradient-accumulation-fusion")
+    if charm:
+        flags += _charm_flags(cfg)
     if p.hierarchical_context_parallel_sizes:
         flags += ["--hierarchical-context-parallel-sizes", *p.hierarchical_context_parallel_sizes]
     if t.lr_decay_iters is not None:
@@ -265,14 +283,35 @@ def megatron_lm_args(cfg: Any) -> list[str]:
     return [str(f) for f in flags]
 
 
+def _charm_flags(cfg: Any) -> list[Any]:
+    """The ``--charm-*`` flags of the config's node split and plan options (non-defaults)."""
+    from megatron_charm.plan import PlanOptions
+
+    p, plan, default = cfg.parallel, cfg.plan, PlanOptions()
+    flags: list[Any] = []
+    if p.ranks_per_node is not None:
+        flags += ["--charm-ranks-per-node", p.ranks_per_node]
+    if p.node_split != "host":
+        flags += ["--charm-node-split", p.node_split]
+    for key in ("window", "cross_return", "cross_level"):
+        if getattr(plan, key) != getattr(default, key):
+            flags += ["--charm-" + key.replace("_", "-"), getattr(plan, key)]
+    if plan.combine_two_nodes:
+        flags.append("--charm-combine-two-nodes")
+    return flags
+
+
 def _print_megatron_args(config: str | None, overrides: Sequence[str], lines: bool) -> None:
     from megatron_charm.train.config import load_config
 
     try:
-        flags = megatron_lm_args(load_config(config, list(overrides)))
+        cfg = load_config(config, list(overrides))
+        flags = megatron_lm_args(cfg)
     except (OSError, ValueError) as exc:
         raise CliError(str(exc)) from exc
     print("\n".join(flags) if lines else shlex.join(flags))
+    if cfg.data.kind == "mock":
+        print(VOCAB_NOTE, file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,8 +11,10 @@ MEGATRON_CHARM_NODE_ID         this process's node identity for CHARM+'s node sp
                                namespace, so emulated nodes on one host count as nodes.
 MEGATRON_CHARM_RANKS_PER_NODE  CP ranks per node for the Megatron integration, when the config
                                and ``--charm-ranks-per-node`` do not set it.
-MEGATRON_CHARM_TIMEOUT_S       seconds before a CHARM+ channel group times out under Megatron
-                               (default: 600, Megatron's own ``--distributed-timeout-minutes``).
+MEGATRON_CHARM_TIMEOUT_S       seconds before a CHARM+ channel group times out when the caller
+                               passes no timeout (default: 600). Patched Megatron-LM passes its
+                               ``--distributed-timeout-minutes``, the trainer its
+                               ``parallel.timeout_s``.
 MEGATRON_CHARM_KERNEL          the block kernel when a call does not name one (``torch``,
                                ``flash_attn``, ``math``).
 ============================== =============================================================

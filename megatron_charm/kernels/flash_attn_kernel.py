@@ -160,7 +160,9 @@ class FlashAttnInterface:
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qq, kk, vv))
         self.backward_fn(
             _bshd(dout), qq, kk, vv, _bshd(out), lse.permute(1, 2, 0).contiguous(), dq, dk, dv,
-            dropout_p=0.0, softmax_scale=scale, causal=causal, deterministic=False,
+            dropout_p=0.0, softmax_scale=scale, causal=causal,
+            # Megatron-LM's --deterministic-mode turns this on; flash-attn's dq then skips atomics.
+            deterministic=torch.are_deterministic_algorithms_enabled(),
             rng_state=None, **self._extras(),
         )  # fmt: skip
         return tuple(g[..., :d].transpose(0, 1) for g in (dq, dk, dv))  # type: ignore[return-value]

@@ -16,6 +16,7 @@ from megatron_charm.megatron.compat import (
 )
 from megatron_charm.megatron.groups import (
     ENV_RANKS_PER_NODE,
+    build_charm_groups,
     cached_topologies,
     clear_topology_cache,
     get_charm_topology,
@@ -36,6 +37,7 @@ __all__ = [
     "check_megatron_compat",
     "core_attention_contract_problems",
     "ENV_RANKS_PER_NODE",
+    "build_charm_groups",
     "cached_topologies",
     "clear_topology_cache",
     "get_charm_topology",

@@ -9,6 +9,7 @@ one rank it is plain local attention, so a config that says ``charm`` also train
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 
 import torch
@@ -58,7 +59,15 @@ class CharmDotProductAttention(MegatronModule):
     Constructor keywords follow megatron-core 0.16.1's ``CoreAttentionBuilder``; ``k_channels`` and
     ``v_channels`` are accepted for MLA. ``method``, ``ranks_per_node``, ``node_split`` and
     ``options`` (the :class:`megatron_charm.PlanOptions`; its method is replaced by the resolved
-    ``cp_comm_type``) are extra keywords that spec helpers set through ``ModuleSpec.params``.
+    ``cp_comm_type``) and ``timeout_s`` (seconds before a blocked exchange fails: Megatron-LM's
+    ``--distributed-timeout-minutes``) are extra keywords that spec helpers set through
+    ``ModuleSpec.params``.
+
+    Checkpoints: like Transformer Engine's attention, the module saves an ``_extra_state`` entry
+    and accepts TE's on load, so state dicts move between a TE-spec run and a CHARM+ run in both
+    directions. Without FP8 metadata to carry over it saves a ``uint8`` tensor holding a pickled
+    ``None``, which every TE 2.x ``set_extra_state`` reads as "no FP8 state" (TE >= 2.4 itself
+    saves an empty tensor, which TE 2.1 cannot read back).
 
     Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
     MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. CUDA graphs that would
@@ -82,6 +91,7 @@ class CharmDotProductAttention(MegatronModule):
         ranks_per_node: int | None = None,
         options: PlanOptions | None = None,
         node_split: str = "host",
+        timeout_s: float | None = None,
     ) -> None:
         super().__init__(config=config)
         check_megatron_compat()
@@ -114,7 +124,12 @@ class CharmDotProductAttention(MegatronModule):
             ranks_per_node=ranks_per_node,
             node_split=node_split,
             hierarchical_cp_sizes=getattr(config, "hierarchical_context_parallel_sizes", None),
+            timeout_s=timeout_s,
         )
+        # Transformer Engine's core_attention checkpoints an ``_extra_state`` (its FP8 metadata);
+        # we keep what a TE checkpoint brings and hand it back, so --cp-comm-type can switch
+        # between TE's p2p and CHARM+ from one checkpoint to the next (see state_dict below).
+        self._te_extra_state: Any = None
 
     def forward(
         self,
@@ -135,7 +150,9 @@ class CharmDotProductAttention(MegatronModule):
             key: ``[s_local, b, ng, hn]`` with ``np % ng == 0``.
             value: ``[s_local, b, ng, hn]``.
             attention_mask: ignored: causal attention uses the zigzag layout's implicit mask
-                (as Transformer Engine does), no-mask attention has none.
+                (as Transformer Engine does), no-mask attention has none. Megatron-LM's ways to
+                make any other mask (``--reset-attention-mask``, packed sequences, ``--sft``) are
+                refused at argument time (:mod:`megatron_charm.megatron.args`).
             attn_mask_type: overrides the constructor's mask type (``causal`` or ``no_mask``).
             attention_bias: must be ``None``.
             packed_seq_params: must be ``None`` (THD/packed sequences are not supported).
@@ -177,12 +194,60 @@ class CharmDotProductAttention(MegatronModule):
         s_local, batch = out.shape[0], out.shape[1]
         return out.reshape(s_local, batch, -1)
 
+    def get_extra_state(self) -> Any:
+        """What a Transformer Engine checkpoint brought, else TE's "no FP8 state" value."""
+        if self._te_extra_state is not None:
+            return self._te_extra_state
+        return _no_fp8_state()
+
+    def set_extra_state(self, state: Any) -> None:
+        """Keep TE's ``_extra_state`` (a ``uint8`` tensor of pickled FP8 metadata, or the older
+        ``io.BytesIO``) without unpickling it: CHARM+ has no FP8 state, a later TE run wants it
+        back. ``None``, an empty tensor and a pickled ``None`` mean "no state"."""
+        if state is None or (
+            isinstance(state, torch.Tensor)
+            and (state.numel() == 0 or _tensor_bytes(state) == _NO_STATE_PICKLE)
+        ):
+            self._te_extra_state = None
+        else:
+            self._te_extra_state = state
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # Checkpoints of the local spec (megatron-core's DotProductAttention) have no extra state.
+        key = prefix + "_extra_state"
+        if key in missing_keys:
+            missing_keys.remove(key)
+
     def extra_repr(self) -> str:
         topo = self.topology
         return (
             f"options={self.options}, cp_size={topo.cp_size}, nodes={topo.num_nodes}x"
             f"{topo.ranks_per_node}, softmax_scale={self.softmax_scale:.4g}"
         )
+
+
+#: ``pickle.dumps(None)``: TE's serialized "no FP8 state" (pickle protocol 4+ adds a frame).
+_NO_STATE_PICKLE = pickle.dumps(None)
+
+
+def _no_fp8_state() -> torch.Tensor:
+    return torch.frombuffer(bytearray(_NO_STATE_PICKLE), dtype=torch.uint8)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _is_causal(mask_type: AttnMaskType) -> bool:
@@ -228,6 +293,12 @@ def _check_config(
             f"softmax_type={softmax_type!r}: CHARM+ implements the vanilla softmax only. Set "
             "--softmax-type vanilla."
         )
+    for fp8 in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if getattr(config, fp8, False):
+            raise ValueError(
+                f"{fp8}=True: CHARM+ computes attention in the input dtype (bf16/fp16/fp32), not "
+                f"FP8. Unset {fp8} (FP8 linear layers through --fp8-format stay available)."
+            )
     _check_cuda_graphs(config)
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
         raise ValueError(
@@ -236,8 +307,9 @@ def _check_config(
         )
 
 
-def _captures_attention(config: TransformerConfig) -> str | None:
-    """The CUDA-graph setting that would capture this module, or ``None``."""
+def captures_attention(config: Any) -> str | None:
+    """The CUDA-graph setting of ``config`` (a ``TransformerConfig`` or Megatron-LM's ``args``)
+    that would capture this module, or ``None``."""
     for legacy in ("enable_cuda_graph", "external_cuda_graph"):
         if getattr(config, legacy, False):
             return f"{legacy}=True"
@@ -256,7 +328,7 @@ def _captures_attention(config: TransformerConfig) -> str | None:
 
 
 def _check_cuda_graphs(config: TransformerConfig) -> None:
-    setting = _captures_attention(config)
+    setting = captures_attention(config)
     if setting is not None:
         raise ValueError(
             f"{setting}: CUDA graphs would capture CHARM+ attention, whose communication is "

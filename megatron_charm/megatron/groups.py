@@ -13,10 +13,13 @@ order of precedence:
 3. detection: hostnames gathered over the CP group (done by ``CPTopology.build``).
 
 ``CPTopology.build`` creates process groups, which is collective over the whole job. It therefore
-runs at model construction, when every rank is present, and exactly once per (CP group, split):
-the result is cached and shared by all attention layers. Building groups lazily inside ``forward``
-would deadlock under pipeline parallelism, where stages reach their first attention layer at
-different times.
+runs where every rank is present, exactly once per (CP group, split): :func:`build_charm_groups`
+right after ``initialize_model_parallel`` (the patched ``initialize_megatron`` and
+megatron-charm-train call it, so a pipeline stage without attention layers takes part too), or
+else the first attention constructor. The result is cached and shared by all attention layers.
+Before creating groups, the ranks compare their node splits in one small collective and all raise
+if they differ. Building groups lazily inside ``forward`` would deadlock under pipeline
+parallelism, where stages reach their first attention layer at different times.
 """
 
 from __future__ import annotations
@@ -136,8 +139,15 @@ def resolve_node_split(
     return NodeSplit(rpn, source)
 
 
-def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=env.timeout_s())
+def _timeout(timeout_s: float | None) -> datetime.timedelta:
+    if timeout_s is None:
+        return datetime.timedelta(seconds=env.timeout_s())
+    if isinstance(timeout_s, bool) or not 0 < float(timeout_s) < float("inf"):
+        raise ValueError(
+            f"timeout_s={timeout_s!r} must be a positive number of seconds (Megatron-LM: "
+            "--distributed-timeout-minutes; megatron-charm-train: parallel.timeout_s)."
+        )
+    return datetime.timedelta(seconds=float(timeout_s))
 
 
 def get_charm_topology(
@@ -145,6 +155,7 @@ def get_charm_topology(
     ranks_per_node: int | None = None,
     hierarchical_cp_sizes: list[int] | tuple[int, ...] | None = None,
     node_split: str = "host",
+    timeout_s: float | None = None,
 ) -> Any:
     """Return the :class:`megatron_charm.CPTopology` for this rank's CP group (built once).
 
@@ -161,19 +172,33 @@ def get_charm_topology(
         node_split: what a detected node is, ``"host"`` or ``"numa"``
             (:func:`megatron_charm.nodes.node_identity`); only used when nothing above sets the
             split.
+        timeout_s: seconds before a blocked exchange on the channel groups fails (Megatron-LM's
+            ``--distributed-timeout-minutes``); ``None`` reads ``MEGATRON_CHARM_TIMEOUT_S``
+            (default 600 s).
+
+    Raises:
+        ValueError: when the ranks of the job disagree on the node split (every rank raises), or
+            a setting is malformed.
     """
     from megatron_charm import CPTopology
 
     cp_group = get_cp_group(pg_collection)
     cp_size = dist.get_world_size(cp_group)
-    split = resolve_node_split(cp_size, ranks_per_node, hierarchical_cp_sizes)
-    if split.source == "hierarchical_context_parallel_sizes":
-        _check_hcp_groups_are_contiguous(pg_collection, cp_group, split.ranks_per_node)
-    check_node_split(node_split)
+    try:
+        split = resolve_node_split(cp_size, ranks_per_node, hierarchical_cp_sizes)
+        if split.source == "hierarchical_context_parallel_sizes":
+            _check_hcp_groups_are_contiguous(pg_collection, cp_group, split.ranks_per_node)
+        check_node_split(node_split)
+    except ValueError as exc:
+        # The other ranks may be about to create groups: tell them before raising here.
+        _check_split_agreement(("invalid", str(exc)))
+        raise
     detect = split.ranks_per_node is None and node_split != "host"
     key = (tuple(dist.get_process_group_ranks(cp_group)), split.ranks_per_node, detect)
     topo = _TOPOLOGIES.get(key)
     if topo is None:
+        how = f"node_split={node_split}" if detect else ""
+        _check_split_agreement((f"ranks_per_node={split.ranks_per_node} {how}", split.source))
         # CPTopology.build logs the layout itself; we log it once below, with its source.
         core_logger = logging.getLogger("megatron_charm.comm.topology")
         level = core_logger.level
@@ -182,7 +207,7 @@ def get_charm_topology(
             topo = CPTopology.build(
                 cp_group,
                 ranks_per_node=split.ranks_per_node,
-                timeout=_timeout(),
+                timeout=_timeout(timeout_s),
                 node_id=_numa_node_id() if detect else None,
             )
         finally:
@@ -192,6 +217,63 @@ def get_charm_topology(
             source = f"NUMA domains ({node_split=})" if detect else split.source
             logger.info("CHARM+ topology: %s; node split from %s", _describe(topo), source)
     return topo
+
+
+def build_charm_groups(
+    pg_collection: Any | None = None,
+    ranks_per_node: int | None = None,
+    hierarchical_cp_sizes: list[int] | tuple[int, ...] | None = None,
+    node_split: str = "host",
+    timeout_s: float | None = None,
+) -> Any:
+    """Build CHARM+'s channel groups now, on every rank, before any model is built.
+
+    Call it where every rank of the job passes, right after megatron-core's
+    ``initialize_model_parallel`` (the patched ``initialize_megatron`` and megatron-charm-train
+    do). A rank that builds no attention layer (an embedding-only or loss-only pipeline stage)
+    then still takes part in the collective group creation, instead of leaving the others
+    waiting in it until the timeout. The attention layers built later find the groups in the
+    cache; pass them the same settings. Arguments and errors as :func:`get_charm_topology`.
+    """
+    return get_charm_topology(
+        pg_collection, ranks_per_node, hierarchical_cp_sizes, node_split, timeout_s
+    )
+
+
+def _check_split_agreement(mine: tuple[str, str]) -> None:
+    """One small collective over the job: every rank raises when the node splits differ.
+
+    ``mine`` is ``(split, where it came from)``, or ``("invalid", reason)`` on a rank whose
+    settings are malformed. Group creation is collective over the whole job, so ranks that
+    resolved different splits would otherwise wait in different ``new_group`` calls until the
+    timeout.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if len({split for split, _ in gathered}) == 1 and gathered[0][0] != "invalid":
+        return
+    invalid = {rank: reason for rank, (split, reason) in enumerate(gathered) if split == "invalid"}
+    if invalid:
+        first = min(invalid)
+        raise ValueError(
+            f"the CHARM+ node split settings are invalid on global ranks {sorted(invalid)}; "
+            f"rank {first}: {invalid[first]}"
+        )
+    by_value: dict[tuple[str, str], list[int]] = {}
+    for global_rank, value in enumerate(gathered):
+        by_value.setdefault(tuple(value), []).append(global_rank)
+    listing = "; ".join(
+        f"global ranks {ranks}: {split.strip()} (from {source})"
+        for (split, source), ranks in by_value.items()
+    )
+    raise ValueError(
+        f"the ranks of this job disagree on the CHARM+ node split ({listing}). Every rank must "
+        "see the same --charm-ranks-per-node / charm ranks_per_node, "
+        f"{ENV_RANKS_PER_NODE}, --hierarchical-context-parallel-sizes and "
+        "--charm-node-split / parallel.node_split; set them the same way on every node."
+    )
 
 
 def _numa_node_id() -> str:

@@ -25,6 +25,7 @@ def charm_core_attention_spec(
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
     node_split: str = "host",
+    timeout_s: float | None = None,
 ) -> ModuleSpec:
     """A ``core_attention`` ModuleSpec for :class:`CharmDotProductAttention`.
 
@@ -36,6 +37,8 @@ def charm_core_attention_spec(
             comes from ``cp_comm_type`` / ``method``).
         node_split: what a node is when it is detected: ``"host"`` or ``"numa"`` (Note [NUMA
             split] in :mod:`megatron_charm.nodes`).
+        timeout_s: seconds before a blocked exchange on CHARM+'s channel groups fails (Megatron-LM:
+            ``--distributed-timeout-minutes`` x 60); ``None``: ``MEGATRON_CHARM_TIMEOUT_S`` or 600.
     """
     if method is not None and method not in CHARM_METHODS:
         raise ValueError(
@@ -50,6 +53,8 @@ def charm_core_attention_spec(
         params["options"] = options
     if check_node_split(node_split) != "host":
         params["node_split"] = node_split
+    if timeout_s is not None:
+        params["timeout_s"] = timeout_s
     return ModuleSpec(module=CharmDotProductAttention, params=params)
 
 
@@ -69,20 +74,24 @@ def apply_charm(
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
     node_split: str = "host",
+    timeout_s: float | None = None,
 ) -> Any:
     """Return a copy of ``spec`` whose self-attention layers use CHARM+ core attention.
 
     Args:
         spec: a TransformerLayer ``ModuleSpec``, a list of them, a ``TransformerBlockSubmodules``
             (``layer_specs``), or a ``ModuleSpec`` wrapping one (``TransformerBlock``).
-        method, ranks_per_node, options, node_split: see :func:`charm_core_attention_spec`.
+        method, ranks_per_node, options, node_split, timeout_s: see
+            :func:`charm_core_attention_spec`.
 
     Raises:
         ValueError: if no self-attention ``core_attention`` slot is found in ``spec``.
         MegatronCompatibilityError: if megatron-core's core_attention contract differs from ours.
     """
     check_megatron_compat()
-    core_attention = charm_core_attention_spec(method, ranks_per_node, options, node_split)
+    core_attention = charm_core_attention_spec(
+        method, ranks_per_node, options, node_split, timeout_s
+    )
     new_spec = copy.deepcopy(spec)
     if isinstance(new_spec, (list, tuple)):
         layers = list(new_spec)
@@ -108,6 +117,7 @@ def get_gpt_layer_charm_spec(
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
     node_split: str = "host",
+    timeout_s: float | None = None,
     **kwargs: Any,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec (local or Transformer Engine) with CHARM+ core attention.
@@ -115,7 +125,8 @@ def get_gpt_layer_charm_spec(
     Args:
         use_transformer_engine: start from ``get_gpt_layer_with_transformer_engine_spec`` (fused
             TE linears and norms, GPU) instead of ``get_gpt_layer_local_spec`` (runs on CPU).
-        method, ranks_per_node, options, node_split: see :func:`charm_core_attention_spec`.
+        method, ranks_per_node, options, node_split, timeout_s: see
+            :func:`charm_core_attention_spec`.
         **kwargs: forwarded to the megatron-core spec function (``qk_layernorm``,
             ``normalization`` for the local spec, ...). ``multi_latent_attention`` is refused.
     """
@@ -130,7 +141,7 @@ def get_gpt_layer_charm_spec(
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
-    return apply_charm(base, method, ranks_per_node, options, node_split)
+    return apply_charm(base, method, ranks_per_node, options, node_split, timeout_s)
 
 
 def get_gpt_decoder_block_charm_spec(
@@ -140,6 +151,7 @@ def get_gpt_decoder_block_charm_spec(
     ranks_per_node: int | None = None,
     options: PlanOptions | None = None,
     node_split: str = "host",
+    timeout_s: float | None = None,
     **kwargs: Any,
 ) -> Any:
     """megatron-core's GPT decoder block spec (MoE layer patterns included) with CHARM+ attention.
@@ -149,4 +161,4 @@ def get_gpt_decoder_block_charm_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    return apply_charm(block, method, ranks_per_node, options, node_split)
+    return apply_charm(block, method, ranks_per_node, options, node_split, timeout_s)

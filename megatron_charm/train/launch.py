@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.launch import LaunchSpec, free_port, run
-from megatron_charm.train.config import Config
+from megatron_charm.train.config import CHARM_COMM_TYPES, Config
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -146,12 +146,9 @@ def setup_distributed(cfg: Config) -> DistContext:
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    from megatron_charm.megatron import clear_topology_cache
-    from megatron_charm.megatron.groups import ENV_TIMEOUT
+    from megatron_charm.megatron import build_charm_groups, clear_topology_cache
 
     clear_topology_cache()
-    # CHARM+ communication gets the same timeout as every other collective of the run.
-    os.environ[ENV_TIMEOUT] = str(cfg.parallel.timeout_s)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
@@ -161,6 +158,15 @@ def setup_distributed(cfg: Config) -> DistContext:
         # The default backend already is gloo on CPU; extra gloo groups would only cost time.
         create_gloo_process_groups=on_gpu,
     )
+    if cfg.parallel.cp_comm_type in CHARM_COMM_TYPES:
+        # Here every rank passes, before any model is built; CHARM+ communication gets the same
+        # timeout as every other collective of the run.
+        build_charm_groups(
+            ranks_per_node=cfg.parallel.ranks_per_node,
+            hierarchical_cp_sizes=cfg.parallel.hierarchical_context_parallel_sizes,
+            node_split=cfg.parallel.node_split,
+            timeout_s=cfg.parallel.timeout_s,
+        )
     return DistContext(
         on_gpu=on_gpu,
         device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),

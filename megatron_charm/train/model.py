@@ -62,6 +62,7 @@ def build_layer_spec(cfg: Config) -> Any:
             ranks_per_node=cfg.parallel.ranks_per_node,
             node_split=cfg.parallel.node_split,
             options=cfg.plan.replace(method=cfg.parallel.cp_comm_type),
+            timeout_s=cfg.parallel.timeout_s,
         )
     # TE baselines: p2p / a2a / all_gather run inside TEDotProductAttention.
     if not (torch.cuda.is_available() and transformer_engine_available()):

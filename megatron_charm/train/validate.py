@@ -157,6 +157,24 @@ def _check_node_split(cfg: Config) -> None:
                 f"positive and multiply to parallel.context_parallel_size={cp} (e.g. "
                 f"[ranks_per_node, num_nodes]). Change one of the two."
             )
+        if len(sizes) != 2 and p.ranks_per_node is None and p.cp_comm_type in CHARM_COMM_TYPES:
+            raise ValueError(
+                f"parallel.hierarchical_context_parallel_sizes={sizes}: CHARM+ reads two levels, "
+                "[ranks_per_node, num_nodes]; give two sizes, or set parallel.ranks_per_node."
+            )
+    rpn = p.ranks_per_node or (sizes[0] if sizes and len(sizes) == 2 else None)
+    if cfg.plan.combine_two_nodes:
+        if p.cp_comm_type != "charm":
+            raise ValueError(
+                f"plan.combine_two_nodes=true is a charm option, but parallel.cp_comm_type="
+                f"{p.cp_comm_type!r}; set plan.combine_two_nodes=false."
+            )
+        if rpn is not None and cp // rpn != 2:
+            raise ValueError(
+                f"plan.combine_two_nodes=true needs exactly two nodes, but "
+                f"parallel.context_parallel_size={cp} with {rpn} ranks per node makes "
+                f"{cp // rpn}; set plan.combine_two_nodes=false."
+            )
 
 
 def _check_world(cfg: Config, world_size: int) -> None:

@@ -43,7 +43,7 @@ if [[ ! -f $MEGATRON_LM/pretrain_gpt.py ]]; then
     echo "error: MEGATRON_LM='$MEGATRON_LM' has no pretrain_gpt.py; point it at a Megatron-LM clone" >&2
     exit 2
 fi
-if ! grep -q -- "--charm-ranks-per-node" "$MEGATRON_LM/megatron/training/arguments.py" 2>/dev/null; then
+if ! grep -q -- "megatron_charm" "$MEGATRON_LM/megatron/training/arguments.py" 2>/dev/null; then
     echo "warning: $MEGATRON_LM is not patched; run: megatron-charm patch-megatron $MEGATRON_LM" >&2
 fi
 if [[ ! -f $CONFIG ]]; then
@@ -72,12 +72,13 @@ if [[ $NNODES -gt 1 ]]; then
 else
     RDZV=(--standalone)
 fi
-# Megatron-LM asks for this with tensor/sequence parallelism; harmless otherwise.
+# Megatron-LM's validate_args requires it with tensor or context parallelism before Blackwell.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 CMD=("$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node="$NPROC"
      "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" "${EXTRA[@]}")
 if [[ $DRY_RUN -eq 1 ]]; then
+    printf 'CUDA_DEVICE_MAX_CONNECTIONS=%q ' "$CUDA_DEVICE_MAX_CONNECTIONS"
     printf '%q ' "${CMD[@]}"
     echo
     exit 0

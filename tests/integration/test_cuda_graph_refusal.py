@@ -6,7 +6,7 @@ import pytest
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_charm.megatron.attention import _captures_attention, _check_config
+from megatron_charm.megatron.attention import _check_config, captures_attention
 
 
 def _config(**kwargs):
@@ -31,9 +31,9 @@ def test_cuda_graphs_that_capture_attention_are_refused(kwargs, fragment):
 
 
 def test_graphs_that_leave_attention_out_are_allowed():
-    assert _captures_attention(_config()) is None
+    assert captures_attention(_config()) is None
     cfg = _config(cuda_graph_impl="transformer_engine", cuda_graph_scope="mlp")
-    assert _captures_attention(cfg) is None
+    assert captures_attention(cfg) is None
     _check_config(cfg, "self", AttnMaskType.causal, None)
 
 

@@ -82,6 +82,7 @@ def test_torchrun_megatron_dry_run(config_file, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "not patched" in proc.stderr
     words = proc.stdout.split()
+    assert words[0] == "CUDA_DEVICE_MAX_CONNECTIONS=1"  # validate_args needs it with CP
     assert str(megatron / "pretrain_gpt.py") in words
     assert words[words.index("--cp-comm-type") + 1] == "charm"
     assert "--mock-data" in words and words[-1] == "--no-gradient-accumulation-fusion"

@@ -116,11 +116,27 @@ def test_main_exit_status(megatron_repo, tmp_path, capsys):
     assert exc.value.code == 2
 
 
-def test_shipped_patch_touches_only_the_builder_and_arguments():
+def test_shipped_patch_touches_only_the_builder_arguments_and_init():
     patch = cli.default_patch_path()
     text = patch.read_text()
     files = set(re.findall(r"^\+\+\+ b/(\S+)$", text, flags=re.M))
-    assert files == {"gpt_builders.py", "megatron/training/arguments.py"}
+    assert files == {
+        "gpt_builders.py",
+        "megatron/training/arguments.py",
+        "megatron/training/initialize.py",
+        "pretrain_gpt.py",
+    }
     added = "\n".join(line for line in text.splitlines() if line.startswith("+"))
-    for needle in ("CHARM_CP_COMM_TYPES", "'rm+'", "--charm-ranks-per-node", "megatron_charm"):
-        assert needle in added
+    # The patch only calls into megatron_charm.megatron.args; every rule lives there.
+    for call in (
+        "add_megatron_arguments",
+        "validate_megatron_args",
+        "build_groups_from_args",
+        "apply_charm_from_args",
+    ):
+        assert f"charm.{call}(" in added
+        from megatron_charm.megatron import args as margs
+
+        assert callable(getattr(margs, call))
+    assert "'charm_model_builder': 'gpt'" in added and "CHARM_CP_COMM_TYPES" in added
+    assert "pip install megatron-charm" not in text

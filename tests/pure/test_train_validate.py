@@ -139,3 +139,37 @@ def test_a_distributed_failure_in_training_is_one_line_with_status_1(tmp_path, m
     assert status == 1
     assert "megatron-charm-train: error (rank 0): exchange #3 on channel intra.kv" in err
     assert "Traceback" not in err
+
+
+# The Megatron-LM argument rules (megatron_charm.megatron.args) that exist as trainer keys.
+
+
+def test_attention_dropout_is_refused_for_charm_methods():
+    with pytest.raises(ValueError, match=r"model.attention_dropout=0.1: .*set model.attention_"):
+        load_config(None, ["model.attention_dropout=0.1"])
+
+
+def test_three_level_hierarchical_sizes_need_an_explicit_split():
+    three = ["parallel.context_parallel_size=8", "parallel.nproc=8"]
+    three.append("parallel.hierarchical_context_parallel_sizes=[2, 2, 2]")
+    with pytest.raises(ValueError, match=r"CHARM\+ reads two levels"):
+        load_config(None, [*three, "parallel.ranks_per_node=null"])
+    cfg = load_config(None, [*three, "parallel.ranks_per_node=4"])
+    assert cfg.parallel.hierarchical_context_parallel_sizes == [2, 2, 2]
+
+
+def test_combine_two_nodes_needs_charm_on_two_nodes():
+    cfg = load_config(None, ["plan.combine_two_nodes=true", "parallel.ranks_per_node=2"])
+    assert cfg.plan.combine_two_nodes
+    with pytest.raises(ValueError, match=r"needs exactly two nodes.*makes 4"):
+        load_config(None, ["plan.combine_two_nodes=true", "parallel.ranks_per_node=1"])
+    with pytest.raises(ValueError, match=r"is a charm option"):
+        load_config(None, ["plan.combine_two_nodes=true", "parallel.cp_comm_type=rm+"])
+
+
+def test_channel_group_timeout_is_parallel_timeout_s():
+    from megatron_charm.train.model import build_layer_spec
+
+    cfg = load_config(None, ["parallel.timeout_s=90"])
+    params = build_layer_spec(cfg).submodules.self_attention.submodules.core_attention.params
+    assert params["timeout_s"] == 90.0
