@@ -115,3 +115,22 @@ def test_validator_holds_zigzag_methods_to_the_zigzag_rule() -> None:
     # the contiguous programs under the zigzag ring's name: whole kv below the diagonal is wrong
     with pytest.raises(ScheduleError, match="wrong parts"):
         validate(replace(plan_of("ring-contig", 3, True), options=PlanOptions(method="ring")))
+
+
+def test_trainer_refuses_ring_contig() -> None:
+    from megatron_charm.train.config import load_config
+
+    with pytest.raises(ValueError, match=r"parallel.cp_comm_type='ring-contig'.*zigzag.*=ring"):
+        load_config(None, ["parallel.cp_comm_type=ring-contig"])
+
+
+def test_megatron_module_refuses_ring_contig() -> None:
+    from megatron_charm.megatron.attention import CHARM_METHODS, resolve_method
+
+    assert "ring-contig" not in CHARM_METHODS
+    with pytest.raises(
+        ValueError, match=r"cp_comm_type='ring-contig'.*zigzag.*--cp-comm-type ring"
+    ):
+        resolve_method("ring-contig", None, None)
+    with pytest.raises(ValueError, match="zigzag"):
+        resolve_method(None, "ring-contig", "charm")
