@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_charm.comm.buffers import Accumulator, TensorSpace, part_of
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel
+from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.plan.types import Compute, Exchange, Kind, Merge, Part, Program, Wait
 
 Tensor = torch.Tensor
@@ -33,7 +34,7 @@ class RunStats:
     ``peak_buffer_bytes`` is the largest total, after any instruction, of what the pass allocates
     beyond the caller's tensors: received inputs still to be used, receive buffers in flight,
     send tensors made for an exchange (casts, copies, popped accumulators) until its wait,
-    accumulators and received partials.
+    accumulators, received partials and head-expanded kv copies (Note [GQA expansion]).
     """
 
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -94,6 +95,31 @@ def release_points(program: Program, own: set[Key], backward: bool) -> dict[int,
     return out
 
 
+def expansion_drops(program: Program) -> dict[int, list[int]]:
+    """Instruction index -> kv owners whose head-expanded kv is last used there (pure).
+
+    Note [GQA expansion]: each delivery of a kv block is expanded at its first compute and
+    dropped after its last compute before the block is delivered again.
+    """
+    last: dict[int, int] = {}
+    out: dict[int, list[int]] = defaultdict(list)
+    recv_kv: dict[int, list[int]] = {}
+    for i, ins in enumerate(program.instrs):
+        if isinstance(ins, Exchange):
+            recv_kv[ins.handle] = [
+                op.payload.owner for op in ins.ops if not op.send and op.payload.kind == Kind.KV
+            ]
+        elif isinstance(ins, Wait):
+            for owner in recv_kv.get(ins.handle, []):
+                if owner in last:
+                    out[last.pop(owner)].append(owner)
+        elif isinstance(ins, Compute):
+            last[ins.kv_owner] = i
+    for owner, i in last.items():
+        out[i].append(owner)
+    return out
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -109,6 +135,16 @@ class ProgramRunner:
     own q/kv, or its backward bundle); received inputs join them as their exchanges complete and
     leave after their last use. With ``trace`` (a list), the pass appends one :class:`RunTrace`
     with its timeline, bytes and peak buffer bytes; without it, nothing is measured.
+
+    Note [GQA expansion]
+    ~~~~~~~~~~~~~~~~~~~~
+    With fewer kv heads than query heads and a kernel without native GQA
+    (``kernel.native_gqa(device, dtype)`` false), a kernel would repeat the kv heads for every
+    block it computes, and a kv block serves several computes. The runner repeats each delivered
+    kv block once instead, at its first compute, hands the kernel ``h`` heads, folds the kv
+    gradients of each block back to ``h_kv`` heads, and drops the copy after the block's last
+    compute (:func:`expansion_drops`); the copies count in ``peak_buffer_bytes``. A kernel with
+    native GQA always gets ``h_kv`` heads.
     """
 
     def __init__(
@@ -137,6 +173,9 @@ class ProgramRunner:
         self.partials: dict[tuple[int, Kind, int], tuple[Part, list[Tensor]]] = {}
         self.exchanges: dict[int, Exchange] = {}
         self.stats = RunStats()
+        shape = space.shape
+        self.expand = shape.h != shape.h_kv and not kernel.native_gqa(space.device, space.dtype)
+        self.expanded: dict[int, list[Tensor]] = {}  # kv owner -> k, v [s, b, h, d] as held
 
     def _input(self, kind: Kind, owner: int, part: Part) -> list[Tensor]:
         held = self.inputs.get((kind, owner))
@@ -208,17 +247,33 @@ class ProgramRunner:
                 self.partials[(w.handle, p.kind, p.owner)] = (p.part, bufs)
             else:
                 self.inputs[(p.kind, p.owner)] = (p.part, bufs)
+                if p.kind == Kind.KV:
+                    self.expanded.pop(p.owner, None)
+
+    def _kv(self, owner: int, part: Part) -> list[Tensor]:
+        """k, v of ``owner`` restricted to ``part``, with ``h`` heads when the runner expands
+        (Note [GQA expansion])."""
+        views = self._input(Kind.KV, owner, part)
+        if not self.expand:
+            return views
+        held, tensors = self.inputs[(Kind.KV, owner)]
+        full = self.expanded.get(owner)
+        if full is None:
+            full = self.expanded[owner] = [expand_kv_heads(t, self.space.shape.h) for t in tensors]
+        return [part_of(t, held, part, self.space.shape.s_local) for t in full]
 
     def _compute(self, c: Compute) -> None:
         qkind = Kind.QB if self.backward else Kind.Q
         q_in = self._input(qkind, c.q_owner, c.q_part)
-        k, v = self._input(Kind.KV, c.kv_owner, c.kv_part)
+        k, v = self._kv(c.kv_owner, c.kv_part)
         if not self.backward:
             out, lse = self.kernel.forward(q_in[0], k, v, c.masked, self.scale)
             self._accumulator(Kind.O, c.q_owner).add(c.q_part, [out, lse], computed=True)
             return
         q, out, dout, lse = q_in
         dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
+        if self.expand:
+            dk, dv = (fold_kv_heads(g, self.space.shape.h_kv) for g in (dk, dv))
         self._accumulator(Kind.DQ, c.q_owner).add(c.q_part, [dq], computed=True)
         self._accumulator(Kind.DKV, c.kv_owner).add(c.kv_part, [dk, dv], computed=True)
 
@@ -232,6 +287,7 @@ class ProgramRunner:
             total += sum(_nbytes(b) for _, b in received) + allocated
         total += sum(_nbytes(a.tensors) for a in self.accumulators.values())
         total += sum(_nbytes(b) for _, b in self.partials.values())
+        total += sum(_nbytes(t) for t in self.expanded.values())
         return total
 
     def _step(self, ins) -> None:
@@ -248,6 +304,7 @@ class ProgramRunner:
         """Run the program; return this rank's final accumulators."""
         own = set(self.inputs)
         release = release_points(self.prog, own, self.backward)
+        drops = expansion_drops(self.prog) if self.expand else {}
         events: list[tuple[str, str, float, float]] | None = None
         if self.trace is not None:
             events = []
@@ -265,7 +322,9 @@ class ProgramRunner:
                 self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, peak)
             for key in release.get(i, ()):
                 self.inputs.pop(key, None)
-        assert not self.pending and not self.partials
+            for owner in drops.get(i, ()):
+                self.expanded.pop(owner, None)
+        assert not self.pending and not self.partials and not self.expanded
         if self.trace is not None:
             self.trace.append(RunTrace(self.prog.cp_rank, self.backward, self.stats, events or []))
         return self.accumulators

@@ -122,7 +122,8 @@ class CPTopology:
             cp_group: the context-parallel group (``None``: the whole job).
             ranks_per_node: CP ranks per node; ``None`` detects it from node identities
                 gathered over the CP group.
-            timeout: timeout of every channel group; a dead peer raises after it.
+            timeout: timeout of every channel group; after it a dead peer raises (gloo) or
+                NCCL's watchdog ends the process (docs/launchers.md, "NCCL: what differs").
             node_id: this rank's node identity; ``None`` reads it with
                 :func:`megatron_charm.env.node_id` (``$MEGATRON_CHARM_NODE_ID``, else hostname).
         """
@@ -205,48 +206,97 @@ class CPTopology:
             )
 
 
-def _warm_up(channels: dict[str, dist.ProcessGroup | None], backend: str) -> None:
-    """One collective per channel group with all its members.
+def channel_groups(layout: Layout) -> dict[str, list[tuple[int, ...]]]:
+    """CP ranks of every process group of every channel, in creation order (pure).
 
-    With NCCL, the first operation on a communicator should involve every member (communicators
-    are set up lazily); a point-to-point exchange of two ranks first can hang. It also proves every
-    group works before any attention call depends on it.
+    Note [Channels]: ``full`` channels have one group of all ranks; ``intra`` channels one group
+    per node (the full groups themselves with one node); ``cross`` channels one group per local
+    index when there are several nodes.
+    """
+    n, p, m = layout.cp_size, layout.ranks_per_node, layout.num_nodes
+    out: dict[str, list[tuple[int, ...]]] = {}
+    for name, scope in CHANNELS.items():
+        if scope == "full" or (scope == "intra" and m == 1):
+            out[name] = [tuple(range(n))]
+        elif scope == "intra":
+            out[name] = [tuple(range(node * p, (node + 1) * p)) for node in range(m)]
+        elif scope == "cross" and m > 1:
+            out[name] = [tuple(node * p + local for node in range(m)) for local in range(p)]
+    return out
+
+
+def warm_pairs(layout: Layout) -> set[tuple[str, int, int]]:
+    """``(channel, cp_rank a, cp_rank b)`` with ``a < b`` for every pair that the warm-up
+    connects: every pair of every channel group (pure)."""
+    return {
+        (name, a, b)
+        for name, groups in channel_groups(layout).items()
+        for members in groups
+        for i, a in enumerate(members)
+        for b in members[i + 1 :]
+    }
+
+
+def _warm_up(channels: dict[str, dist.ProcessGroup | None], backend: str) -> None:
+    """Connect every channel group: one collective, then one exchange with every other member.
+
+    Note [Warm-up]
+    ~~~~~~~~~~~~~~
+    NCCL creates a communicator at its first operation, which must involve every member: the
+    ``all_reduce`` does that. It then connects two ranks lazily, at their first send/recv, and
+    the host blocks in ``ncclGroupEnd`` until the peer makes its first exchange with it on that
+    communicator; plans order their exchanges for the transfers, not for first contacts, and
+    many would hang (Note [First contact] in :mod:`megatron_charm.plan.validate`). So each group
+    also runs one ``batch_isend_irecv`` with every other member, which connects all its pairs at
+    once. Groups go in channel-name order, the same on every rank: the members of a group reach
+    it at the same position, so no rank waits on a peer that waits elsewhere. Each rank sends
+    its group rank, and checks what it receives, so a broken link fails here and not in the
+    middle of a step. Gloo runs the same code.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     seen: set[int] = set()
-    for group in channels.values():
+    for name in sorted(channels):
+        group = channels[name]
         if group is None or id(group) in seen:
             continue
         seen.add(id(group))
         dist.all_reduce(torch.ones(1, device=device), group=group)
+        me, size = dist.get_rank(group), dist.get_world_size(group)
+        peers = [r for r in range(size) if r != me]
+        if not peers:
+            continue
+        sent = torch.full((1,), me, dtype=torch.int64, device=device)
+        got = {r: torch.full((1,), -1, dtype=torch.int64, device=device) for r in peers}
+        ops = []
+        for r in peers:
+            peer = dist.get_global_rank(group, r)
+            ops += [
+                dist.P2POp(dist.isend, sent, peer, group),
+                dist.P2POp(dist.irecv, got[r], peer, group),
+            ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        wrong = {r: int(t.item()) for r, t in got.items() if int(t.item()) != r}
+        if wrong:
+            raise AssertionError(f"channel {name} warm-up: got {wrong} from group ranks")
 
 
 def _make_channel_groups(
     ranks: list[int], p: int, backend: str, timeout: timedelta
 ) -> dict[str, dist.ProcessGroup | None]:
+    """Create every channel group of the CP group of global ``ranks`` (collective over the
+    default group: every rank creates every group, in :func:`channel_groups` order) and return
+    this rank's, with ``timeout`` on each."""
     me = dist.get_rank()
-    n = len(ranks)
-    m = n // p
+    layout = Layout(len(ranks) // p, p)
     out: dict[str, dist.ProcessGroup | None] = {}
-
-    def new(members: list[int]) -> dist.ProcessGroup | None:
-        g = dist.new_group(members, timeout=timeout, backend=backend)
-        return g if me in members else None
-
-    full = {name: new(ranks) for name, scope in CHANNELS.items() if scope == "full"}
-    out.update(full)
-    for name, scope in CHANNELS.items():
-        if scope == "intra":
-            if m == 1:
-                out[name] = full[name.replace("intra", "full")]
-                continue
-            for node in range(m):
-                g = new(ranks[node * p : (node + 1) * p])
-                if g is not None:
-                    out[name] = g
-        elif scope == "cross" and m > 1:
-            for local in range(p):
-                g = new([ranks[node * p + local] for node in range(m)])
-                if g is not None:
-                    out[name] = g
+    for name, groups in channel_groups(layout).items():
+        if CHANNELS[name] == "intra" and layout.num_nodes == 1:
+            out[name] = out.get(name.replace("intra", "full"))  # the same group, not a copy
+            continue
+        for cp_ranks in groups:
+            members = [ranks[x] for x in cp_ranks]
+            g = dist.new_group(members, timeout=timeout, backend=backend)
+            if me in members:
+                out[name] = g
     return out

@@ -301,9 +301,12 @@ class _Pass:
     def intra_round(self, rnd: list[Slot]) -> None:
         my_qs, my_kv = self.qsets(self.x, rnd), self.kvset(self.x, rnd)
         window = _Window(self, rnd, my_qs)
-        # kv exchanges carry only home tensors, so they start before the diagonal block; q
-        # exchanges may carry a foreign query set that is still crossing the node boundary.
-        window.top_up(("kv",))
+        # Exchanges go out before the diagonal block they should overlap (on CUDA a transfer
+        # posted after a compute starts after it): kv exchanges carry only home tensors; q
+        # exchanges too when the round hosts no foreign query set, which may still be crossing
+        # the node boundary (waiting for it would hold back the diagonal block).
+        home = all(qs[0] == self.x for qs in my_qs)
+        window.top_up(("kv", "q") if home else ("kv",))
         for qs in my_qs:
             if qs[0] == self.x:
                 self.compute(qs, my_kv)

@@ -8,17 +8,34 @@ It proves, for a plan, before anything runs on a network:
   rule: exchanges of one channel complete in posting order, and an exchange completes only
   together with the exchanges of its peers that hold the matching ops. A plan that passes cannot
   hang;
+* with ``first_contact_blocks``, it still cannot hang when NCCL connects peers lazily (Note
+  [First contact]);
 * no partial travels in more bytes than it needs (one block in float32), and a merged partial
   travels in the input dtype only on a channel the options make compact;
 * every rank computes the same amount of work.
 
 :class:`Replay` is shaped like the executor (:class:`megatron_charm.comm.executor.ProgramRunner`):
 one object per rank interprets the same four instructions, on symbols instead of tensors.
+
+Note [First contact]
+~~~~~~~~~~~~~~~~~~~~
+NCCL sets up the connection between two ranks of a communicator at their first send/recv, inside
+``ncclGroupEnd``, and the host blocks there until the peer makes its own first exchange with it
+on that communicator. Posting is then no longer free: a rank whose first exchange with ``y`` on
+``intra.kv`` comes before its first with ``z`` on ``cross.q`` can wait for ``y`` while ``z`` waits
+for it, a cycle that gloo (and the plain replay) never shows. ``first_contact_blocks=True``
+replays that rule: a rank stops at an exchange until every peer it meets there for the first
+time on that channel stands at an exchange of the same channel that names it. The topology
+connects every pair of every channel group up front (``megatron_charm.comm.topology``), so
+running plans meet no first contact; ``connected`` gives the replay those pairs. Without them
+many plans would hang (merge and RM+ from five ranks, charm with one rank per node): the warm-up
+is needed, not a precaution.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megatron_charm.plan import compact_channels
@@ -87,6 +104,11 @@ class _RankReplay:
         self.completed: set[int] = set()
         self.waited: set[int] = set()
         self.inbox: dict[int, list[tuple[Payload, _Acc | None]]] = {}
+        # (channel, peer) past its first contact
+        self.connected: set[tuple[str, int]] = {
+            (c, b if a == self.x else a) for c, a, b in replay.connected if self.x in (a, b)
+        }
+        self.contact: tuple[str, set[int]] | None = None  # blocked at a first contact
 
     def err(self, msg: str) -> ScheduleError:
         return ScheduleError(f"cp_rank {self.x}, instr {self.pc}: {msg}")
@@ -106,10 +128,37 @@ class _RankReplay:
             ins = self.prog.instrs[self.pc]
             if isinstance(ins, Wait) and ins.handle not in self.completed:
                 return moved
+            if isinstance(ins, Exchange) and self.replay.first_contact_blocks:
+                connected, waiting = self._first_contact(ins)
+                moved = moved or connected
+                if waiting:
+                    return moved
             getattr(self, f"_{type(ins).__name__.lower()}")(ins)
             self.pc += 1
             moved = True
         return moved
+
+    def _first_contact(self, ex: Exchange) -> tuple[bool, bool]:
+        """Note [First contact]: connect what can be connected; return (whether a connection was
+        made, whether this rank still waits at ``ex``)."""
+        # a bad peer is reported by _exchange, not waited for
+        new = {
+            op.peer
+            for op in ex.ops
+            if 0 <= op.peer < self.replay.n
+            and op.peer != self.x
+            and (ex.channel, op.peer) not in self.connected
+        }
+        made = False
+        for y in sorted(new):
+            other = self.replay.ranks[y].contact
+            if other is not None and other[0] == ex.channel and self.x in other[1]:
+                self.connected.add((ex.channel, y))
+                self.replay.ranks[y].connected.add((ex.channel, self.x))
+                made = True
+        new = {y for y in new if (ex.channel, y) not in self.connected}
+        self.contact = (ex.channel, new) if new else None
+        return made, bool(new)
 
     def _exchange(self, ex: Exchange) -> None:
         messages: list[_Acc | None] = []
@@ -281,9 +330,17 @@ class Replay:
     """Replays one pass of a plan for all ranks; :meth:`run` raises :class:`ScheduleError` on any
     violation and returns the sends and the work per rank."""
 
-    def __init__(self, plan: Plan, backward: bool) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        backward: bool,
+        first_contact_blocks: bool = False,
+        connected: Iterable[tuple[str, int, int]] = (),
+    ) -> None:
         self.plan = plan
         self.backward = backward
+        self.first_contact_blocks = first_contact_blocks
+        self.connected = tuple(connected)
         progs = plan.programs(backward)
         self.n = len(progs)
         self.compact = compact_channels(plan.options)
@@ -301,10 +358,21 @@ class Replay:
                 break
         stuck = [r for r in self.ranks if not r.finished]
         if stuck:
-            detail = "; ".join(f"cp_rank {r.x} at {r.prog.instrs[r.pc]}" for r in stuck[:4])
+            detail = "; ".join(self._blocked(r) for r in stuck[:4])
             raise ScheduleError(f"deadlock: {len(stuck)} rank(s) blocked: {detail}")
         self._final_checks()
         return self.report
+
+    @staticmethod
+    def _blocked(r: _RankReplay) -> str:
+        if r.contact is None:
+            return f"cp_rank {r.x} at {r.prog.instrs[r.pc]}"
+        channel, peers = r.contact
+        return (
+            f"cp_rank {r.x} at its first exchange with cp_rank(s) {sorted(peers)} on {channel}, "
+            "which never reach theirs (NCCL connects lazily and blocks the host until both "
+            "sides arrive; see Note [First contact])"
+        )
 
     def _final_checks(self) -> None:
         n, causal, seq = self.n, self.plan.causal, self.plan.options.seq_layout
@@ -345,11 +413,27 @@ class Replay:
             raise ScheduleError(f"unbalanced work: {costs}")
 
 
-def replay(plan: Plan, backward: bool = False) -> Report:
-    """Replay one pass of ``plan``; raise :class:`ScheduleError` on any violation."""
-    return Replay(plan, backward).run()
+def replay(
+    plan: Plan,
+    backward: bool = False,
+    first_contact_blocks: bool = False,
+    connected: Iterable[tuple[str, int, int]] = (),
+) -> Report:
+    """Replay one pass of ``plan``; raise :class:`ScheduleError` on any violation.
+
+    ``first_contact_blocks``: model NCCL's lazy connections (Note [First contact]);
+    ``connected``: ``(channel, cp_rank, cp_rank)`` pairs already connected before the pass (a
+    warm-up's), which then never block.
+    """
+    return Replay(plan, backward, first_contact_blocks, connected).run()
 
 
-def validate(plan: Plan) -> tuple[Report, Report]:
-    """Replay forward and backward; return their reports."""
-    return replay(plan, backward=False), replay(plan, backward=True)
+def validate(
+    plan: Plan, first_contact_blocks: bool = False, connected: Iterable[tuple[str, int, int]] = ()
+) -> tuple[Report, Report]:
+    """Replay forward and backward (options as :func:`replay`); return their reports."""
+    pairs = tuple(connected)
+    return (
+        replay(plan, False, first_contact_blocks, pairs),
+        replay(plan, True, first_contact_blocks, pairs),
+    )

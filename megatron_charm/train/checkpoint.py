@@ -149,8 +149,9 @@ def complete_iterations(root: Path) -> list[int]:
     return sorted(found)
 
 
-def _way_out(root: Path) -> str:
-    others = complete_iterations(root)
+def _way_out(root: Path, damaged: int | None = None) -> str:
+    # The damaged iteration still has all its files; offering it back would send the user round.
+    others = [i for i in complete_iterations(root) if i != damaged]
     earlier = (
         f"write one of the complete iterations ({', '.join(map(str, others))}) into "
         f"{root / LATEST}, or "
@@ -189,21 +190,22 @@ def _unpickler_reason(exc: Exception) -> str:
     return type(exc).__name__
 
 
-def _load(path: Path, what: str, root: Path) -> Any:
+def _load(path: Path, what: str, root: Path, iteration: int) -> Any:
     if not path.is_file():
-        raise ValueError(f"{what} {path} is missing. " + _way_out(root))
+        raise ValueError(f"{what} {path} is missing. " + _way_out(root, iteration))
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         reason = _unpickler_reason(exc)
         raise ValueError(
             f"{what} {path} cannot be loaded safely: it is truncated, or holds objects other "
-            f"than tensors and plain data, which are never unpickled ({reason}). " + _way_out(root)
+            f"than tensors and plain data, which are never unpickled ({reason}). "
+            + _way_out(root, iteration)
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise ValueError(
             f"{what} {path} is truncated or corrupt ({type(exc).__name__}: "
-            f"{str(exc).strip()[:200]}). " + _way_out(root)
+            f"{str(exc).strip()[:200]}). " + _way_out(root, iteration)
         ) from None
 
 
@@ -220,18 +222,22 @@ def read_checkpoint(root: Path, iteration: int) -> tuple[dict[str, Any], dict[st
             f"{root / LATEST} points at iteration {iteration}, but {directory} does not exist. "
             + _way_out(root)
         )
-    state = _load(directory / MODEL_FILE, "checkpoint file", root)
+    state = _load(directory / MODEL_FILE, "checkpoint file", root, iteration)
     meta_path = directory / META_FILE
     try:
         meta = json.loads(meta_path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"checkpoint metadata {meta_path} is missing. " + _way_out(root)) from None
+        raise ValueError(
+            f"checkpoint metadata {meta_path} is missing. " + _way_out(root, iteration)
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(
-            f"checkpoint metadata {meta_path} is corrupt ({exc}). " + _way_out(root)
+            f"checkpoint metadata {meta_path} is corrupt ({exc}). " + _way_out(root, iteration)
         ) from None
     if not isinstance(state, dict) or not isinstance(meta, dict):
-        raise ValueError(f"{directory} is not a megatron-charm checkpoint. " + _way_out(root))
+        raise ValueError(
+            f"{directory} is not a megatron-charm checkpoint. " + _way_out(root, iteration)
+        )
     return state, meta
 
 
@@ -244,12 +250,13 @@ def restore_rng(root: Path, iteration: int, global_rank: int) -> bool:
     path = rng_file(iteration_dir(root, iteration), global_rank)
     if not path.is_file():
         return False
-    state = _load(path, "RNG state file", root)
+    state = _load(path, "RNG state file", root, iteration)
     try:
         set_rng_state(state)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise ValueError(
-            f"RNG state file {path} does not hold a generator state ({exc}). " + _way_out(root)
+            f"RNG state file {path} does not hold a generator state ({exc}). "
+            + _way_out(root, iteration)
         ) from None
     return True
 

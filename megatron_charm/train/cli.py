@@ -116,7 +116,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return build_parser().parse_intermixed_args(list(argv))
 
 
-def _error(message: object, every_rank: bool = False) -> int:
+def _error(message: object, every_rank: bool = False, status: int = 2) -> int:
     """Report an error and return the exit status.
 
     Checks made before training give every rank the same answer, so only rank 0 prints them.
@@ -127,7 +127,7 @@ def _error(message: object, every_rank: bool = False) -> int:
     if every_rank or rank == "0":
         where = f" (rank {rank})" if every_rank and "WORLD_SIZE" in os.environ else ""
         print(f"megatron-charm-train: error{where}: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
 def preflight(cfg: Config, externally_launched: bool, environ: Mapping[str, str]) -> None:
@@ -180,12 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         # Ranks share the cores; oversubscribing threads slows every rank down.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from megatron_charm.comm.executor import DistributedError
     from megatron_charm.train.loop import train
 
     try:
         result = train(cfg)
     except ValueError as exc:
         return _error(exc, every_rank=True)
+    except DistributedError as exc:
+        # A peer died or stalled: the launcher names the rank that failed first; this rank only
+        # says what it saw, without a traceback through the executor.
+        return _error(exc, every_rank=True, status=1)
     finally:
         import torch.distributed as dist
 

@@ -92,7 +92,8 @@ def test_truncated_model_file_names_the_file_and_the_way_out(tmp_path):
         ckpt.read_checkpoint(tmp_path, 4)
     message = str(info.value)
     assert str(path) in message and "truncated" in message
-    assert "complete iterations (2, 4)" in message and "--overwrite" in message
+    # The damaged iteration 4 is not offered as the way out.
+    assert "complete iterations (2)" in message and "--overwrite" in message
 
 
 def test_truncated_rng_file_names_the_file(tmp_path):

@@ -114,3 +114,28 @@ def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match=f"config file {path} must be a mapping"):
         load_config(path, ["train.train_iters=3"])
+
+
+def test_a_distributed_failure_in_training_is_one_line_with_status_1(tmp_path, monkeypatch, capsys):
+    """A rank whose peer died reports the executor's error, not a traceback (the launcher names
+    the rank that died)."""
+    import torch
+
+    from megatron_charm.comm.executor import DistributedError
+    from megatron_charm.train import cli, loop
+
+    def train(cfg):
+        raise DistributedError("exchange #3 on channel intra.kv with cp_ranks [1] failed")
+
+    monkeypatch.setattr(loop, "train", train)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    threads = torch.get_num_threads()
+    try:
+        status = cli.main([f"run.dir={tmp_path / 'run'}"])
+    finally:
+        torch.set_num_threads(threads)  # the rank entry point sets its own thread count
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "megatron-charm-train: error (rank 0): exchange #3 on channel intra.kv" in err
+    assert "Traceback" not in err

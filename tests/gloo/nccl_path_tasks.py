@@ -1,0 +1,137 @@
+"""Rank tasks for tests/gloo/test_nccl_path.py (see :mod:`tests.rank_pool`)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def warm_up_contacts(ctx, ranks_per_node: int, timeout_s: float):
+    """Build a topology while recording the warm-up's exchanges.
+
+    Returns this rank's cp_rank, the ``(channel, peer cp_rank, send)`` ops the build posted, and
+    the timeout of every channel group as the groups report it.
+    """
+    import megatron_charm as mc
+
+    posted: list[tuple[int, int, bool]] = []  # (id of the group, global peer, send)
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.extend((id(op.group), op.peer, op.op is dist.isend) for op in ops)
+        return real(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        topo = mc.CPTopology.build(
+            None, ranks_per_node=ranks_per_node, timeout=timedelta(seconds=timeout_s)
+        )
+    finally:
+        dist.batch_isend_irecv = real
+    names: dict[int, str] = {}
+    for name in sorted(topo.channels):
+        group = topo.channels[name]
+        if group is not None:
+            names.setdefault(id(group), name)  # an alias shares the first name's group
+    cp_of = {g: x for x, g in enumerate(topo.global_ranks)}
+    ops = sorted((names[g], cp_of[peer], send) for g, peer, send in posted)
+    timeouts = {
+        name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for name, group in topo.channels.items()
+        if group is not None
+    }
+    return topo.cp_rank, ops, timeouts
+
+
+def _kv_deliveries_used(program) -> int:
+    """Distinct (kv owner, delivery) pairs that the program's computes read (each Wait that
+    brings a kv starts a new delivery)."""
+    from megatron_charm.plan.types import Compute, Exchange, Kind, Wait
+
+    delivery: dict[int, int] = {}
+    recv: dict[int, list[int]] = {}
+    used = set()
+    for ins in program.instrs:
+        if isinstance(ins, Exchange):
+            recv[ins.handle] = [
+                o.payload.owner for o in ins.ops if not o.send and o.payload.kind == Kind.KV
+            ]
+        elif isinstance(ins, Wait):
+            for owner in recv.get(ins.handle, []):
+                delivery[owner] = delivery.get(owner, 0) + 1
+        elif isinstance(ins, Compute):
+            used.add((ins.kv_owner, delivery.get(ins.kv_owner, 0)))
+    return len(used)
+
+
+def _counting(math, native: bool, real_expand):
+    """The math kernel flagged with ``native`` GQA, recording the kv heads of every call, and
+    an expansion function that counts its calls."""
+    import dataclasses
+
+    heads: list[int] = []
+    expansions = [0]
+
+    def counted(t, heads_wanted):
+        expansions[0] += 1
+        return real_expand(t, heads_wanted)
+
+    def fwd_fn(q, k, v, causal, scale):
+        heads.append(k.shape[2])
+        return math.forward(q, k, v, causal, scale)
+
+    def bwd_fn(dout, q, k, v, out, lse, causal, scale):
+        heads.append(k.shape[2])
+        return math.backward(dout, q, k, v, out, lse, causal, scale)
+
+    kern = dataclasses.replace(
+        math, forward=fwd_fn, backward=bwd_fn, native_gqa=lambda dev, dt: native
+    )
+    return kern, heads, expansions, counted
+
+
+def gqa_expansions(ctx, method: str, ranks_per_node: int, h: int, h_kv: int):
+    """Run one forward and backward pass with the float64 math kernel flagged without native
+    GQA (the runner must expand) and with native GQA (it must not), counting expansions and the
+    kv heads every kernel call sees.
+
+    Returns, per flag: expansions per pass, the distinct kv deliveries the programs compute
+    with, the kv head counts the kernel saw, peak buffer bytes per pass, and the results.
+    """
+    from megatron_charm.comm import executor
+    from megatron_charm.function import backward_pass, forward_pass, validated_plan
+    from megatron_charm.kernels import select_kernel
+    from megatron_charm.plan import AttnShape, PlanOptions
+
+    topo = ctx.topology(ranks_per_node)
+    g = torch.Generator().manual_seed(7 + topo.cp_rank)
+    s, b, d = 8, 1, 4
+    q, dout = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, b, h_kv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    shape = AttnShape(b, s, h, h_kv, d, 8)
+    plan = validated_plan(PlanOptions(method=method), topo.layout, True, shape)
+    fwd, bwd = plan.forward[topo.cp_rank], plan.backward[topo.cp_rank]
+    math = select_kernel(torch.device("cpu"), torch.float64, "math")
+    real_expand = executor.expand_kv_heads
+    answers = {}
+    for native in (False, True):
+        kern, heads, expansions, counted = _counting(math, native, real_expand)
+        executor.expand_kv_heads = counted
+        trace: list = []
+        try:
+            out, lse = forward_pass(topo, fwd, q, k, v, kern, d**-0.5, trace)
+            per_pass = [expansions[0]]
+            grads = backward_pass(topo, bwd, q, k, v, out, lse, dout, kern, d**-0.5, trace)
+            per_pass.append(expansions[0] - per_pass[0])
+        finally:
+            executor.expand_kv_heads = real_expand
+        answers[native] = {
+            "expansions": per_pass,
+            "deliveries": [_kv_deliveries_used(fwd), _kv_deliveries_used(bwd)],
+            "heads": sorted(set(heads)),
+            "peak": [t.stats.peak_buffer_bytes for t in trace],
+            "results": [out, *grads],
+        }
+    return answers

@@ -1,0 +1,54 @@
+"""The NCCL-relevant parts of the topology, run on gloo (the same code): every channel group's
+pairs are connected at build, in one exchange per group, and every group carries the timeout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_charm.comm.topology import warm_pairs
+from megatron_charm.plan import Layout
+from tests.gloo import nccl_path_tasks
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("p", [2, 4], ids=["2x2", "1x4"])
+def test_build_connects_every_channel_pair_and_sets_timeouts(pools, p):
+    n, timeout_s = 4, 321.0
+    got = pools(n).run(nccl_path_tasks.warm_up_contacts, ranks_per_node=p, timeout_s=timeout_s)
+    layout = Layout(n // p, p)
+    pairs = warm_pairs(layout)
+    for cp_rank, ops, timeouts in got:
+        # with one node the intra channels are the full groups, warmed once under that name
+        def group_of(channel):
+            return channel.replace("intra", "full") if layout.num_nodes == 1 else channel
+
+        want = sorted(
+            {
+                (group_of(c), b if a == cp_rank else a, send)
+                for c, a, b in pairs
+                if cp_rank in (a, b)
+                for send in (False, True)
+            }
+        )
+        assert ops == want, f"cp_rank {cp_rank}"
+        assert set(timeouts.values()) == {timeout_s}, timeouts
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("method,p", [("charm", 2), ("ring", 4)])
+def test_gqa_kv_expanded_once_per_delivery_without_native_gqa(pools, method, p):
+    h, h_kv = 4, 2
+    got = pools(4).run(
+        nccl_path_tasks.gqa_expansions, method=method, ranks_per_node=p, h=h, h_kv=h_kv
+    )
+    for cp_rank, answers in enumerate(got):
+        expanded, native = answers[False], answers[True]
+        # k and v of every kv delivery are expanded once, however many blocks use it
+        assert expanded["expansions"] == [2 * n for n in expanded["deliveries"]], cp_rank
+        assert expanded["heads"] == [h]
+        assert native["expansions"] == [0, 0] and native["heads"] == [h_kv]
+        for a, b in zip(expanded["results"], native["results"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        # the expanded copies are buffers of the pass
+        assert all(e > n for e, n in zip(expanded["peak"], native["peak"], strict=True))
