@@ -195,12 +195,13 @@ def cp_attention(
         k, v: same layout with ``h_kv`` heads, ``h % h_kv == 0`` (GQA/MQA travel at ``h_kv``).
         topo: from :meth:`CPTopology.build`.
         method: shorthand for ``options.method``: ``"charm"`` | ``"rm+"`` | ``"merge"`` |
-            ``"ring"`` | ``"all_gather"``; overrides the method of ``options`` when both are
-            given.
+            ``"ring"`` | ``"all_gather"`` | ``"ring-contig"``; overrides the method of
+            ``options`` when both are given.
         options: every scheduling option (:class:`megatron_charm.PlanOptions`); defaults to
             ``PlanOptions()`` (charm with the default settings). All ranks must pass equal options.
         causal: causal attention over the global sequence; the local sequence must then be in the
-            zigzag layout (chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``) and even.
+            zigzag layout (chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``) and even; for
+            ``ring-contig``, the contiguous layout (chunk ``cp_rank`` of ``cp_size``).
         softmax_scale: defaults to ``d ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[b, h, s_local]`` (it has no gradient).
         kernel: block kernel (``"torch"``, ``"flash_attn"``, ``"math"``); default by device/dtype.

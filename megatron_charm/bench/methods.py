@@ -4,7 +4,10 @@ Each :class:`Contender` owns its inputs in its native layout (``sbhd`` for ours,
 calls it; ``bshd`` for ring-flash-attention and TE), prepared once outside the timed region, and
 returns outputs and gradients in ``bshd`` so that they can be compared.
 
-* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``: :func:`megatron_charm.cp_attention`.
+* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``, ``ring-contig``:
+  :func:`megatron_charm.cp_attention`. ``ring-contig`` expects contiguous shards when causal: its
+  contender re-shards the zigzag inputs once, before anything is timed, and :meth:`comparable`
+  hands its results back in the zigzag layout for the agreement and reference checks.
 * ``ring-flash``: ring-flash-attention's ``zigzag_ring_flash_attn_func`` (causal) or
   ``ring_flash_attn_func`` (non-causal; the zigzag variant refuses it). On CPU it runs on the
   flash-attn shim of :mod:`megatron_charm.bench.flash_shim`.
@@ -22,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_charm.plan import PlanOptions
+from megatron_charm.plan import PlanOptions, sequence_positions
 
-OURS = ("charm", "rm+", "merge", "ring", "all_gather")
+OURS = ("charm", "rm+", "merge", "ring", "all_gather", "ring-contig")
 BASELINES = ("ring-flash", "te-p2p")
 Tensor = torch.Tensor
 
@@ -57,6 +60,29 @@ class Contender:
         """``(out, dq, dk, dv)`` in ``bshd``."""
         raise NotImplementedError
 
+    def comparable(self, results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """``results`` of :meth:`forward_backward` as rows of this rank's zigzag shard (the
+        layout of :class:`Inputs`), to compare with other contenders; never timed."""
+        return results
+
+
+def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
+    """This rank's shard ``t [b, s_local, ...]`` in sequence layout ``src`` as its shard in
+    layout ``dst`` (``zigzag`` or ``contiguous``). Collective over the CP group (an all-gather
+    of the whole sequence): for set-up and checks, not for timed calls."""
+    n, x = topo.cp_size, topo.cp_rank
+    if src == dst or n == 1:
+        return t
+    t = t.detach()
+    seq = t.shape[1] * n
+    shards = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(shards, t.contiguous(), group=topo.cp_group)
+    whole = torch.empty((t.shape[0], seq, *t.shape[2:]), dtype=t.dtype, device=t.device)
+    for r, shard in enumerate(shards):
+        whole[:, torch.tensor(sequence_positions(r, n, seq, src), device=t.device)] = shard
+    mine = torch.tensor(sequence_positions(x, n, seq, dst), device=t.device)
+    return whole[:, mine].contiguous()
+
 
 def plan_options(cfg: dict) -> PlanOptions:
     """The plan options of a benchmark config (its method is set per contender)."""
@@ -75,11 +101,16 @@ class Ours(Contender):
         self.options = (options or PlanOptions()).replace(method=name)
         # set by the benchmark to a list to record the executor's traces of the next call
         self.trace: list | None = None
+        # the sequence layout this method expects (non-causal attention works on any)
+        self.seq_layout = self.options.seq_layout if causal else "zigzag"
+        q, k, v, dout = (
+            reshard(t, topo, "zigzag", self.seq_layout) for t in (inp.q, inp.k, inp.v, inp.dout)
+        )
         # Megatron's native layout, so cp_attention makes no layout copies.
         self.q, self.k, self.v = (
-            t.transpose(0, 1).contiguous().requires_grad_() for t in (inp.q, inp.k, inp.v)
+            t.transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)
         )
-        self.dout = inp.dout.transpose(0, 1).contiguous()
+        self.dout = dout.transpose(0, 1).contiguous()
 
     def _call(self) -> Tensor:
         from megatron_charm import cp_attention
@@ -106,6 +137,9 @@ class Ours(Contender):
         out = self._call()
         out.backward(self.dout)
         return tuple(t.transpose(0, 1) for t in (out, self.q.grad, self.k.grad, self.v.grad))
+
+    def comparable(self, results):
+        return tuple(reshard(t, self.topo, self.seq_layout, "zigzag") for t in results)
 
 
 class RingFlash(Contender):

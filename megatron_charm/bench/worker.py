@@ -169,7 +169,7 @@ def run(cfg: dict) -> dict | None:
 
     # Agreement: every method's out and grads against the first of ours (or the first method).
     ref_name = next((m for m in cfg["methods"] if m in OURS), cfg["methods"][0])
-    results = {c.name: c.forward_backward() for c in contenders}
+    results = {c.name: c.comparable(c.forward_backward()) for c in contenders}
     ref = results[ref_name]
     agree = {
         name: {

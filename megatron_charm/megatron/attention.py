@@ -20,9 +20,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.megatron.groups import get_charm_topology
 from megatron_charm.plan import METHODS, PlanOptions
+from megatron_charm.plan.options import SEQ_LAYOUT_OF
 
-#: Values of ``cp_comm_type`` served by this module.
-CHARM_METHODS: tuple[str, ...] = METHODS
+#: Values of ``cp_comm_type`` served by this module: the methods on Megatron's zigzag layout.
+CHARM_METHODS: tuple[str, ...] = tuple(m for m in METHODS if m not in SEQ_LAYOUT_OF)
 
 
 def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | None) -> str:
@@ -44,6 +45,13 @@ def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | N
         if candidate is not None:
             method = str(candidate)
             break
+    if method in SEQ_LAYOUT_OF:
+        raise ValueError(
+            f"cp_comm_type={method!r} expects {SEQ_LAYOUT_OF[method]} sequence shards, but "
+            "Megatron shards the sequence zigzag (get_batch_on_this_cp_rank); it is a baseline "
+            "for cp_attention and the simulator. Use --cp-comm-type ring for the ring on "
+            "Megatron's layout."
+        )
     if method not in CHARM_METHODS:
         raise ValueError(
             f"cp_comm_type={method!r} is not served by CharmDotProductAttention, which implements "

@@ -14,7 +14,12 @@ from functools import lru_cache
 
 from megatron_charm.plan.allgather import allgather_backward, allgather_forward
 from megatron_charm.plan.cost import cross_link_bytes
-from megatron_charm.plan.layout import block_parts, zigzag_positions
+from megatron_charm.plan.layout import (
+    block_parts,
+    contiguous_positions,
+    sequence_positions,
+    zigzag_positions,
+)
 from megatron_charm.plan.options import METHODS, PlanOptions, check_method
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
@@ -64,9 +69,10 @@ def rank_programs(
     in the forward and the backward (``q`` or ``kv``, as :func:`cross_levels` resolves it)."""
     _check_layout(options, layout)
     method, n, ranks = options.method, layout.cp_size, list(cp_ranks)
-    if method == "ring":
-        return [ring_forward(r, n, causal) for r in ranks], [
-            ring_backward(r, n, causal) for r in ranks
+    if method in ("ring", "ring-contig"):
+        seq = options.seq_layout
+        return [ring_forward(r, n, causal, seq) for r in ranks], [
+            ring_backward(r, n, causal, seq) for r in ranks
         ]
     if method == "all_gather":
         return [allgather_forward(r, n, causal) for r in ranks], [
@@ -185,9 +191,11 @@ __all__ = [
     "block_parts",
     "build_plan",
     "check_method",
+    "contiguous_positions",
     "cross_levels",
     "plan_with_levels",
     "rank_programs",
     "schedule_layout",
+    "sequence_positions",
     "zigzag_positions",
 ]

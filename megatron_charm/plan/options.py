@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring", "all_gather")
+METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring", "all_gather", "ring-contig")
 """Every CP attention method the planner builds (``--cp-comm-type`` values)."""
+
+SEQ_LAYOUT_OF: dict[str, str] = {"ring-contig": "contiguous"}
+"""Methods whose causal inputs are in the contiguous layout (Note [Contiguous layout] in
+:mod:`megatron_charm.plan.layout`); every other method expects the zigzag layout."""
 
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
 CROSS_LEVELS: tuple[str, ...] = ("auto", "q", "kv")
@@ -30,7 +34,8 @@ class PlanOptions:
 
     method: str = "charm"
     """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``) or
-    ``all_gather`` (Transformer Engine's ``all_gather``)."""
+    ``all_gather`` (Transformer Engine's ``all_gather``), or ``ring-contig`` (the same ring on the
+    contiguous layout: the unbalanced Ring-Attention baseline)."""
 
     window: int = 2
     """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps
@@ -72,6 +77,11 @@ class PlanOptions:
             raise ValueError(
                 f"combine_two_nodes={self.combine_two_nodes!r} must be a bool (true or false)"
             )
+
+    @property
+    def seq_layout(self) -> str:
+        """The sequence layout the method expects of causal inputs: ``zigzag`` or ``contiguous``."""
+        return SEQ_LAYOUT_OF.get(self.method, "zigzag")
 
     def replace(self, **changes: object) -> PlanOptions:
         """A copy with ``changes`` applied (validated like the original)."""

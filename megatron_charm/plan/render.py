@@ -18,7 +18,7 @@ def block_matrix(plan: Plan) -> str:
     """Rows: q owner x; columns: kv owner y. Cell: computing rank and how inputs met there.
 
     ``D`` diagonal, ``k`` kv came to the q owner, ``q`` q went to the kv owner, ``x`` q crossed
-    nodes, ``r`` ring step (kv forwarded).
+    nodes, ``r`` ring step (kv forwarded), ``.`` an empty block (causal, contiguous layout).
     """
     n = plan.layout.cp_size
     where: dict[tuple[int, int], int] = {}
@@ -32,10 +32,13 @@ def block_matrix(plan: Plan) -> str:
     for x in range(n):
         cells = []
         for y in range(n):
-            c = where[(x, y)]
+            c = where.get((x, y))
+            if c is None:
+                cells.append(".".rjust(width))
+                continue
             if x == y:
                 tag = "D"
-            elif plan.method == "ring":
+            elif plan.method in ("ring", "ring-contig"):
                 tag = "r"
             elif x // p != y // p:
                 tag = "x"
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks-per-node", type=int, default=4)
     ap.add_argument("--rank", type=int, default=None, help="also list this rank's program")
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--no-matrix", action="store_true", help="list the program only")
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--bytes", action="store_true", help="print the bytes table instead")
     ap.add_argument(
@@ -171,9 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     plan = build_plan(options, layout, not args.non_causal, shape)
     if plan.method == "charm" and layout.num_nodes > 1:
         print(f"across nodes: {plan.cross[0]} (forward), {plan.cross[1]} (backward)")
-    print(block_matrix(plan))
+    if not args.no_matrix:
+        print(block_matrix(plan) + "\n")
     if args.rank is not None:
-        print(f"\ncp_rank {args.rank}, {'backward' if args.backward else 'forward'}:")
+        print(f"cp_rank {args.rank}, {'backward' if args.backward else 'forward'}:")
         print(program_listing(plan, args.rank, args.backward))
 
 

@@ -12,12 +12,20 @@ travelling from ``x - 1`` (double buffering), and each rank forwards what it rec
 The kv of a forwarded ring is always whole: a later rank may need the half that this one skips.
 The backward sends each partial dkv on after adding this rank's block, and the last hop delivers
 the completed dkv to its owner; partials travel in float32.
+
+``ring-contig`` runs the same steps on the contiguous layout (Note [Contiguous layout]): a rank
+skips the compute of an empty block, but the kv (and the partial dkv, passed on unchanged) still
+travels, so the ring's bytes and dependent steps stay and only the work moves. n = 4, causal::
+
+    step        0      1      2      3
+    rank 0    q0kv0    -      -      -          1 block
+    rank 3    q3kv3  q3kv2  q3kv1  q3kv0        4 blocks: the group's time
 """
 
 from __future__ import annotations
 
 from megatron_charm.plan.builder import ProgramBuilder, recv, send
-from megatron_charm.plan.layout import block_parts
+from megatron_charm.plan.layout import ZIGZAG, block_empty, block_parts
 from megatron_charm.plan.types import Kind, Part, Payload, Program
 
 KV = "full.kv"
@@ -36,23 +44,28 @@ def _shift(b: ProgramBuilder, channel: str, kind: Kind, owner: int, cp_size: int
     )
 
 
-def ring_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
+def ring_forward(cp_rank: int, cp_size: int, causal: bool, seq_layout: str = ZIGZAG) -> Program:
+    """Forward program of ``cp_rank`` on ``seq_layout`` (Note [Ring schedule])."""
     b = ProgramBuilder(cp_rank)
     for step in range(cp_size):
         owner = (cp_rank - step) % cp_size
         if step + 1 < cp_size:
             _shift(b, KV, Kind.KV, owner, cp_size)
-        b.compute(cp_rank, owner, *block_parts(cp_rank, owner, causal))
+        if not block_empty(cp_rank, owner, causal, seq_layout):
+            b.compute(cp_rank, owner, *block_parts(cp_rank, owner, causal, seq_layout))
     return b.finish()
 
 
-def ring_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
+def ring_backward(cp_rank: int, cp_size: int, causal: bool, seq_layout: str = ZIGZAG) -> Program:
+    """Backward program of ``cp_rank`` on ``seq_layout`` (Note [Ring schedule])."""
     b = ProgramBuilder(cp_rank)
     for step in range(cp_size):
         owner = (cp_rank - step) % cp_size
         if step + 1 < cp_size:
             _shift(b, KV, Kind.KV, owner, cp_size)
-        b.compute(cp_rank, owner, *block_parts(cp_rank, owner, causal), q_kind=Kind.QB)
+        if not block_empty(cp_rank, owner, causal, seq_layout):
+            parts = block_parts(cp_rank, owner, causal, seq_layout)
+            b.compute(cp_rank, owner, *parts, q_kind=Kind.QB)
         if cp_size == 1:
             break
         if step > 0:

@@ -131,17 +131,21 @@ def format_table(pred: Prediction) -> str:
         f"{', causal' if pr.causal else ''}",
         f"CCR forward {pred.ccr_forward:.3f}, backward {pred.ccr_backward:.3f}",
         "",
-        f"{'method':<10} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
+        f"{'method':<11} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
         f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",
     ]
-    order = [m for m in ("ring", "all_gather", "merge", "rm+", "charm") if m in pred.methods]
+    order = [
+        m
+        for m in ("ring", "ring-contig", "all_gather", "merge", "rm+", "charm")
+        if m in pred.methods
+    ]
     for name in order:
         mp = pred.methods[name]
         f, b = mp.forward, mp.backward
         nodes = len(f.ranks) / t.ranks_per_node  # simulated nodes (one in symmetric mode)
         cross = (f.link_bytes().get("cross", 0) + b.link_bytes().get("cross", 0)) / nodes
         lines.append(
-            f"{name:<10} {f.makespan * 1e3:9.3f} {pred.speedup(name):7.2f}x "
+            f"{name:<11} {f.makespan * 1e3:9.3f} {pred.speedup(name):7.2f}x "
             f"{f.exposed_mean * 1e3:9.3f} {b.makespan * 1e3:9.3f} "
             f"{pred.speedup(name, True):7.2f}x {b.exposed_mean * 1e3:9.3f} {cross / 1e9:14.3f}"
         )

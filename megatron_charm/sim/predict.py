@@ -175,8 +175,10 @@ class Advice:
 
 
 def advise(pred: Prediction) -> Advice:
-    """Pick the method with the lowest forward + backward time; ties go to the simpler method."""
-    best = min(pred.methods.values(), key=lambda mp: mp.total)
+    """Pick the method with the lowest forward + backward time; ties go to the simpler method.
+    Only methods on Megatron's zigzag layout are candidates (``SIMPLICITY``: not ``ring-contig``,
+    a baseline that Megatron refuses)."""
+    best = min((mp for m, mp in pred.methods.items() if m in SIMPLICITY), key=lambda mp: mp.total)
     tied = [
         m
         for m in SIMPLICITY

@@ -6,7 +6,9 @@ Building every rank's program is the dominant cost at scale (``build_plan`` for 
 takes minutes), and replaying millions of instructions in Python is not much cheaper. But the
 schedules are symmetric under a relabelling of nodes that maps node ``a`` to node 0:
 
-* ``ring``, ``all_gather`` and ``charm``: a shift by whole nodes, ``r -> (r - a*p) mod n``;
+* ``ring``, ``all_gather`` and ``charm``: a shift by whole nodes, ``r -> (r - a*p) mod n``
+  (``ring-contig`` too, but only for non-causal attention: causally its nodes do different work,
+  the last the most, so it is always replayed in full);
 * ``merge`` and ``rm+``: ``r -> r XOR (a*p)`` (partners are ``x XOR j``; needs ``p`` and ``n``
   powers of two so that no partner is skipped).
 
@@ -86,11 +88,12 @@ def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def symmetry_of(method: str, layout: Layout) -> str | None:
-    """The node symmetry of ``method`` on ``layout``, or ``None`` when it has none we can use."""
-    if layout.num_nodes == 1:
+def symmetry_of(method: str, layout: Layout, causal: bool = False) -> str | None:
+    """The node symmetry of ``method`` on ``layout`` (``causal`` or not), or ``None`` when it has
+    none we can use."""
+    if layout.num_nodes == 1 or (causal and method == "ring-contig"):
         return None
-    if method in ("ring", "all_gather", "charm"):
+    if method in ("ring", "all_gather", "charm", "ring-contig"):
         return "shift"
     if _pow2(layout.ranks_per_node) and _pow2(layout.cp_size):
         return "xor"
@@ -109,12 +112,12 @@ def node_programs(
 
     Wire precisions are decided as for a whole plan, among this node's programs."""
     method = options.method
-    sym = symmetry_of(method, layout)
+    sym = symmetry_of(method, layout, causal)
     if sym is None:
         raise ValueError(
             f"method {method!r} on {layout.num_nodes}x{layout.ranks_per_node} has no node "
-            "symmetry to exploit (merge/rm+ need power-of-two sizes; one node needs none); "
-            "use mode='full'"
+            "symmetry to exploit (merge/rm+ need power-of-two sizes; causal ring-contig has "
+            "none; one node needs none); use mode='full'"
         )
     p = layout.ranks_per_node
     ranks = range(node * p, (node + 1) * p)
@@ -141,7 +144,9 @@ def programs(
         raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
     if mode == "auto":
         small = layout.cp_size <= FULL_MODE_MAX_RANKS
-        mode = "full" if small or symmetry_of(options.method, layout) is None else "symmetric"
+        mode = (
+            "full" if small or symmetry_of(options.method, layout, causal) is None else "symmetric"
+        )
     if mode == "symmetric" and layout.num_nodes > 1:
         return node_programs(options, layout, causal, 0, cross)
     plan = plan_with_levels(options, layout, causal, cross)

@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_charm.nodes import NODE_SPLITS
-from megatron_charm.plan.options import METHODS
+from megatron_charm.plan.options import METHODS, SEQ_LAYOUT_OF
 
 if TYPE_CHECKING:
     from megatron_charm.train.config import Config
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
 #: cp_comm_type values served by megatron-charm's own attention. A name that both serve keeps
 #: its Transformer Engine meaning here, as in Megatron-LM (the trainer runs TE's ``all_gather``).
-CHARM_COMM_TYPES = tuple(m for m in METHODS if m not in TE_COMM_TYPES)
+CHARM_COMM_TYPES = tuple(m for m in METHODS if m not in TE_COMM_TYPES + tuple(SEQ_LAYOUT_OF))
 
 
 def _positive(name: str, value: int | float | None, optional: bool = False) -> None:
@@ -86,6 +86,12 @@ def _check_sizes(cfg: Config) -> None:
 
 def _check_choices(cfg: Config) -> None:
     p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.data
+    if p.cp_comm_type in SEQ_LAYOUT_OF:
+        raise ValueError(
+            f"parallel.cp_comm_type={p.cp_comm_type!r} expects {SEQ_LAYOUT_OF[p.cp_comm_type]} "
+            "sequence shards, but Megatron shards the sequence zigzag; set "
+            "parallel.cp_comm_type=ring for the ring on Megatron's layout."
+        )
     if p.cp_comm_type not in CHARM_COMM_TYPES + TE_COMM_TYPES:
         raise ValueError(
             f"parallel.cp_comm_type={p.cp_comm_type!r}: choose one of "

@@ -45,7 +45,8 @@ def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     assert list(cp4) == ["gloo", "gloo-staged"]
     for transport in cp4.values():
         cases = {(r["split"], r["causal"], r["method"]) for r in transport["rows"]}
-        assert cases == set(itertools.product(("2x2", "1x4"), (True, False), METHODS))
+        zigzag = [m for m in METHODS if m != "ring-contig"]  # the default --methods
+        assert cases == set(itertools.product(("2x2", "1x4"), (True, False), zigzag))
         assert all(r["ok"] for r in transport["rows"])
     # the staging wrapper carried the exchanges (through plain host copies on CPU)
     assert min(cp4["gloo-staged"]["staged_exchanges_per_rank"]) > 0

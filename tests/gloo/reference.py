@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_charm.plan.layout import sequence_positions
+
 
 def naive_attention(q, k, v, causal: bool, scale: float, upcast: bool):
     """Plain attention on ``[b, S, h, d]`` tensors; returns out and lse ``[b, h, S]``.
@@ -24,3 +26,12 @@ def naive_attention(q, k, v, causal: bool, scale: float, upcast: bool):
     p = torch.softmax(s, dim=-1)
     out = (p @ vv).transpose(1, 2)
     return out, lse
+
+
+def local_index(cp_rank: int, cp_size: int, seq: int, causal: bool, seq_layout: str):
+    """Global positions of ``cp_rank``'s local tokens: causal inputs in the method's
+    ``seq_layout`` (``zigzag`` or ``contiguous``), non-causal ones contiguous (any layout
+    serves)."""
+    return torch.tensor(
+        sequence_positions(cp_rank, cp_size, seq, seq_layout if causal else "contiguous")
+    )

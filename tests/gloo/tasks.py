@@ -7,22 +7,13 @@ import time
 
 import torch
 
-from tests.gloo.reference import naive_attention
+from tests.gloo.reference import local_index, naive_attention
 
 
 def _global_inputs(b, seq, h, h_kv, d, seed):
     g = torch.Generator().manual_seed(seed)
     mk = lambda heads: torch.randn(b, seq, heads, d, generator=g, dtype=torch.float64)  # noqa: E731
     return mk(h), mk(h_kv), mk(h_kv), mk(h)
-
-
-def _local_index(cp_rank, cp_size, seq, causal):
-    from megatron_charm.plan import zigzag_positions
-
-    if causal:
-        return torch.tensor(zigzag_positions(cp_rank, cp_size, seq))
-    per = seq // cp_size
-    return torch.arange(cp_rank * per, (cp_rank + 1) * per)
 
 
 def _grads_of(fn, q, k, v, dout):
@@ -78,7 +69,8 @@ def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_
     Q, K, V, DO = _global_inputs(b, seq, h, h_kv, d, seed)
     Q, K, V = (t.to(dtype).to(torch.float64) for t in (Q, K, V))  # same inputs for all
     scale = d**-0.5
-    idx = _local_index(x, n, seq, causal)
+    opts = mc.PlanOptions(method=method, **options)
+    idx = local_index(x, n, seq, causal, opts.seq_layout)
 
     def ref(q, k, v, upcast):
         return naive_attention(q, k, v, causal, scale, upcast)
@@ -100,7 +92,7 @@ def _one_variant(topo, method, causal, h_kv, dtype, b, s_local, h, d, seed, qkv_
             qkv_format=qkv_format,
             return_lse=True,
             softmax_scale=scale,
-            options=mc.PlanOptions(method=method, **options),
+            options=opts,
         )
         if qkv_format == "sbhd":
             out = out.transpose(0, 1)

@@ -12,7 +12,8 @@ from tests.gloo import tasks
 @pytest.mark.gloo
 @pytest.mark.parametrize(
     "method,p",
-    [("ring", 4), ("merge", 4), ("rm+", 4), ("all_gather", 4), ("charm", 2), ("charm", 1)],
+    [("ring", 4), ("merge", 4), ("rm+", 4), ("all_gather", 4), ("charm", 2), ("charm", 1)]
+    + [("ring-contig", 4)],
 )
 @pytest.mark.parametrize("causal", [True, False])
 def test_executor_bytes_equal_plan(pools, method, p, causal):

@@ -32,6 +32,7 @@ for n, splits in LAYOUTS.items():
         CASES.append((n, "charm", p))
     if n <= 4:  # all-gather has no node structure and no levels: small groups cover it
         CASES.append((n, "all_gather", n))
+        CASES.append((n, "ring-contig", n))  # on contiguous shards (tests.gloo.reference)
 
 
 def check(results):

@@ -37,6 +37,8 @@ def test_every_plan_validates(n, p, causal):
 
 def _check_balanced(plan, n, causal):
     fwd, bwd = validate(plan)
+    if causal and plan.options.seq_layout == "contiguous":
+        return  # unbalanced by design: tests/pure/test_ring_contig.py
     # balanced: every rank does the work of n blocks (a block may run as two query halves)
     unit = 0.5 if causal else 1.0
     for report in (fwd, bwd):

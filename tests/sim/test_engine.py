@@ -176,7 +176,7 @@ def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[
             assert rs.exposed == pytest.approx(rf.exposed, rel=1e-6, abs=1e-12)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ring-contig"])  # no symmetry
 @pytest.mark.parametrize("links", ["rails", "shared"])
 def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
     # Causal plans are not node-symmetric (zigzag halves); the approximation stays close.

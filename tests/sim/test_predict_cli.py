@@ -18,8 +18,9 @@ PROBLEM = Problem(batch=2, seq=8192, heads=8, head_dim=64, causal=True)
 def test_advise_picks_ring_when_communication_is_free() -> None:
     topo = Topology(2, 4, 1e9, 1e9, intra_lat=0.0, cross_lat=0.0)
     pred = predict(topo, PROBLEM, FlopsCompute(100.0, 0.5, mem_bw=1e9))
-    for mp in pred.methods.values():  # nothing to hide: every method is its compute
-        assert mp.forward.exposed_max < 1e-9
+    for name, mp in pred.methods.items():  # nothing to hide: every method is its compute
+        # (ring-contig's light ranks wait for the heavy ones that send them kv: imbalance)
+        assert mp.forward.exposed_max < 1e-9 or name == "ring-contig"
     adv = advise(pred)
     assert adv.method == "ring"
     assert any("high CCR" in r for r in adv.reasons)

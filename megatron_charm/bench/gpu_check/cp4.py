@@ -46,13 +46,13 @@ def nccl_env(global_rank: int) -> dict[str, str]:
     }
 
 
-def _local_index(cp_rank: int, cp_size: int, seq: int, causal: bool) -> Tensor:
-    from megatron_charm.plan import zigzag_positions
+def _local_index(cp_rank: int, cp_size: int, seq: int, causal: bool, seq_layout: str) -> Tensor:
+    """Positions of ``cp_rank``'s shard: causal in the method's ``seq_layout``, else contiguous."""
+    from megatron_charm.plan import sequence_positions
 
-    if causal:
-        return torch.tensor(zigzag_positions(cp_rank, cp_size, seq))
-    per = seq // cp_size
-    return torch.arange(cp_rank * per, (cp_rank + 1) * per)
+    return torch.tensor(
+        sequence_positions(cp_rank, cp_size, seq, seq_layout if causal else "contiguous")
+    )
 
 
 def sdpa_with_grads(q, k, v, do, causal: bool, scale: float | None = None) -> list[Tensor]:
@@ -99,16 +99,17 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
             if transport == "gloo-staged":
                 staged.allow_device(topo)
             for causal in cfg["causal"]:
-                idx = _local_index(topo.cp_rank, world, seq, causal).to(device)
-                ref = sdpa_with_grads(*(t.to(device, torch.float64) for t in full), causal)
+                ref_all = sdpa_with_grads(*(t.to(device, torch.float64) for t in full), causal)
                 same = sdpa_with_grads(*(t.to(device) for t in full), causal)
-                ref = [r[:, idx] for r in ref]
-                tols = [
-                    2 * max_err(s[:, idx], r) + torch.finfo(dtype).eps * r.abs().max().item()
-                    for s, r in zip(same, ref, strict=True)
-                ]
-                local = [t.to(device)[:, idx].contiguous() for t in full]
                 for method in cfg["methods"]:
+                    layout = mc.PlanOptions(method=method).seq_layout
+                    idx = _local_index(topo.cp_rank, world, seq, causal, layout).to(device)
+                    ref = [r[:, idx] for r in ref_all]
+                    tols = [
+                        2 * max_err(s[:, idx], r) + torch.finfo(dtype).eps * r.abs().max().item()
+                        for s, r in zip(same, ref, strict=True)
+                    ]
+                    local = [t.to(device)[:, idx].contiguous() for t in full]
                     q, k, v = (t.clone().requires_grad_() for t in local[:3])
                     out = mc.cp_attention(q, k, v, topo, method=method, causal=causal)
                     out.backward(local[3])
