@@ -26,12 +26,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_charm.nodes import NODE_SPLITS
-from megatron_charm.plan.options import CROSS_LEVELS, CROSS_RETURNS, METHODS, PlanOptions
+from megatron_charm.plan.options import (
+    CROSS_LEVELS,
+    CROSS_RETURNS,
+    MEGATRON_METHODS,
+    TE_CP_COMM_TYPES,
+    PlanOptions,
+)
 
 #: ``--cp-comm-type`` values served by megatron-charm.
-CHARM_CP_COMM_TYPES: tuple[str, ...] = METHODS
-#: ``--cp-comm-type`` values served by Transformer Engine inside Megatron-LM.
-TE_CP_COMM_TYPES: tuple[str, ...] = ("p2p", "a2a", "all_gather", "a2a+p2p")
+CHARM_CP_COMM_TYPES: tuple[str, ...] = MEGATRON_METHODS
 #: The only Megatron-LM model builder the patch puts CHARM+ into; ``pretrain_gpt.py`` names it
 #: through ``args_defaults={"charm_model_builder": "gpt"}``.
 PATCHED_BUILDER = "gpt"

@@ -19,11 +19,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.megatron.groups import get_charm_topology
-from megatron_charm.plan import METHODS, PlanOptions
-from megatron_charm.plan.options import SEQ_LAYOUT_OF
+from megatron_charm.plan import PlanOptions
+from megatron_charm.plan.options import MEGATRON_METHODS, SEQ_LAYOUT_OF
 
 #: Values of ``cp_comm_type`` served by this module: the methods on Megatron's zigzag layout.
-CHARM_METHODS: tuple[str, ...] = tuple(m for m in METHODS if m not in SEQ_LAYOUT_OF)
+CHARM_METHODS: tuple[str, ...] = MEGATRON_METHODS
 
 
 def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | None) -> str:

@@ -16,6 +16,17 @@ SEQ_LAYOUT_OF: dict[str, str] = {"ring-contig": "contiguous"}
 """Methods whose causal inputs are in the contiguous layout (Note [Contiguous layout] in
 :mod:`megatron_charm.plan.layout`); every other method expects the zigzag layout."""
 
+TE_CP_COMM_TYPES: tuple[str, ...] = ("p2p", "a2a", "all_gather", "a2a+p2p")
+"""``--cp-comm-type`` values that Transformer Engine serves in Megatron-LM and in our trainer;
+there a name that both serve keeps TE's meaning (``all_gather`` is ours only in
+``cp_attention``, the bench and the simulator)."""
+
+MEGATRON_METHODS: tuple[str, ...] = tuple(
+    m for m in METHODS if m not in SEQ_LAYOUT_OF and m not in TE_CP_COMM_TYPES
+)
+"""Our methods as Megatron ``--cp-comm-type`` values: Megatron shards zigzag, and TE's names stay
+TE's."""
+
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
 CROSS_LEVELS: tuple[str, ...] = ("auto", "q", "kv")
 

@@ -12,16 +12,15 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_charm.nodes import NODE_SPLITS
-from megatron_charm.plan.options import METHODS, SEQ_LAYOUT_OF
+from megatron_charm.plan.options import MEGATRON_METHODS, SEQ_LAYOUT_OF
 
 if TYPE_CHECKING:
     from megatron_charm.train.config import Config
 
-#: cp_comm_type values served by Transformer Engine (GPU baselines).
+#: cp_comm_type values served by Transformer Engine (GPU baselines) in the trainer.
 TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
-#: cp_comm_type values served by megatron-charm's own attention. A name that both serve keeps
-#: its Transformer Engine meaning here, as in Megatron-LM (the trainer runs TE's ``all_gather``).
-CHARM_COMM_TYPES = tuple(m for m in METHODS if m not in TE_COMM_TYPES + tuple(SEQ_LAYOUT_OF))
+#: cp_comm_type values served by megatron-charm's own attention (as in Megatron-LM).
+CHARM_COMM_TYPES = MEGATRON_METHODS
 
 
 def _positive(name: str, value: int | float | None, optional: bool = False) -> None:
