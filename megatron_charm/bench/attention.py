@@ -22,6 +22,7 @@ from pathlib import Path
 from megatron_charm.bench.methods import BASELINES, OURS
 from megatron_charm.bench.summary import markdown, summarise
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
+from megatron_charm.plan.options import CROSS_LEVELS, CROSS_RETURNS, PlanOptions
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -48,17 +49,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--window", type=int, default=2, help="plan option: exchanges in flight")
+    defaults = PlanOptions()
+    ap.add_argument(
+        "--window", type=int, default=defaults.window, help="plan option: exchanges in flight"
+    )
     ap.add_argument(
         "--cross-return",
-        choices=("fp32", "input"),
-        default="fp32",
+        choices=CROSS_RETURNS,
+        default=defaults.cross_return,
         help="plan option: precision of charm's node-merged results crossing nodes",
     )
     ap.add_argument(
         "--cross-level",
-        choices=("auto", "q", "kv"),
-        default="auto",
+        choices=CROSS_LEVELS,
+        default=defaults.cross_level,
         help="plan option: what charm ships across nodes (auto: fewer bytes per head ratio)",
     )
     ap.add_argument(

@@ -86,12 +86,8 @@ def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
 
 def plan_options(cfg: dict) -> PlanOptions:
     """The plan options of a benchmark config (its method is set per contender)."""
-    return PlanOptions(
-        window=cfg.get("window", 2),
-        combine_two_nodes=cfg.get("combine_two_nodes", False),
-        cross_return=cfg.get("cross_return", "fp32"),
-        cross_level=cfg.get("cross_level", "auto"),
-    )
+    keys = ("window", "combine_two_nodes", "cross_return", "cross_level")
+    return PlanOptions().replace(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
 
 
 class Ours(Contender):

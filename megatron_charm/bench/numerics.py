@@ -7,6 +7,9 @@ gloo ranks (local loopback; errors do not depend on link speed). Rank 0 reassemb
 rounded inputs: per run the mean and the max of the absolute difference, then the average of each
 over the runs (the paper's reduction). A third column, ``single``, is PyTorch's flash-attention
 kernel on the whole sequence in one process: the error floor of the dtype.
+
+A method may carry plan options, ``NAME:key=value[:key=value]`` (``charm:cross_return=input``),
+so that two settings of one method are compared in one run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.launch import RankInfo, run_function
+from megatron_charm.plan import PlanOptions
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -32,9 +36,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048, help="global sequence length")
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    ap.add_argument("--methods", default="charm,ring")
+    ap.add_argument(
+        "--methods",
+        default="charm,ring",
+        help="comma-separated; NAME:key=value[:key=value] sets plan options of one entry",
+    )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--md", dest="md_out", default=None)
@@ -43,8 +52,30 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def _problem(args, run: int):
     """Global ``q, k, v, dout`` as ``[b, seq, h, d]`` in the benchmark dtype."""
     gen = torch.Generator().manual_seed(args["seed"] + run)
-    shape = (args["batch"], args["seq"], args["heads"], args["head_dim"])
-    return [torch.randn(shape, generator=gen).to(DTYPES[args["dtype"]]) for _ in range(4)]
+    b, s, h, d = args["batch"], args["seq"], args["heads"], args["head_dim"]
+    shapes = [(b, s, h, d), *[(b, s, args["kv_heads"], d)] * 2, (b, s, h, d)]
+    return [torch.randn(shape, generator=gen).to(DTYPES[args["dtype"]]) for shape in shapes]
+
+
+def method_options(spec: str) -> PlanOptions:
+    """``charm:cross_return=input:window=1`` -> the plan options it names."""
+    name, *pairs = spec.split(":")
+    changes: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in PlanOptions.__dataclass_fields__ or key == "method":
+            raise ValueError(
+                f"--methods entry {spec!r}: {pair!r} is not key=value with a PlanOptions field "
+                f"({', '.join(f for f in PlanOptions.__dataclass_fields__ if f != 'method')})"
+            )
+        default = getattr(PlanOptions(), key)
+        if isinstance(default, bool):
+            changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(default, int):
+            changes[key] = int(value)
+        else:
+            changes[key] = value
+    return PlanOptions(method=name, **changes)
 
 
 def _errors(got: dict, ref: dict) -> dict[str, tuple[float, float]]:
@@ -101,7 +132,7 @@ def _rank_main(info: RankInfo, args: dict, result_path: str) -> None:
         for method in methods:
             lq, lk, lv = (t[:, idx].clone().requires_grad_() for t in (q, k, v))
             out, lse = mc.cp_attention(
-                lq, lk, lv, topo, method=method, causal=True, return_lse=True
+                lq, lk, lv, topo, options=method_options(method), causal=True, return_lse=True
             )
             out.backward(dout[:, idx])
             local[method] = (out.detach(), lse, lq.grad, lk.grad, lv.grad)
@@ -155,6 +186,11 @@ def markdown(table: dict, args: dict) -> str:
 def run_numerics(ns: argparse.Namespace) -> dict:
     """Run the numerics table as configured; returns ``{method: {quantity: {mean, max}}}``."""
     methods = [m for m in ns.methods.split(",") if m]
+    for spec in methods:
+        method_options(spec)  # a bad entry fails here, before any rank starts
+    kv_heads = ns.kv_heads or ns.heads
+    if ns.heads % kv_heads:
+        raise ValueError(f"--heads {ns.heads} must be a multiple of --kv-heads {kv_heads}")
     world = ns.nodes * ns.ranks_per_node
     if ns.seq % (2 * world):
         raise ValueError(f"--seq {ns.seq} must be divisible by 2 * ranks = {2 * world} (zigzag)")
@@ -162,7 +198,8 @@ def run_numerics(ns: argparse.Namespace) -> dict:
         raise ValueError(f"--runs {ns.runs} must be >= 1")
     args = {
         "runs": ns.runs, "nodes": ns.nodes, "ranks_per_node": ns.ranks_per_node,
-        "batch": ns.batch, "seq": ns.seq, "heads": ns.heads, "head_dim": ns.head_dim,
+        "batch": ns.batch, "seq": ns.seq, "heads": ns.heads, "kv_heads": kv_heads,
+        "head_dim": ns.head_dim,
         "dtype": ns.dtype, "methods": methods, "seed": ns.seed,
     }  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="mc-numerics-")

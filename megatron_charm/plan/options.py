@@ -56,7 +56,7 @@ class PlanOptions:
     """charm on exactly two nodes: run own and foreign queries in one pipeline (the paper's
     Algorithm 2) instead of split foreign rounds. Refused on other node counts."""
 
-    cross_return: str = "fp32"
+    cross_return: str = "input"
     """Wire precision of node-merged partial results that cross nodes (charm's returned outputs
     and dq): ``fp32`` keeps full precision, ``input`` sends them in the input dtype (half the
     return bytes on the slow link for one more rounding)."""

@@ -115,3 +115,16 @@ def test_attention_benchmark_runs_ring_contig(tmp_path):
     for p in ("fwd", "bwd"):
         b = contig["bytes"][p]
         assert sum(contig["fwdbwd"]["sent_bytes"][p].values()) == b["intra"] + b["cross"]
+
+
+def test_numerics_method_entries_carry_plan_options():
+    from megatron_charm.bench.numerics import method_options
+    from megatron_charm.plan import PlanOptions
+
+    assert method_options("ring") == PlanOptions(method="ring")
+    got = method_options("charm:cross_return=fp32:window=1:combine_two_nodes=true")
+    assert got == PlanOptions(cross_return="fp32", window=1, combine_two_nodes=True)
+    with pytest.raises(ValueError, match="'speed=2' is not key=value with a PlanOptions field"):
+        method_options("charm:speed=2")
+    with pytest.raises(ValueError, match="unknown CP attention method 'chram'"):
+        method_options("chram")
