@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 
 from megatron_charm.comm.agreement import CallKey, check_agreement
-from megatron_charm.comm.buffers import TensorSpace
+from megatron_charm.comm.buffers import TensorSpace, final_tensors
 from megatron_charm.comm.executor import ProgramRunner, RunTrace
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel, select_kernel
@@ -115,12 +115,10 @@ def forward_pass(
         q.device,
     )
     x = topo.cp_rank
-    inputs = {(Kind.Q, x): (Part.FULL, [q]), (Kind.KV, x): (Part.FULL, [k, v])}
-    acc = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace).run()[
-        (Kind.O, x)
-    ]
-    out, lse = acc.tensors
-    return out.to(q.dtype), lse.contiguous()
+    inputs = {(Kind.Q, x, None): (Part.FULL, [q]), (Kind.KV, x, None): (Part.FULL, [k, v])}
+    accumulators = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace).run()
+    out, lse = final_tensors(accumulators, Kind.O, x, q.dtype)
+    return out, lse
 
 
 def backward_pass(
@@ -145,12 +143,12 @@ def backward_pass(
     )
     x = topo.cp_rank
     inputs = {
-        (Kind.QB, x): (Part.FULL, [q, out, dout.contiguous(), lse]),
-        (Kind.KV, x): (Part.FULL, [k, v]),
+        (Kind.QB, x, None): (Part.FULL, [q, out, dout.contiguous(), lse]),
+        (Kind.KV, x, None): (Part.FULL, [k, v]),
     }
     accumulators = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace).run()
-    dq = accumulators[(Kind.DQ, x)].tensors[0].to(q.dtype)
-    dk, dv = (t.to(k.dtype) for t in accumulators[(Kind.DKV, x)].tensors)
+    (dq,) = final_tensors(accumulators, Kind.DQ, x, q.dtype)
+    dk, dv = final_tensors(accumulators, Kind.DKV, x, k.dtype)
     return dq, dk, dv
 
 
