@@ -17,6 +17,7 @@ from megatron_charm.plan import (
     Layout,
     Plan,
     PlanOptions,
+    check_shape,
     cross_levels,
     plan_with_levels,
 )
@@ -193,8 +194,8 @@ def cp_attention(
         k, v: same layout with ``h_kv`` heads, ``h % h_kv == 0`` (GQA/MQA travel at ``h_kv``).
         topo: from :meth:`CPTopology.build`.
         method: shorthand for ``options.method``: ``"charm"`` | ``"rm+"`` | ``"merge"`` |
-            ``"ring"`` | ``"all_gather"``; overrides the method of ``options`` when both are
-            given.
+            ``"ring"`` | ``"all_gather"`` | ``"a2a"``; overrides the method of ``options`` when
+            both are given. ``"a2a"`` needs ``h`` and ``h_kv`` divisible by the CP size.
         options: every scheduling option (:class:`megatron_charm.PlanOptions`); defaults to
             ``PlanOptions()`` (charm with the default settings). All ranks must pass equal options.
         causal: causal attention over the global sequence; the local sequence must then be in the
@@ -224,6 +225,7 @@ def cp_attention(
         device=q.device,
     )
     shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
+    check_shape(options, topo.cp_size, shape)
     plan = validated_plan(options, topo.layout, causal, shape)
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
     with topo.exclusive():

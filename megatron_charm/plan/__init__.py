@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import lru_cache
 
+from megatron_charm.plan.a2a import a2a_backward, a2a_forward, check_heads
 from megatron_charm.plan.allgather import allgather_backward, allgather_forward
 from megatron_charm.plan.cost import cross_link_bytes
 from megatron_charm.plan.layout import block_parts, zigzag_positions
@@ -72,6 +73,10 @@ def rank_programs(
         return [allgather_forward(r, n, causal) for r in ranks], [
             allgather_backward(r, n, causal) for r in ranks
         ]
+    if method == "a2a":
+        return [a2a_forward(r, n, causal) for r in ranks], [
+            a2a_backward(r, n, causal) for r in ranks
+        ]
     if method == "charm":
         cfg = PipelineConfig(
             split=True,
@@ -86,6 +91,25 @@ def rank_programs(
     return [pipeline_program(r, flat, causal, cfg_f, backward=False) for r in ranks], [
         pipeline_program(r, flat, causal, cfg_b, backward=True) for r in ranks
     ]
+
+
+def check_shape(options: PlanOptions, cp_size: int, shape: AttnShape) -> None:
+    """Refuse a problem that ``options.method`` cannot split over ``cp_size`` ranks (``a2a``
+    needs the heads to divide, :func:`megatron_charm.plan.a2a.check_heads`)."""
+    if options.method == "a2a":
+        check_heads(shape.h, shape.h_kv, cp_size)
+
+
+def methods_for(cp_size: int, shape: AttnShape) -> tuple[str, ...]:
+    """Every method of :data:`METHODS` that can run ``shape`` on ``cp_size`` ranks."""
+    fits = []
+    for method in METHODS:
+        try:
+            check_shape(PlanOptions(method=method), cp_size, shape)
+        except ValueError:
+            continue
+        fits.append(method)
+    return tuple(fits)
 
 
 def compact_channels(options: PlanOptions) -> frozenset[str]:
@@ -185,6 +209,8 @@ __all__ = [
     "block_parts",
     "build_plan",
     "check_method",
+    "check_shape",
+    "methods_for",
     "cross_levels",
     "plan_with_levels",
     "rank_programs",

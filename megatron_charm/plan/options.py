@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring", "all_gather")
+METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring", "all_gather", "a2a")
 """Every CP attention method the planner builds (``--cp-comm-type`` values)."""
 
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
@@ -29,8 +29,9 @@ class PlanOptions:
     """How to schedule CP attention. Frozen and hashable: plans are cached by it."""
 
     method: str = "charm"
-    """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``) or
-    ``all_gather`` (Transformer Engine's ``all_gather``)."""
+    """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``),
+    ``all_gather`` (Transformer Engine's ``all_gather``) or ``a2a`` (Ulysses, Transformer
+    Engine's ``a2a``)."""
 
     window: int = 2
     """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps

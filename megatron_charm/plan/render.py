@@ -18,7 +18,7 @@ def block_matrix(plan: Plan) -> str:
     """Rows: q owner x; columns: kv owner y. Cell: computing rank and how inputs met there.
 
     ``D`` diagonal, ``k`` kv came to the q owner, ``q`` q went to the kv owner, ``x`` q crossed
-    nodes, ``r`` ring step (kv forwarded).
+    nodes, ``r`` ring step (kv forwarded), ``h*`` every rank computes it on its head group (a2a).
     """
     n = plan.layout.cp_size
     where: dict[tuple[int, int], int] = {}
@@ -33,6 +33,9 @@ def block_matrix(plan: Plan) -> str:
         cells = []
         for y in range(n):
             c = where[(x, y)]
+            if plan.method == "a2a":
+                cells.append("h*".rjust(width))
+                continue
             if x == y:
                 tag = "D"
             elif plan.method == "ring":
@@ -61,9 +64,10 @@ def program_listing(plan: Plan, cp_rank: int, backward: bool = False) -> str:
             out.append(f"  wait #{ins.handle}")
         elif isinstance(ins, Compute):
             mask = " causal" if ins.masked else ""
+            heads = "" if ins.heads is None else f" {ins.heads}"
             out.append(
                 f"  compute q{ins.q_owner}.{ins.q_part.value} x kv{ins.kv_owner}."
-                f"{ins.kv_part.value}{mask}"
+                f"{ins.kv_part.value}{mask}{heads}"
             )
         elif isinstance(ins, Merge):
             out.append(f"  merge {ins.payload} (from #{ins.handle})")
@@ -84,7 +88,7 @@ def bytes_table(n: int, p: int, causal: bool, shape: AttnShape, cross_level: str
         "| total |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in ("ring", "all_gather", "merge", "rm+", "charm"):
+    for method in ("ring", "all_gather", "a2a", "merge", "rm+", "charm"):
         fwd, bwd = plan_bytes(
             build_plan(
                 PlanOptions(method=method, cross_level=cross_level),

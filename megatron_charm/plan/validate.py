@@ -188,7 +188,7 @@ class _RankReplay:
                     self._check_complete(p, acc, op.wire)
                 elif acc.single_block and op.wire != Wire.INPUT:
                     raise self.err(f"sends the single block {p} in float32 (twice the bytes)")
-                if not acc.single_block and op.wire == Wire.INPUT and not compact:
+                elif not acc.single_block and op.wire == Wire.INPUT and not compact:
                     raise self.err(f"sends the merged {p} in the input dtype on {ex.channel}")
                 messages.append(acc)
             else:

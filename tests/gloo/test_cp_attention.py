@@ -62,6 +62,18 @@ def test_matches_reference(pools, n, method, p):
 
 
 @pytest.mark.gloo
+@pytest.mark.parametrize("n,h_kv", [(2, 2), (4, 4)], ids=["n2-gqa", "n4-mha"])
+def test_a2a_matches_reference(pools, n, h_kv):
+    """Ulysses splits the heads over the group: h = 4 with GQA on two ranks, MHA on four."""
+    variants = [(c, h_kv, dt) for c in (True, False) for dt in ("float32", "bfloat16")]
+    results = pools(n).run(
+        tasks.compare_with_reference, method="a2a", ranks_per_node=n, variants=variants
+    )
+    for rank_results in results:
+        check(rank_results)
+
+
+@pytest.mark.gloo
 @pytest.mark.parametrize("method", ["charm", "ring"])
 def test_sbhd_format(pools, method):
     results = pools(4).run(

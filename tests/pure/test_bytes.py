@@ -158,3 +158,28 @@ def test_all_gather_per_link(n, causal):
     assert _link_bytes(plan.backward, SHAPE) == {**kv, **dkv}
     if not causal:  # the classic all-gather volume: every rank's kv to every other rank
         assert sum(kv.values()) == n * (n - 1) * 2 * C * KVE * E
+
+
+A2A = AttnShape(b=2, s_local=16, h=8, h_kv=4, d=4, itemsize=2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a2a_per_link(n, causal):
+    # every link carries the all-to-all volume: 1/n of the heads of every token, causal or not
+    plan = plan_of("a2a", Layout(1, n), causal)
+    t, q, kv, lse = 2 * C, A2A.b * A2A.h * A2A.d, 2 * A2A.b * A2A.h_kv * A2A.d, A2A.b * A2A.h * 4
+    links = [(x, y) for x in range(n) for y in range(n) if x != y]
+    fwd = {("full.q", x, y): t * q * E // n for x, y in links}
+    fwd |= {("full.kv", x, y): t * kv * E // n for x, y in links}
+    # a returned output is complete for its heads: input dtype, and its float32 lse
+    fwd |= {("full.o", x, y): t * (q * E + lse) // n for x, y in links}
+    assert _link_bytes(plan.forward, A2A) == fwd
+    # backward: q, out, dout and lse with kv; dq and dk/dv come back in the input dtype
+    bwd = {("full.q", x, y): t * (3 * q * E + lse) // n for x, y in links}
+    bwd |= {("full.kv", x, y): t * kv * E // n for x, y in links}
+    bwd |= {("full.o", x, y): t * (q + kv) * E // n for x, y in links}
+    assert _link_bytes(plan.backward, A2A) == bwd
+    # the all-to-all volume: a rank keeps 1/n of its q and kv and sends the rest
+    sent = sum(v for (ch, x, _), v in fwd.items() if ch != "full.o" and x == 0)
+    assert sent == (n - 1) * t * (q + kv) * E // n
