@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 #: cp_comm_type values served by Transformer Engine (GPU baselines).
 TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
 #: cp_comm_type values served by megatron-charm's own attention. A name that both serve keeps
-#: its Transformer Engine meaning here, as in Megatron-LM (the trainer runs TE's ``all_gather``).
+#: its Transformer Engine meaning here, as in Megatron-LM (the trainer runs TE's ``all_gather``
+#: and ``a2a``).
 CHARM_COMM_TYPES = tuple(m for m in METHODS if m not in TE_COMM_TYPES)
 
 
