@@ -225,7 +225,7 @@ def cp_attention(
         device=q.device,
     )
     shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
-    check_shape(options, topo.cp_size, shape)
+    check_shape(options, topo.layout, shape)
     plan = validated_plan(options, topo.layout, causal, shape)
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
     with topo.exclusive():

@@ -4,7 +4,7 @@ Each :class:`Contender` owns its inputs in its native layout (``sbhd`` for ours,
 calls it; ``bshd`` for ring-flash-attention and TE), prepared once outside the timed region, and
 returns outputs and gradients in ``bshd`` so that they can be compared.
 
-* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``, ``a2a``:
+* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``, ``a2a``, ``a2a+p2p``:
   :func:`megatron_charm.cp_attention`.
 * ``ring-flash``: ring-flash-attention's ``zigzag_ring_flash_attn_func`` (causal) or
   ``ring_flash_attn_func`` (non-causal; the zigzag variant refuses it). On CPU it runs on the
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_charm.plan import PlanOptions
 
-OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a")
+OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p")
 BASELINES = ("ring-flash", "te-p2p")
 Tensor = torch.Tensor
 

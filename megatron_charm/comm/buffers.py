@@ -44,9 +44,8 @@ class Accumulator:
     heads), growing over parts.
 
     A single block result is kept as the kernel produced it (``single_block``), so that it can
-    travel in the input dtype; a second contribution turns it into float32. A received partial
-    of a head group is complete for its heads: it is kept as received, to be placed into its head
-    slice by :func:`final_tensors`.
+    travel in the input dtype; a second contribution turns it into float32. The accumulators of
+    the head groups of one owner are placed side by side by :func:`final_tensors`.
     """
 
     def __init__(self, kind: Kind, space: TensorSpace, heads: Heads | None = None) -> None:
@@ -85,9 +84,6 @@ class Accumulator:
         if self.part is None:
             if computed:
                 self.part, self.tensors, self.single_block = part, list(tensors), True
-            elif self.heads is not None:
-                # complete for its heads (the validator checks it): nothing will merge into it
-                self.part, self.tensors, self.single_block = part, list(tensors), False
             else:
                 self.part, self.single_block = part, False
                 self.tensors = [t.to(torch.float32, copy=True) for t in tensors]

@@ -52,14 +52,19 @@ KEYS = "full.kv"
 RESULTS = "full.o"
 
 
-def check_heads(h: int, h_kv: int, cp_size: int) -> None:
-    """Refuse a head count that the all-to-all cannot split over ``cp_size`` ranks."""
-    if h % cp_size or h_kv % cp_size:
+def check_heads(
+    h: int, h_kv: int, ranks: int, method: str = "a2a", ranks_name: str = "cp_size"
+) -> None:
+    """Refuse a head count that the all-to-all cannot split over ``ranks`` ranks (named
+    ``ranks_name``: the CP size for ``a2a``, the ranks per node for ``a2a+p2p``)."""
+    if h % ranks or h_kv % ranks:
+        group = "CP group" if ranks_name == "cp_size" else "ranks of a node"
         raise ValueError(
-            f"method a2a splits the heads over the CP group: query heads h={h} and kv heads "
-            f"h_kv={h_kv} must both be divisible by cp_size={cp_size} (kv heads are not "
+            f"method {method} splits the heads over the {group}: query heads h={h} and kv heads "
+            f"h_kv={h_kv} must both be divisible by {ranks_name}={ranks} (kv heads are not "
             "replicated); change the head counts (num_attention_heads / num_query_groups), the "
-            "context-parallel size, or the method (method= / --cp-comm-type / --methods)"
+            f"{'context-parallel size' if ranks_name == 'cp_size' else 'node split'}, or the "
+            "method (method= / --cp-comm-type / --methods)"
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring", "all_gather", "a2a")
+METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p")
 """Every CP attention method the planner builds (``--cp-comm-type`` values)."""
 
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
@@ -30,8 +30,9 @@ class PlanOptions:
 
     method: str = "charm"
     """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``),
-    ``all_gather`` (Transformer Engine's ``all_gather``) or ``a2a`` (Ulysses, Transformer
-    Engine's ``a2a``)."""
+    ``all_gather`` (Transformer Engine's ``all_gather``), ``a2a`` (Ulysses, Transformer
+    Engine's ``a2a``) or ``a2a+p2p`` (all-to-all inside a node, ring across nodes: Transformer
+    Engine's hierarchical ``a2a+p2p``)."""
 
     window: int = 2
     """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps

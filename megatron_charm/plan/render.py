@@ -18,7 +18,8 @@ def block_matrix(plan: Plan) -> str:
     """Rows: q owner x; columns: kv owner y. Cell: computing rank and how inputs met there.
 
     ``D`` diagonal, ``k`` kv came to the q owner, ``q`` q went to the kv owner, ``x`` q crossed
-    nodes, ``r`` ring step (kv forwarded), ``h*`` every rank computes it on its head group (a2a).
+    nodes, ``r`` ring step (kv forwarded), ``h*`` computed on head groups (a2a: by every rank;
+    a2a+p2p: by every rank of the q owner's node).
     """
     n = plan.layout.cp_size
     where: dict[tuple[int, int], int] = {}
@@ -33,7 +34,7 @@ def block_matrix(plan: Plan) -> str:
         cells = []
         for y in range(n):
             c = where[(x, y)]
-            if plan.method == "a2a":
+            if plan.method in ("a2a", "a2a+p2p"):
                 cells.append("h*".rjust(width))
                 continue
             if x == y:
@@ -88,7 +89,7 @@ def bytes_table(n: int, p: int, causal: bool, shape: AttnShape, cross_level: str
         "| total |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in ("ring", "all_gather", "a2a", "merge", "rm+", "charm"):
+    for method in ("ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"):
         fwd, bwd = plan_bytes(
             build_plan(
                 PlanOptions(method=method, cross_level=cross_level),

@@ -5,7 +5,7 @@ It proves, for a plan, before anything runs on a network:
 * every (q owner, kv owner) block is computed exactly once, with the parts the layout prescribes
   (on all heads, or once on each head group of one split);
 * every partial result reaches its owner and is merged exactly once (outputs, dq, dk/dv); a
-  head-group partial leaves its rank only complete for its heads, and its owner ends with every
+  head-group partial reaches its owner only complete for its heads, and the owner ends with every
   group;
 * every send meets its receive, with the same payload and wire precision, under NCCL's strictest
   rule: exchanges of one channel complete in posting order, and an exchange completes only
@@ -184,7 +184,7 @@ class _RankReplay:
                 acc = self.accumulators.pop((p.kind, p.owner, p.heads), None)
                 if acc is None or acc.part != p.part:
                     raise self.err(f"sends {p} but holds {acc and acc.part}")
-                if p.heads is not None:
+                if p.heads is not None and op.peer == p.owner:
                     self._check_complete(p, acc, op.wire)
                 elif acc.single_block and op.wire != Wire.INPUT:
                     raise self.err(f"sends the single block {p} in float32 (twice the bytes)")
@@ -259,8 +259,6 @@ class _RankReplay:
             raise self.err(f"merges {p} from exchange {m.handle} it has not received")
         if acc.part != p.part:
             raise self.err(f"merges {p} but received part {acc.part}")
-        if p.heads is not None and (p.kind, p.owner, p.heads) in self.accumulators:
-            raise self.err(f"places {p} over a partial of the same head group")
         self._add((p.kind, p.owner, p.heads), acc.part, acc.pairs, False)
 
     def _add(self, key: Key, part: Part, pairs: set[Pair], computed: bool) -> None:

@@ -6,10 +6,10 @@ A partial result (output with its lse, dq, dk/dv) that holds exactly one block t
 kernel produced it, in the input dtype: upcasting it would only add bytes. A partial that merged
 two or more blocks is float32, and travels so, except on the channels that the options make
 compact (``cross_return="input"``: charm's node-merged returns cross nodes in the input dtype, one
-more rounding for half the bytes on the slow link). A partial of one head group (``a2a``) is
-complete for its heads (the validator checks it): its owner only places it into its head slice
-and casts the result to the input dtype, so it travels in the input dtype at no cost in
-precision. Inputs (q, kv, the backward bundle) always travel in the input dtype.
+more rounding for half the bytes on the slow link). A partial of one head group that goes to its
+owner (``a2a``, ``a2a+p2p``) is complete for its heads (the validator checks it): the owner only
+places it into its head slice and casts the result to the input dtype, so it travels in the input
+dtype at no cost in precision. Inputs (q, kv, the backward bundle) always travel in the input dtype.
 
 Programs are built without precisions; :func:`assign_wires` decides the sender's side of every op
 from the sender's own accumulator history and copies it to the matching receive (the ``i``-th
@@ -51,7 +51,7 @@ def sender_wires(
                 p = op.payload
                 if op.send and p.kind.is_partial:
                     single = blocks.pop((p.kind, p.owner, p.heads), 0) == 1
-                    placed = p.heads is not None
+                    placed = p.heads is not None and op.peer == p.owner
                     compact_here = ins.channel in compact
                     keep = single or placed or compact_here
                     out[(ins.handle, k)] = Wire.INPUT if keep else Wire.FP32

@@ -142,7 +142,8 @@ def format_table(pred: Prediction) -> str:
         f"{'method':<10} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
         f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",
     ]
-    order = [m for m in ("ring", "all_gather", "a2a", "merge", "rm+", "charm") if m in pred.methods]
+    order = ["ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"]
+    order = [m for m in order if m in pred.methods]
     for name in order:
         mp = pred.methods[name]
         f, b = mp.forward, mp.backward

@@ -17,7 +17,7 @@ from megatron_charm.sim.topology import Topology
 # simplest method (ring and all_gather are stock Megatron/TE p2p and all_gather, then merge, rm+,
 # charm).
 TIE = 0.02
-SIMPLICITY = ("ring", "all_gather", "a2a", "merge", "rm+", "charm")
+SIMPLICITY = ("ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm")
 
 
 @dataclass(frozen=True)
@@ -150,11 +150,11 @@ def predict(
     heads divide over the CP group); a method in ``methods`` that cannot raises ``ValueError``."""
     options = options if options is not None else PlanOptions()
     shape = problem.shape(topo.cp_size)
-    if methods is None:
-        methods = methods_for(topo.cp_size, shape)
-    for method in methods:
-        check_shape(options.replace(method=method), topo.cp_size, shape)
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
+    if methods is None:
+        methods = methods_for(layout, shape)
+    for method in methods:
+        check_shape(options.replace(method=method), layout, shape)
     pred = Prediction(
         topo,
         problem,
@@ -220,6 +220,11 @@ def advise(pred: Prediction) -> Advice:
         reasons.append(
             "a2a (Ulysses) sends each rank's q and kv once, split by heads, with every transfer "
             "posted at once; it needs the heads to divide over the CP group"
+        )
+    elif choice == "a2a+p2p":
+        reasons.append(
+            "a2a+p2p splits heads inside each node and runs a ring across nodes: m - 1 cross "
+            "steps instead of n - 1, each moving one whole kv per rank"
         )
     elif choice == "all_gather":
         reasons.append(

@@ -22,7 +22,8 @@ TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
 #: cp_comm_type values served by megatron-charm's own attention. A name that both serve keeps
 #: its Transformer Engine meaning here, as in Megatron-LM (the trainer runs TE's ``all_gather``
 #: and ``a2a``).
-CHARM_COMM_TYPES = tuple(m for m in METHODS if m not in TE_COMM_TYPES)
+#: ``a2a+p2p`` is Transformer Engine's in Megatron-LM too; the trainer serves neither meaning.
+CHARM_COMM_TYPES = tuple(m for m in METHODS if m not in (*TE_COMM_TYPES, "a2a+p2p"))
 
 
 def _positive(name: str, value: int | float | None, optional: bool = False) -> None:

@@ -27,14 +27,15 @@ def test_executor_bytes_equal_plan(pools, method, p, causal):
 
 
 @pytest.mark.gloo
+@pytest.mark.parametrize("method,p", [("a2a", 4), ("a2a+p2p", 2)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_a2a_executor_bytes_equal_plan(pools, causal):
-    # a2a needs the kv heads to split over the four ranks: GQA 8:4
+def test_head_split_executor_bytes_equal_plan(pools, method, p, causal):
+    # the heads must split over the four ranks (a2a) or a node (a2a+p2p): GQA 8:4
     n, shape = 4, AttnShape(b=1, s_local=8, h=8, h_kv=4, d=8, itemsize=2)
     got = pools(n).run(
-        tasks.bytes_moved, method="a2a", ranks_per_node=n, causal=causal, h=8, h_kv=4
+        tasks.bytes_moved, method=method, ranks_per_node=p, causal=causal, h=8, h_kv=4
     )
-    plan = build_plan(PlanOptions(method="a2a"), Layout(1, n), causal, shape)
+    plan = build_plan(PlanOptions(method=method), Layout(n // p, p), causal, shape)
     want_fwd, want_bwd = plan_bytes(plan, shape)
     for x in range(n):
         assert got[x] == [want_fwd[x], want_bwd[x]], f"cp_rank {x}"

@@ -32,6 +32,8 @@ for n, splits in LAYOUTS.items():
         CASES.append((n, "charm", p))
     if n <= 4:  # all-gather has no node structure and no levels: small groups cover it
         CASES.append((n, "all_gather", n))
+    if n == 4:  # a2a inside nodes of 2 (h = 4 and h_kv = 2 split over 2), ring across nodes
+        CASES.append((n, "a2a+p2p", 2))
 
 
 def check(results):
