@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 
 from megatron_charm.comm.agreement import CallKey, check_agreement
-from megatron_charm.comm.buffers import TensorSpace
+from megatron_charm.comm.buffers import TensorSpace, final_tensors
 from megatron_charm.comm.executor import ProgramRunner, RunTrace
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel, select_kernel
@@ -17,6 +17,7 @@ from megatron_charm.plan import (
     Layout,
     Plan,
     PlanOptions,
+    check_shape,
     cross_levels,
     plan_with_levels,
 )
@@ -115,12 +116,10 @@ def forward_pass(
         q.device,
     )
     x = topo.cp_rank
-    inputs = {(Kind.Q, x): (Part.FULL, [q]), (Kind.KV, x): (Part.FULL, [k, v])}
-    acc = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace).run()[
-        (Kind.O, x)
-    ]
-    out, lse = acc.tensors
-    return out.to(q.dtype), lse.contiguous()
+    inputs = {(Kind.Q, x, None): (Part.FULL, [q]), (Kind.KV, x, None): (Part.FULL, [k, v])}
+    accumulators = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace).run()
+    out, lse = final_tensors(accumulators, Kind.O, x, q.dtype)
+    return out, lse
 
 
 def backward_pass(
@@ -145,12 +144,12 @@ def backward_pass(
     )
     x = topo.cp_rank
     inputs = {
-        (Kind.QB, x): (Part.FULL, [q, out, dout.contiguous(), lse]),
-        (Kind.KV, x): (Part.FULL, [k, v]),
+        (Kind.QB, x, None): (Part.FULL, [q, out, dout.contiguous(), lse]),
+        (Kind.KV, x, None): (Part.FULL, [k, v]),
     }
     accumulators = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace).run()
-    dq = accumulators[(Kind.DQ, x)].tensors[0].to(q.dtype)
-    dk, dv = (t.to(k.dtype) for t in accumulators[(Kind.DKV, x)].tensors)
+    (dq,) = final_tensors(accumulators, Kind.DQ, x, q.dtype)
+    dk, dv = final_tensors(accumulators, Kind.DKV, x, k.dtype)
     return dq, dk, dv
 
 
@@ -195,8 +194,9 @@ def cp_attention(
         k, v: same layout with ``h_kv`` heads, ``h % h_kv == 0`` (GQA/MQA travel at ``h_kv``).
         topo: from :meth:`CPTopology.build`.
         method: shorthand for ``options.method``: ``"charm"`` | ``"rm+"`` | ``"merge"`` |
-            ``"ring"`` | ``"all_gather"`` | ``"ring-contig"``; overrides the method of
-            ``options`` when both are given.
+            ``"ring"`` | ``"all_gather"`` | ``"a2a"`` | ``"a2a+p2p"`` | ``"ring-contig"``;
+            overrides the method of ``options`` when both are given. ``"a2a"`` needs ``h`` and
+            ``h_kv`` divisible by the CP size.
         options: every scheduling option (:class:`megatron_charm.PlanOptions`); defaults to
             ``PlanOptions()`` (charm with the default settings). All ranks must pass equal options.
         causal: causal attention over the global sequence; the local sequence must then be in the
@@ -227,6 +227,7 @@ def cp_attention(
         device=q.device,
     )
     shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
+    check_shape(options, topo.layout, shape)
     plan = validated_plan(options, topo.layout, causal, shape)
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
     with topo.exclusive():

@@ -4,7 +4,7 @@ Each :class:`Contender` owns its inputs in its native layout (``sbhd`` for ours,
 calls it; ``bshd`` for ring-flash-attention and TE), prepared once outside the timed region, and
 returns outputs and gradients in ``bshd`` so that they can be compared.
 
-* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``, ``ring-contig``:
+* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``, ``a2a``, ``a2a+p2p``, ``ring-contig``:
   :func:`megatron_charm.cp_attention`. ``ring-contig`` expects contiguous shards when causal: its
   contender re-shards the zigzag inputs once, before anything is timed, and :meth:`comparable`
   hands its results back in the zigzag layout for the agreement and reference checks.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megatron_charm.plan import PlanOptions, sequence_positions
 
-OURS = ("charm", "rm+", "merge", "ring", "all_gather", "ring-contig")
+OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig")
 BASELINES = ("ring-flash", "te-p2p")
 Tensor = torch.Tensor
 

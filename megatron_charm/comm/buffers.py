@@ -12,8 +12,8 @@ import torch
 
 from megatron_charm.kernels import merge_partial
 from megatron_charm.plan.layout import part_slice, sub_slice
-from megatron_charm.plan.payloads import AttnShape, payload_tensors
-from megatron_charm.plan.types import Kind, Part, Payload, Wire
+from megatron_charm.plan.payloads import AttnShape, group_heads, payload_tensors
+from megatron_charm.plan.types import Heads, Kind, Part, Payload, Wire
 
 Tensor = torch.Tensor
 
@@ -33,27 +33,33 @@ class TensorSpace:
         """Empty tensors for receiving ``payload`` (``[tokens, b, heads, d]`` each)."""
         return [
             torch.empty(dims, dtype=self.torch_dtype(prec), device=self.device)
-            for dims, prec in payload_tensors(payload.kind, payload.part, self.shape, wire)
+            for dims, prec in payload_tensors(
+                payload.kind, payload.part, self.shape, wire, payload.heads
+            )
         ]
 
 
 class Accumulator:
-    """Partial output ``(out, lse)`` or partial gradients of one owner, growing over parts.
+    """Partial output ``(out, lse)`` or partial gradients of one owner on one head group (or all
+    heads), growing over parts.
 
     A single block result is kept as the kernel produced it (``single_block``), so that it can
-    travel in the input dtype; a second contribution turns it into float32.
+    travel in the input dtype; a second contribution turns it into float32. The accumulators of
+    the head groups of one owner are placed side by side by :func:`final_tensors`.
     """
 
-    def __init__(self, kind: Kind, space: TensorSpace) -> None:
+    def __init__(self, kind: Kind, space: TensorSpace, heads: Heads | None = None) -> None:
         self.kind = kind
         self.space = space
+        self.heads = heads
         self.part: Part | None = None
         self.tensors: list[Tensor] = []
         self.single_block = False
 
     def _empty(self, part: Part) -> list[Tensor]:
         shape, device = self.space.shape, self.space.device
-        heads = shape.h_kv if self.kind == Kind.DKV else shape.h
+        h, h_kv = group_heads(shape, self.heads)
+        heads = h_kv if self.kind == Kind.DKV else h
         dims = (shape.tokens(part), shape.b, heads, shape.d)
         if self.kind == Kind.O:
             out = torch.zeros(dims, dtype=torch.float32, device=device)
@@ -100,9 +106,35 @@ class Accumulator:
         return [t.contiguous() for t in tensors]
 
 
+def final_tensors(
+    accumulators: dict[tuple[Kind, int, Heads | None], Accumulator],
+    kind: Kind,
+    owner: int,
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """The finished result of ``kind`` for ``owner``: ``[out [s, b, h, d] in dtype, lse [s, b, h]
+    float32]``, ``[dq [s, b, h, d]]`` or ``[dk, dv]`` (``[s, b, h_kv, d]`` each) in ``dtype``.
+
+    Either one accumulator holds all heads, or one per head group holds its heads, which are
+    placed side by side along the head dim."""
+    groups = {h: a for (k, o, h), a in accumulators.items() if (k, o) == (kind, owner)}
+    accs = [groups[None]] if None in groups else [groups[h] for h in sorted(groups, key=_index)]
+    out = []
+    for i in range(len(accs[0].tensors)):
+        lse = kind == Kind.O and i == 1
+        pieces = [a.tensors[i] if lse else a.tensors[i].to(dtype) for a in accs]
+        out.append(pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=2))
+    return out
+
+
+def _index(heads: Heads | None) -> int:
+    assert heads is not None
+    return heads.index
+
+
 def part_of(tensor: Tensor, held: Part, want: Part, length: int) -> Tensor:
     """Restrict a tensor that holds part ``held`` of a ``length``-token sequence to ``want``."""
     return tensor[sub_slice(held, want, length)]
 
 
-__all__ = ["Accumulator", "TensorSpace", "part_of", "part_slice"]
+__all__ = ["Accumulator", "TensorSpace", "final_tensors", "part_of", "part_slice"]

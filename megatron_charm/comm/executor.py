@@ -21,10 +21,11 @@ from megatron_charm.comm.buffers import Accumulator, TensorSpace, part_of
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
-from megatron_charm.plan.types import Compute, Exchange, Kind, Merge, Part, Program, Wait
+from megatron_charm.plan.payloads import group_heads
+from megatron_charm.plan.types import Compute, Exchange, Heads, Kind, Merge, Part, Program, Wait
 
 Tensor = torch.Tensor
-Key = tuple[Kind, int]
+Key = tuple[Kind, int, Heads | None]  # (kind, owner, head group; None: all heads)
 
 
 @dataclass
@@ -60,21 +61,23 @@ def release_points(program: Program, own: set[Key], backward: bool) -> dict[int,
     """Instruction index -> received input keys whose last use is that instruction (pure).
 
     A key can be received again later (CHARM+ rounds fetch kv anew); each delivery starts a new
-    lifetime that ends at its last use before the next delivery.
+    lifetime that ends at its last use before the next delivery. Head groups of an input in
+    ``own`` are views of it and never released.
     """
     qkind = Kind.QB if backward else Kind.Q
+    own_inputs = {(kind, owner) for kind, owner, _ in own}
     last: dict[Key, int] = {}
     out: dict[int, list[Key]] = defaultdict(list)
     recv_keys: dict[int, list[Key]] = {}
     for i, ins in enumerate(program.instrs):
         if isinstance(ins, Exchange):
             recv_keys[ins.handle] = [
-                (op.payload.kind, op.payload.owner)
+                (op.payload.kind, op.payload.owner, op.payload.heads)
                 for op in ins.ops
                 if not op.send and not op.payload.kind.is_partial
             ]
             used = [
-                (op.payload.kind, op.payload.owner)
+                (op.payload.kind, op.payload.owner, op.payload.heads)
                 for op in ins.ops
                 if op.send and not op.payload.kind.is_partial
             ]
@@ -84,37 +87,43 @@ def release_points(program: Program, own: set[Key], backward: bool) -> dict[int,
                     out[last.pop(key)].append(key)
             used = recv_keys.get(ins.handle, [])
         elif isinstance(ins, Compute):
-            used = [(qkind, ins.q_owner), (Kind.KV, ins.kv_owner)]
+            used = [(qkind, ins.q_owner, ins.heads), (Kind.KV, ins.kv_owner, ins.heads)]
         else:
             used = []
         for key in used:
-            if key not in own:
+            if key[:2] not in own_inputs:
                 last[key] = i
     for key, i in last.items():
         out[i].append(key)
     return out
 
 
-def expansion_drops(program: Program) -> dict[int, list[int]]:
-    """Instruction index -> kv owners whose head-expanded kv is last used there (pure).
+ExpandKey = tuple[int, Heads | None]  # (kv owner, head group)
+
+
+def expansion_drops(program: Program) -> dict[int, list[ExpandKey]]:
+    """Instruction index -> (kv owner, head group) whose head-expanded kv is last used there
+    (pure).
 
     Note [GQA expansion]: each delivery of a kv block is expanded at its first compute and
     dropped after its last compute before the block is delivered again.
     """
-    last: dict[int, int] = {}
-    out: dict[int, list[int]] = defaultdict(list)
-    recv_kv: dict[int, list[int]] = {}
+    last: dict[ExpandKey, int] = {}
+    out: dict[int, list[ExpandKey]] = defaultdict(list)
+    recv_kv: dict[int, list[ExpandKey]] = {}
     for i, ins in enumerate(program.instrs):
         if isinstance(ins, Exchange):
             recv_kv[ins.handle] = [
-                op.payload.owner for op in ins.ops if not op.send and op.payload.kind == Kind.KV
+                (op.payload.owner, op.payload.heads)
+                for op in ins.ops
+                if not op.send and op.payload.kind == Kind.KV
             ]
         elif isinstance(ins, Wait):
             for owner in recv_kv.get(ins.handle, []):
                 if owner in last:
                     out[last.pop(owner)].append(owner)
         elif isinstance(ins, Compute):
-            last[ins.kv_owner] = i
+            last[(ins.kv_owner, ins.heads)] = i
     for owner, i in last.items():
         out[i].append(owner)
     return out
@@ -131,10 +140,11 @@ class DistributedError(RuntimeError):
 class ProgramRunner:
     """Interprets a :class:`Program` for one pass.
 
-    ``inputs`` maps ``(kind, owner)`` to ``(part, tensors)`` for the inputs this rank holds (its
-    own q/kv, or its backward bundle); received inputs join them as their exchanges complete and
-    leave after their last use. With ``trace`` (a list), the pass appends one :class:`RunTrace`
-    with its timeline, bytes and peak buffer bytes; without it, nothing is measured.
+    ``inputs`` maps ``(kind, owner, None)`` to ``(part, tensors)`` for the inputs this rank
+    holds on all heads (its own q/kv, or its backward bundle); received inputs join them as their
+    exchanges complete and leave after their last use. With ``trace`` (a list), the pass appends
+    one :class:`RunTrace` with its timeline, bytes and peak buffer bytes; without it, nothing is
+    measured.
 
     Note [GQA expansion]
     ~~~~~~~~~~~~~~~~~~~~
@@ -170,25 +180,36 @@ class ProgramRunner:
         # handle -> (works, received (payload, buffers), sent tensors, bytes of the sent tensors
         # that this pass allocated): all kept until the Wait
         self.pending: dict[int, tuple[list, list, list[Tensor], int]] = {}
-        self.partials: dict[tuple[int, Kind, int], tuple[Part, list[Tensor]]] = {}
+        self.partials: dict[tuple[int, Kind, int, Heads | None], tuple[Part, list[Tensor]]] = {}
         self.exchanges: dict[int, Exchange] = {}
         self.stats = RunStats()
         shape = space.shape
         self.expand = shape.h != shape.h_kv and not kernel.native_gqa(space.device, space.dtype)
-        self.expanded: dict[int, list[Tensor]] = {}  # kv owner -> k, v [s, b, h, d] as held
+        # (kv owner, head group) -> k, v [s, b, heads, d] as held, with the group's query heads
+        self.expanded: dict[ExpandKey, list[Tensor]] = {}
 
-    def _input(self, kind: Kind, owner: int, part: Part) -> list[Tensor]:
-        held = self.inputs.get((kind, owner))
-        if held is None or not held[0].contains(part):
+    def _held(self, kind: Kind, owner: int, heads: Heads | None) -> tuple[Part, list[Tensor]]:
+        """The held tensors of an input restricted to ``heads`` (a view of all heads if held)."""
+        held = self.inputs.get((kind, owner, heads))
+        if held is not None:
+            return held
+        held = self.inputs.get((kind, owner, None))
+        if held is None or heads is None:
+            raise AssertionError(f"cp_rank {self.prog.cp_rank} lacks {kind.value}{owner}/{heads}")
+        return held[0], [t[:, :, heads.of(t.shape[2])] for t in held[1]]
+
+    def _input(self, kind: Kind, owner: int, part: Part, heads: Heads | None) -> list[Tensor]:
+        held, tensors = self._held(kind, owner, heads)
+        if not held.contains(part):
             raise AssertionError(
                 f"cp_rank {self.prog.cp_rank} lacks {kind.value}{owner}.{part.value}"
             )
-        return [part_of(t, held[0], part, self.space.shape.s_local) for t in held[1]]
+        return [part_of(t, held, part, self.space.shape.s_local) for t in tensors]
 
-    def _accumulator(self, kind: Kind, owner: int) -> Accumulator:
-        acc = self.accumulators.get((kind, owner))
+    def _accumulator(self, kind: Kind, owner: int, heads: Heads | None) -> Accumulator:
+        acc = self.accumulators.get((kind, owner, heads))
         if acc is None:
-            acc = self.accumulators[(kind, owner)] = Accumulator(kind, self.space)
+            acc = self.accumulators[(kind, owner, heads)] = Accumulator(kind, self.space, heads)
         return acc
 
     def _exchange(self, ex: Exchange) -> None:
@@ -201,12 +222,12 @@ class ProgramRunner:
             peer = self.topo.global_ranks[op.peer]
             if op.send:
                 if p.kind.is_partial:
-                    acc = self.accumulators.pop((p.kind, p.owner))
+                    acc = self.accumulators.pop((p.kind, p.owner, p.heads))
                     assert acc.part == p.part
                     tensors = acc.to_wire(op.wire)
                     allocated += _nbytes(tensors)
                 else:
-                    views = self._input(p.kind, p.owner, p.part)
+                    views = self._input(p.kind, p.owner, p.part, p.heads)
                     tensors = [t.contiguous() for t in views]
                     allocated += sum(
                         _nbytes([t])
@@ -244,42 +265,46 @@ class ProgramRunner:
             raise self._failure(self.exchanges[w.handle], exc) from exc
         for p, bufs in received:
             if p.kind.is_partial:
-                self.partials[(w.handle, p.kind, p.owner)] = (p.part, bufs)
+                self.partials[(w.handle, p.kind, p.owner, p.heads)] = (p.part, bufs)
             else:
-                self.inputs[(p.kind, p.owner)] = (p.part, bufs)
+                self.inputs[(p.kind, p.owner, p.heads)] = (p.part, bufs)
                 if p.kind == Kind.KV:
-                    self.expanded.pop(p.owner, None)
+                    self.expanded.pop((p.owner, p.heads), None)
 
-    def _kv(self, owner: int, part: Part) -> list[Tensor]:
-        """k, v of ``owner`` restricted to ``part``, with ``h`` heads when the runner expands
-        (Note [GQA expansion])."""
-        views = self._input(Kind.KV, owner, part)
+    def _kv(self, owner: int, part: Part, heads: Heads | None) -> list[Tensor]:
+        """k, v of ``owner`` restricted to ``part`` and ``heads``, with the group's query heads
+        when the runner expands (Note [GQA expansion])."""
+        views = self._input(Kind.KV, owner, part, heads)
         if not self.expand:
             return views
-        held, tensors = self.inputs[(Kind.KV, owner)]
-        full = self.expanded.get(owner)
+        held, tensors = self._held(Kind.KV, owner, heads)
+        full = self.expanded.get((owner, heads))
         if full is None:
-            full = self.expanded[owner] = [expand_kv_heads(t, self.space.shape.h) for t in tensors]
+            h = group_heads(self.space.shape, heads)[0]
+            full = self.expanded[(owner, heads)] = [expand_kv_heads(t, h) for t in tensors]
         return [part_of(t, held, part, self.space.shape.s_local) for t in full]
 
     def _compute(self, c: Compute) -> None:
         qkind = Kind.QB if self.backward else Kind.Q
-        q_in = self._input(qkind, c.q_owner, c.q_part)
-        k, v = self._kv(c.kv_owner, c.kv_part)
+        q_in = self._input(qkind, c.q_owner, c.q_part, c.heads)
+        k, v = self._kv(c.kv_owner, c.kv_part, c.heads)
         if not self.backward:
             out, lse = self.kernel.forward(q_in[0], k, v, c.masked, self.scale)
-            self._accumulator(Kind.O, c.q_owner).add(c.q_part, [out, lse], computed=True)
+            acc = self._accumulator(Kind.O, c.q_owner, c.heads)
+            acc.add(c.q_part, [out, lse], computed=True)
             return
         q, out, dout, lse = q_in
         dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
         if self.expand:
-            dk, dv = (fold_kv_heads(g, self.space.shape.h_kv) for g in (dk, dv))
-        self._accumulator(Kind.DQ, c.q_owner).add(c.q_part, [dq], computed=True)
-        self._accumulator(Kind.DKV, c.kv_owner).add(c.kv_part, [dk, dv], computed=True)
+            h_kv = group_heads(self.space.shape, c.heads)[1]
+            dk, dv = (fold_kv_heads(g, h_kv) for g in (dk, dv))
+        self._accumulator(Kind.DQ, c.q_owner, c.heads).add(c.q_part, [dq], computed=True)
+        self._accumulator(Kind.DKV, c.kv_owner, c.heads).add(c.kv_part, [dk, dv], computed=True)
 
     def _merge(self, m: Merge) -> None:
-        part, bufs = self.partials.pop((m.handle, m.payload.kind, m.payload.owner))
-        self._accumulator(m.payload.kind, m.payload.owner).add(part, bufs, computed=False)
+        p = m.payload
+        part, bufs = self.partials.pop((m.handle, p.kind, p.owner, p.heads))
+        self._accumulator(p.kind, p.owner, p.heads).add(part, bufs, computed=False)
 
     def _buffer_bytes(self, own: set[Key]) -> int:
         total = sum(_nbytes(t) for k, (_, t) in self.inputs.items() if k not in own)

@@ -12,8 +12,10 @@ from collections.abc import Iterable
 from dataclasses import replace
 from functools import lru_cache
 
+from megatron_charm.plan.a2a import a2a_backward, a2a_forward, check_heads
 from megatron_charm.plan.allgather import allgather_backward, allgather_forward
 from megatron_charm.plan.cost import cross_link_bytes
+from megatron_charm.plan.hierarchical import hierarchical_backward, hierarchical_forward
 from megatron_charm.plan.layout import (
     block_parts,
     contiguous_positions,
@@ -44,9 +46,9 @@ CROSS_RETURN_CHANNELS = frozenset({"cross.o"})
 
 
 def schedule_layout(method: str, layout: Layout) -> Layout:
-    """The layout a method schedules on: only charm sees nodes; the others treat the CP group as
-    one flat group (their node placement matters for cost, not for the schedule)."""
-    return layout if method == "charm" else Layout(1, layout.cp_size)
+    """The layout a method schedules on: only charm and a2a+p2p see nodes; the others treat the CP
+    group as one flat group (their node placement matters for cost, not for the schedule)."""
+    return layout if method in ("charm", "a2a+p2p") else Layout(1, layout.cp_size)
 
 
 def _check_layout(options: PlanOptions, layout: Layout) -> None:
@@ -78,6 +80,14 @@ def rank_programs(
         return [allgather_forward(r, n, causal) for r in ranks], [
             allgather_backward(r, n, causal) for r in ranks
         ]
+    if method == "a2a":
+        return [a2a_forward(r, n, causal) for r in ranks], [
+            a2a_backward(r, n, causal) for r in ranks
+        ]
+    if method == "a2a+p2p":
+        return [hierarchical_forward(r, layout, causal) for r in ranks], [
+            hierarchical_backward(r, layout, causal) for r in ranks
+        ]
     if method == "charm":
         cfg = PipelineConfig(
             split=True,
@@ -94,9 +104,34 @@ def rank_programs(
     ]
 
 
+def check_shape(options: PlanOptions, layout: Layout, shape: AttnShape) -> None:
+    """Refuse a problem that ``options.method`` cannot split over ``layout``: ``a2a`` needs the
+    heads to divide by the CP size, ``a2a+p2p`` by the ranks per node
+    (:func:`megatron_charm.plan.a2a.check_heads`)."""
+    if options.method == "a2a":
+        check_heads(shape.h, shape.h_kv, layout.cp_size)
+    elif options.method == "a2a+p2p":
+        check_heads(shape.h, shape.h_kv, layout.ranks_per_node, "a2a+p2p", "ranks_per_node")
+
+
+def methods_for(layout: Layout, shape: AttnShape) -> tuple[str, ...]:
+    """Every method of :data:`METHODS` that can run ``shape`` on ``layout``."""
+    fits = []
+    for method in METHODS:
+        try:
+            check_shape(PlanOptions(method=method), layout, shape)
+        except ValueError:
+            continue
+        fits.append(method)
+    return tuple(fits)
+
+
 def compact_channels(options: PlanOptions) -> frozenset[str]:
     """Channels whose merged partials travel in the input dtype under ``options``."""
-    return CROSS_RETURN_CHANNELS if options.cross_return == "input" else frozenset()
+    # only charm's cross.o carries node-merged results home; a2a+p2p's cross.o carries ring
+    # partials that are merged again at every hop, which stay float32 like the ring's
+    charm_input = options.method == "charm" and options.cross_return == "input"
+    return CROSS_RETURN_CHANNELS if charm_input else frozenset()
 
 
 def build_plan(
@@ -192,6 +227,8 @@ __all__ = [
     "build_plan",
     "check_method",
     "contiguous_positions",
+    "check_shape",
+    "methods_for",
     "cross_levels",
     "plan_with_levels",
     "rank_programs",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from megatron_charm.plan.types import (
     Compute,
     Exchange,
+    Heads,
     Instr,
     Kind,
     Merge,
@@ -27,9 +28,10 @@ class ProgramBuilder:
         self.instrs: list[Instr] = []
         self._next_handle = 0
         self._unwaited: dict[int, None] = {}  # insertion-ordered set
-        # (kind, owner) -> receives not yet waited for, oldest first. Several can be in flight:
-        # partials come from several senders, and kv is fetched again in every CHARM+ round.
-        self._inflight: dict[tuple[Kind, int], list[tuple[Part, int]]] = {}
+        # (kind, owner, heads) -> receives not yet waited for, oldest first. Several can be in
+        # flight: partials come from several senders, and kv is fetched again in every CHARM+
+        # round.
+        self._inflight: dict[tuple[Kind, int, Heads | None], list[tuple[Part, int]]] = {}
 
     def exchange(self, channel: str, ops: list[Op]) -> int:
         if not ops:
@@ -43,7 +45,7 @@ class ProgramBuilder:
         self._unwaited[handle] = None
         for op in ops:
             if not op.send:
-                key = (op.payload.kind, op.payload.owner)
+                key = (op.payload.kind, op.payload.owner, op.payload.heads)
                 self._inflight.setdefault(key, []).append((op.payload.part, handle))
         return handle
 
@@ -57,7 +59,7 @@ class ProgramBuilder:
 
         ``None`` means nothing is in flight for it: the rank owns it or received it earlier.
         """
-        pending = self._inflight.get((payload.kind, payload.owner), [])
+        pending = self._inflight.get((payload.kind, payload.owner, payload.heads), [])
         for idx, (part, handle) in enumerate(pending):
             if part.contains(payload.part):
                 self.wait(handle)
@@ -73,12 +75,13 @@ class ProgramBuilder:
         kv_part: Part,
         masked: bool,
         q_kind: Kind = Kind.Q,
+        heads: Heads | None = None,
     ) -> None:
         if q_owner != self.cp_rank:
-            self.need(Payload(q_kind, q_owner, q_part))
+            self.need(Payload(q_kind, q_owner, q_part, heads))
         if kv_owner != self.cp_rank:
-            self.need(Payload(Kind.KV, kv_owner, kv_part))
-        self.instrs.append(Compute(q_owner, kv_owner, q_part, kv_part, masked))
+            self.need(Payload(Kind.KV, kv_owner, kv_part, heads))
+        self.instrs.append(Compute(q_owner, kv_owner, q_part, kv_part, masked, heads))
 
     def merge(self, payload: Payload) -> None:
         """Fold the received partial ``payload`` into this rank's accumulator."""
@@ -93,9 +96,9 @@ class ProgramBuilder:
         return Program(self.cp_rank, tuple(self.instrs))
 
 
-def send(peer: int, kind: Kind, owner: int, part: Part) -> Op:
-    return Op(True, peer, Payload(kind, owner, part))
+def send(peer: int, kind: Kind, owner: int, part: Part, heads: Heads | None = None) -> Op:
+    return Op(True, peer, Payload(kind, owner, part, heads))
 
 
-def recv(peer: int, kind: Kind, owner: int, part: Part) -> Op:
-    return Op(False, peer, Payload(kind, owner, part))
+def recv(peer: int, kind: Kind, owner: int, part: Part, heads: Heads | None = None) -> Op:
+    return Op(False, peer, Payload(kind, owner, part, heads))

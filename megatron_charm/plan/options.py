@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-METHODS: tuple[str, ...] = ("charm", "rm+", "merge", "ring", "all_gather", "ring-contig")
+METHODS: tuple[str, ...] = (
+    "charm",
+    "rm+",
+    "merge",
+    "ring",
+    "all_gather",
+    "a2a",
+    "a2a+p2p",
+    "ring-contig",
+)
 """Every CP attention method the planner builds (``--cp-comm-type`` values)."""
 
 SEQ_LAYOUT_OF: dict[str, str] = {"ring-contig": "contiguous"}
@@ -44,9 +53,11 @@ class PlanOptions:
     """How to schedule CP attention. Frozen and hashable: plans are cached by it."""
 
     method: str = "charm"
-    """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``) or
-    ``all_gather`` (Transformer Engine's ``all_gather``), or ``ring-contig`` (the same ring on the
-    contiguous layout: the unbalanced Ring-Attention baseline)."""
+    """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``),
+    ``all_gather`` (Transformer Engine's ``all_gather``), ``a2a`` (Ulysses, Transformer
+    Engine's ``a2a``), ``a2a+p2p`` (all-to-all inside a node, ring across nodes: Transformer
+    Engine's hierarchical ``a2a+p2p``) or ``ring-contig`` (the ring on the contiguous layout: the
+    unbalanced Ring-Attention baseline)."""
 
     window: int = 2
     """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_charm.plan.types import Kind, Part, Payload, Wire
+from megatron_charm.plan.types import Heads, Kind, Part, Payload, Wire
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,25 @@ class AttnShape:
 Dims = tuple[int, ...]
 
 
+def group_heads(shape: AttnShape, heads: Heads | None) -> tuple[int, int]:
+    """Query and kv heads of the head group ``heads`` (``None``: all, ``(h, h_kv)``)."""
+    if heads is None:
+        return shape.h, shape.h_kv
+    assert shape.h % heads.count == 0 and shape.h_kv % heads.count == 0, (shape, heads)
+    return shape.h // heads.count, shape.h_kv // heads.count
+
+
 def payload_tensors(
-    kind: Kind, part: Part, shape: AttnShape, wire: Wire
+    kind: Kind, part: Part, shape: AttnShape, wire: Wire, heads: Heads | None = None
 ) -> list[tuple[Dims, Wire]]:
     """``[(dims, precision)]`` of a payload's tensors, each ``[tokens, b, heads, d]`` (the lse:
-    ``[tokens, b, h]``, always float32). ``wire`` applies to partial results; inputs travel in the
-    input dtype."""
+    ``[tokens, b, h]``, always float32), with ``h / n`` and ``h_kv / n`` heads for a head group
+    of ``n``. ``wire`` applies to partial results; inputs travel in the input dtype."""
     t = shape.tokens(part)
-    q = (t, shape.b, shape.h, shape.d)
-    kv = (t, shape.b, shape.h_kv, shape.d)
-    lse = ((t, shape.b, shape.h), Wire.FP32)
+    h, h_kv = group_heads(shape, heads)
+    q = (t, shape.b, h, shape.d)
+    kv = (t, shape.b, h_kv, shape.d)
+    lse = ((t, shape.b, h), Wire.FP32)
     if kind == Kind.Q:
         return [(q, Wire.INPUT)]
     if kind == Kind.KV:
@@ -60,7 +69,7 @@ def payload_tensors(
 
 def payload_bytes(payload: Payload, shape: AttnShape, wire: Wire) -> int:
     total = 0
-    for dims, prec in payload_tensors(payload.kind, payload.part, shape, wire):
+    for dims, prec in payload_tensors(payload.kind, payload.part, shape, wire, payload.heads):
         numel = 1
         for x in dims:
             numel *= x

@@ -18,7 +18,9 @@ def block_matrix(plan: Plan) -> str:
     """Rows: q owner x; columns: kv owner y. Cell: computing rank and how inputs met there.
 
     ``D`` diagonal, ``k`` kv came to the q owner, ``q`` q went to the kv owner, ``x`` q crossed
-    nodes, ``r`` ring step (kv forwarded), ``.`` an empty block (causal, contiguous layout).
+    nodes, ``r`` ring step (kv forwarded), ``.`` an empty block (causal, contiguous layout),
+    ``h*`` computed on head groups (a2a: by every rank; a2a+p2p: by every rank of the q owner's
+    node).
     """
     n = plan.layout.cp_size
     where: dict[tuple[int, int], int] = {}
@@ -33,6 +35,9 @@ def block_matrix(plan: Plan) -> str:
         cells = []
         for y in range(n):
             c = where.get((x, y))
+            if plan.method in ("a2a", "a2a+p2p"):
+                cells.append("h*".rjust(width))
+                continue
             if c is None:
                 cells.append(".".rjust(width))
                 continue
@@ -64,9 +69,10 @@ def program_listing(plan: Plan, cp_rank: int, backward: bool = False) -> str:
             out.append(f"  wait #{ins.handle}")
         elif isinstance(ins, Compute):
             mask = " causal" if ins.masked else ""
+            heads = "" if ins.heads is None else f" {ins.heads}"
             out.append(
                 f"  compute q{ins.q_owner}.{ins.q_part.value} x kv{ins.kv_owner}."
-                f"{ins.kv_part.value}{mask}"
+                f"{ins.kv_part.value}{mask}{heads}"
             )
         elif isinstance(ins, Merge):
             out.append(f"  merge {ins.payload} (from #{ins.handle})")
@@ -87,7 +93,7 @@ def bytes_table(n: int, p: int, causal: bool, shape: AttnShape, cross_level: str
         "| total |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in ("ring", "all_gather", "merge", "rm+", "charm"):
+    for method in ("ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"):
         fwd, bwd = plan_bytes(
             build_plan(
                 PlanOptions(method=method, cross_level=cross_level),

@@ -60,15 +60,44 @@ class Wire(str, Enum):
 
 
 @dataclass(frozen=True)
+class Heads:
+    """Head group ``index`` of ``count`` equal groups: query heads
+    ``[index * h / count, (index + 1) * h / count)`` and kv heads likewise of ``h_kv``."""
+
+    index: int
+    count: int
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 / self.count
+
+    def of(self, heads: int) -> slice:
+        """The slice of a ``heads``-head dim that this group covers (``heads % count == 0``)."""
+        size = heads // self.count
+        return slice(self.index * size, (self.index + 1) * size)
+
+    def __str__(self) -> str:
+        return f"h{self.index}/{self.count}"
+
+
+def head_fraction(heads: Heads | None) -> float:
+    """Share of the heads a payload or block covers (``None``: all heads)."""
+    return 1.0 if heads is None else heads.fraction
+
+
+@dataclass(frozen=True)
 class Payload:
-    """A named tensor bundle: ``kind`` of CP rank ``owner``, restricted to ``part``."""
+    """A named tensor bundle: ``kind`` of CP rank ``owner``, restricted to ``part`` and to the
+    head group ``heads`` (``None``: all heads)."""
 
     kind: Kind
     owner: int
     part: Part
+    heads: Heads | None = None
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.owner}.{self.part.value}"
+        tail = "" if self.heads is None else f".{self.heads}"
+        return f"{self.kind.value}{self.owner}.{self.part.value}{tail}"
 
 
 @dataclass(frozen=True)
@@ -104,10 +133,12 @@ class Wait:
 @dataclass(frozen=True)
 class Compute:
     """Attention of query ``q_owner`` (restricted to ``q_part``) against kv of ``kv_owner``
-    (restricted to ``kv_part``), causal-masked on local positions when ``masked``.
+    (restricted to ``kv_part``), causal-masked on local positions when ``masked``, on the head
+    group ``heads`` (``None``: all heads).
 
-    Forward: merged into this rank's output accumulator of ``q_owner``. Backward: adds to this
-    rank's dq accumulator of ``q_owner`` and dkv accumulator of ``kv_owner``.
+    Forward: merged into this rank's output accumulator of ``(q_owner, heads)``. Backward: adds
+    to this rank's dq accumulator of ``(q_owner, heads)`` and dkv accumulator of
+    ``(kv_owner, heads)``.
     """
 
     q_owner: int
@@ -115,12 +146,15 @@ class Compute:
     q_part: Part
     kv_part: Part
     masked: bool
+    heads: Heads | None = None
 
 
 @dataclass(frozen=True)
 class Merge:
     """Fold the partial result ``payload`` (``O``, ``DQ`` or ``DKV``) received by exchange
-    ``handle`` into the local accumulator (outputs by their lse, gradients by a sum)."""
+    ``handle`` into the local accumulator of ``(kind, owner, heads)`` (outputs by their lse,
+    gradients by a sum). A head-group partial is complete for its heads (Note [Wire precision]):
+    it starts its own accumulator, which the owner places into its head slice at the end."""
 
     payload: Payload
     handle: int

@@ -2,8 +2,11 @@
 
 It proves, for a plan, before anything runs on a network:
 
-* every (q owner, kv owner) block is computed exactly once, with the parts the layout prescribes;
-* every partial result reaches its owner and is merged exactly once (outputs, dq, dk/dv);
+* every (q owner, kv owner) block is computed exactly once, with the parts the layout prescribes
+  (on all heads, or once on each head group of one split);
+* every partial result reaches its owner and is merged exactly once (outputs, dq, dk/dv); a
+  head-group partial reaches its owner only complete for its heads, and the owner ends with every
+  group;
 * every send meets its receive, with the same payload and wire precision, under NCCL's strictest
   rule: exchanges of one channel complete in posting order, and an exchange completes only
   together with the exchanges of its peers that hold the matching ops. A plan that passes cannot
@@ -43,6 +46,7 @@ from megatron_charm.plan.layout import balanced, block_cost, block_parts, comput
 from megatron_charm.plan.types import (
     Compute,
     Exchange,
+    Heads,
     Kind,
     Merge,
     Part,
@@ -51,6 +55,7 @@ from megatron_charm.plan.types import (
     Program,
     Wait,
     Wire,
+    head_fraction,
 )
 
 
@@ -59,6 +64,7 @@ class ScheduleError(RuntimeError):
 
 
 Pair = tuple[int, int, Part, Part]  # (q owner, kv owner, q part, kv part) of a block (piece)
+Key = tuple[Kind, int, Heads | None]  # an input or accumulator: (kind, owner, head group)
 
 
 @dataclass
@@ -95,12 +101,12 @@ class _RankReplay:
         self.x = prog.cp_rank
         self.pc = 0
         qk = Kind.QB if replay.backward else Kind.Q
-        self.inputs: dict[tuple[Kind, int], Part] = {
-            (qk, self.x): Part.FULL,
-            (Kind.KV, self.x): Part.FULL,
+        self.inputs: dict[Key, Part] = {
+            (qk, self.x, None): Part.FULL,
+            (Kind.KV, self.x, None): Part.FULL,
         }
-        self.accumulators: dict[tuple[Kind, int], _Acc] = {}
-        self.partials: dict[tuple[int, Kind, int], _Acc] = {}
+        self.accumulators: dict[Key, _Acc] = {}
+        self.partials: dict[tuple[int, Kind, int, Heads | None], _Acc] = {}
         self.completed: set[int] = set()
         self.waited: set[int] = set()
         self.inbox: dict[int, list[tuple[Payload, _Acc | None]]] = {}
@@ -117,9 +123,13 @@ class _RankReplay:
     def finished(self) -> bool:
         return self.pc >= len(self.prog.instrs)
 
-    def has(self, kind: Kind, owner: int, part: Part) -> bool:
-        got = self.inputs.get((kind, owner))
-        return got is not None and got.contains(part)
+    def has(self, kind: Kind, owner: int, part: Part, heads: Heads | None = None) -> bool:
+        """Whether the rank holds ``part`` of the input on ``heads`` (all heads cover a group)."""
+        for key in {(kind, owner, None), (kind, owner, heads)}:
+            got = self.inputs.get(key)
+            if got is not None and got.contains(part):
+                return True
+        return False
 
     def step(self) -> bool:
         """Run until a wait blocks or the program ends; whether anything ran."""
@@ -171,21 +181,32 @@ class _RankReplay:
                 continue
             p = op.payload
             if p.kind.is_partial:
-                acc = self.accumulators.pop((p.kind, p.owner), None)
+                acc = self.accumulators.pop((p.kind, p.owner, p.heads), None)
                 if acc is None or acc.part != p.part:
                     raise self.err(f"sends {p} but holds {acc and acc.part}")
-                if acc.single_block and op.wire != Wire.INPUT:
+                if p.heads is not None and op.peer == p.owner:
+                    self._check_complete(p, acc, op.wire)
+                elif acc.single_block and op.wire != Wire.INPUT:
                     raise self.err(f"sends the single block {p} in float32 (twice the bytes)")
-                if not acc.single_block and op.wire == Wire.INPUT and not compact:
+                elif not acc.single_block and op.wire == Wire.INPUT and not compact:
                     raise self.err(f"sends the merged {p} in the input dtype on {ex.channel}")
                 messages.append(acc)
             else:
-                if not self.has(p.kind, p.owner, p.part):
+                if not self.has(p.kind, p.owner, p.part, p.heads):
                     raise self.err(f"sends {p} that it does not hold")
                 messages.append(None)
             self.replay.report.sends.append(SendRecord(self.x, ex.channel, op.peer, p, op.wire))
         self.inbox[ex.handle] = []
         self.replay.mailbox.post(self.x, ex, messages)
+
+    def _check_complete(self, p: Payload, acc: _Acc, wire: Wire) -> None:
+        """A head-group partial travels only complete for its heads, in the input dtype (Note
+        [Wire precision])."""
+        got = {(q, kv) for q, kv, _, _ in acc.pairs}
+        if got != self.replay.owner_pairs(p.kind, p.owner) or acc.part != Part.FULL:
+            raise self.err(f"sends the head-group partial {p} before it is complete")
+        if wire != Wire.INPUT:
+            raise self.err(f"sends the complete head-group partial {p} in float32")
 
     def _wait(self, w: Wait) -> None:
         if w.handle in self.waited:
@@ -193,9 +214,9 @@ class _RankReplay:
         self.waited.add(w.handle)
         for payload, acc in self.inbox.pop(w.handle):
             if acc is None:
-                self.inputs[(payload.kind, payload.owner)] = payload.part
+                self.inputs[(payload.kind, payload.owner, payload.heads)] = payload.part
             else:
-                self.partials[(w.handle, payload.kind, payload.owner)] = acc
+                self.partials[(w.handle, payload.kind, payload.owner, payload.heads)] = acc
 
     def _compute(self, c: Compute) -> None:
         replay = self.replay
@@ -211,13 +232,17 @@ class _RankReplay:
         if masked != c.masked or not (whole or ((q_split or kv_split) and not masked)):
             raise self.err(f"block ({c.q_owner},{c.kv_owner}) uses wrong parts")
         qk = Kind.QB if replay.backward else Kind.Q
-        if not self.has(qk, c.q_owner, c.q_part):
-            raise self.err(f"computes with q{c.q_owner}.{c.q_part.value} not received")
-        if not self.has(Kind.KV, c.kv_owner, c.kv_part):
-            raise self.err(f"computes with kv{c.kv_owner}.{c.kv_part.value} not received")
+        if not self.has(qk, c.q_owner, c.q_part, c.heads):
+            q = Payload(Kind.Q, c.q_owner, c.q_part, c.heads)
+            raise self.err(f"computes with {q} not received")
+        if not self.has(Kind.KV, c.kv_owner, c.kv_part, c.heads):
+            raise self.err(
+                f"computes with {Payload(Kind.KV, c.kv_owner, c.kv_part, c.heads)} not received"
+            )
         pair = (c.q_owner, c.kv_owner)
-        replay.pair_parts.setdefault(pair, []).append((c.q_part, c.kv_part))
+        replay.pair_parts.setdefault(pair, {}).setdefault(c.heads, []).append((c.q_part, c.kv_part))
         share = (c.q_part.fraction / qp.fraction) * (c.kv_part.fraction / kp.fraction)
+        share *= head_fraction(c.heads)
         report = replay.report
         report.cost[self.x] = report.cost.get(self.x, 0.0) + share * block_cost(
             *pair, replay.plan.causal, seq
@@ -225,21 +250,21 @@ class _RankReplay:
         report.blocks[self.x] = report.blocks.get(self.x, 0) + 1
         block = {(*pair, c.q_part, c.kv_part)}
         if replay.backward:
-            self._add((Kind.DQ, c.q_owner), c.q_part, block, True)
-            self._add((Kind.DKV, c.kv_owner), c.kv_part, block, True)
+            self._add((Kind.DQ, c.q_owner, c.heads), c.q_part, block, True)
+            self._add((Kind.DKV, c.kv_owner, c.heads), c.kv_part, block, True)
         else:
-            self._add((Kind.O, c.q_owner), c.q_part, block, True)
+            self._add((Kind.O, c.q_owner, c.heads), c.q_part, block, True)
 
     def _merge(self, m: Merge) -> None:
         p = m.payload
-        acc = self.partials.pop((m.handle, p.kind, p.owner), None)
+        acc = self.partials.pop((m.handle, p.kind, p.owner, p.heads), None)
         if acc is None:
             raise self.err(f"merges {p} from exchange {m.handle} it has not received")
         if acc.part != p.part:
             raise self.err(f"merges {p} but received part {acc.part}")
-        self._add((p.kind, p.owner), acc.part, acc.pairs, False)
+        self._add((p.kind, p.owner, p.heads), acc.part, acc.pairs, False)
 
-    def _add(self, key: tuple[Kind, int], part: Part, pairs: set[Pair], computed: bool) -> None:
+    def _add(self, key: Key, part: Part, pairs: set[Pair], computed: bool) -> None:
         acc = self.accumulators.get(key)
         if acc is None:
             self.accumulators[key] = _Acc(part, set(pairs), computed and len(pairs) == 1)
@@ -346,9 +371,16 @@ class Replay:
         self.compact = compact_channels(plan.options)
         self.report = Report()
         self.mailbox = _Mailbox()
-        self.pair_parts: dict[tuple[int, int], list[Part]] = {}
+        # (q owner, kv owner) -> head group -> the (q part, kv part) pieces computed
+        self.pair_parts: dict[tuple[int, int], dict[Heads | None, list[tuple[Part, Part]]]] = {}
         self.blocks = computed_blocks(self.n, plan.causal, plan.options.seq_layout)
         self.ranks = [_RankReplay(self, p) for p in progs]
+
+    def owner_pairs(self, kind: Kind, owner: int) -> set[tuple[int, int]]:
+        """The blocks a complete partial of ``kind`` of ``owner`` holds."""
+        if kind == Kind.DKV:
+            return {(q, owner) for q in range(self.n) if (q, owner) in self.blocks}
+        return {(owner, y) for y in range(self.n) if (owner, y) in self.blocks}
 
     def run(self) -> Report:
         while True:
@@ -377,16 +409,19 @@ class Replay:
     def _final_checks(self) -> None:
         n, causal, seq = self.n, self.plan.causal, self.plan.options.seq_layout
         halves = sorted([Part.FIRST, Part.SECOND])
-        for pair, parts in self.pair_parts.items():
+        for pair, by_heads in self.pair_parts.items():
             qp, kp, _ = block_parts(*pair, causal, seq)
             tilings = (
                 [(qp, kp)],
                 sorted((h, kp) for h in halves),
                 sorted((qp, h) for h in halves),
             )
-            if sorted(parts) not in tilings:
-                shown = [f"{q.value}x{k.value}" for q, k in parts]
-                raise ScheduleError(f"block {pair} computed as {shown}")
+            if not _all_heads(by_heads):
+                raise ScheduleError(f"block {pair} computed on head groups {_groups(by_heads)}")
+            for heads, parts in by_heads.items():
+                if sorted(parts) not in tilings:
+                    shown = [f"{q.value}x{k.value}" for q, k in parts]
+                    raise ScheduleError(f"block {pair} on heads {heads} computed as {shown}")
         if len(self.pair_parts) != len(self.blocks):
             raise ScheduleError(f"{len(self.blocks) - len(self.pair_parts)} blocks never computed")
         for r in self.ranks:
@@ -394,23 +429,43 @@ class Replay:
                 raise ScheduleError(
                     f"cp_rank {r.x} received partials it never merged: {list(r.partials)}"
                 )
-            if self.backward:
-                want = {
-                    (Kind.DQ, r.x): {(r.x, y) for y in range(n) if (r.x, y) in self.blocks},
-                    (Kind.DKV, r.x): {(q, r.x) for q in range(n) if (q, r.x) in self.blocks},
-                }
-            else:
-                want = {(Kind.O, r.x): {(r.x, y) for y in range(n) if (r.x, y) in self.blocks}}
-            got = {k: {(q, kv) for q, kv, _, _ in a.pairs} for k, a in r.accumulators.items()}
-            if got != want:
-                extra = {k: sorted(v) for k, v in got.items() if want.get(k) != v}
-                raise ScheduleError(f"cp_rank {r.x} ends with wrong accumulators: {extra}")
-            for k, a in r.accumulators.items():
-                if a.part != Part.FULL:
-                    raise ScheduleError(f"cp_rank {r.x} accumulator {k} covers only {a.part}")
+            kinds = (Kind.DQ, Kind.DKV) if self.backward else (Kind.O,)
+            want = {(kind, r.x): self.owner_pairs(kind, r.x) for kind in kinds}
+            groups: dict[tuple[Kind, int], dict[Heads | None, _Acc]] = {}
+            for (kind, owner, heads), a in r.accumulators.items():
+                groups.setdefault((kind, owner), {})[heads] = a
+            got = {
+                (k, h): {(q, kv) for q, kv, _, _ in a.pairs}
+                for k, accs in groups.items()
+                for h, a in accs.items()
+            }
+            wrong = {f"{k}/{h}": sorted(v) for (k, h), v in got.items() if want.get(k) != v}
+            if wrong or set(groups) != set(want):
+                raise ScheduleError(f"cp_rank {r.x} ends with wrong accumulators: {wrong}")
+            for k, accs in groups.items():
+                if not _all_heads(accs):
+                    raise ScheduleError(f"cp_rank {r.x} ends {k} with head groups {_groups(accs)}")
+                for h, a in accs.items():
+                    if a.part != Part.FULL:
+                        raise ScheduleError(f"cp_rank {r.x} accumulator {k}/{h} covers {a.part}")
         costs = {x: round(self.report.cost.get(x, 0.0), 9) for x in range(n)}
         if len(set(costs.values())) > 1 and balanced(causal, seq):
             raise ScheduleError(f"unbalanced work: {costs}")
+
+
+def _all_heads(by_heads: dict) -> bool:
+    """Whether the keys of ``by_heads`` are all heads (``None``) or every group of one split."""
+    if set(by_heads) == {None}:
+        return True
+    counts = {h.count for h in by_heads if h is not None}
+    if None in by_heads or len(counts) != 1:
+        return False
+    (count,) = counts
+    return set(by_heads) == {Heads(i, count) for i in range(count)}
+
+
+def _groups(by_heads: dict) -> list[str]:
+    return sorted(str(h) for h in by_heads)
 
 
 def replay(

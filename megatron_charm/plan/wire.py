@@ -6,8 +6,10 @@ A partial result (output with its lse, dq, dk/dv) that holds exactly one block t
 kernel produced it, in the input dtype: upcasting it would only add bytes. A partial that merged
 two or more blocks is float32, and travels so, except on the channels that the options make
 compact (``cross_return="input"``: charm's node-merged returns cross nodes in the input dtype, one
-more rounding for half the bytes on the slow link). Inputs (q, kv, the backward bundle) always
-travel in the input dtype.
+more rounding for half the bytes on the slow link). A partial of one head group that goes to its
+owner (``a2a``, ``a2a+p2p``) is complete for its heads (the validator checks it): the owner only
+places it into its head slice and casts the result to the input dtype, so it travels in the input
+dtype at no cost in precision. Inputs (q, kv, the backward bundle) always travel in the input dtype.
 
 Programs are built without precisions; :func:`assign_wires` decides the sender's side of every op
 from the sender's own accumulator history and copies it to the matching receive (the ``i``-th
@@ -20,15 +22,15 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import replace
 
-from megatron_charm.plan.types import Compute, Exchange, Kind, Merge, Op, Program, Wire
+from megatron_charm.plan.types import Compute, Exchange, Heads, Kind, Merge, Op, Program, Wire
 
-AccKey = tuple[Kind, int]
+AccKey = tuple[Kind, int, Heads | None]
 
 
 def _compute_keys(ins: Compute, backward: bool) -> list[AccKey]:
     if backward:
-        return [(Kind.DQ, ins.q_owner), (Kind.DKV, ins.kv_owner)]
-    return [(Kind.O, ins.q_owner)]
+        return [(Kind.DQ, ins.q_owner, ins.heads), (Kind.DKV, ins.kv_owner, ins.heads)]
+    return [(Kind.O, ins.q_owner, ins.heads)]
 
 
 def sender_wires(
@@ -43,13 +45,16 @@ def sender_wires(
                 blocks[key] += 1
         elif isinstance(ins, Merge):
             # a received partial counts as merged, whatever it held
-            blocks[(ins.payload.kind, ins.payload.owner)] += 2
+            blocks[(ins.payload.kind, ins.payload.owner, ins.payload.heads)] += 2
         elif isinstance(ins, Exchange):
             for k, op in enumerate(ins.ops):
-                if op.send and op.payload.kind.is_partial:
-                    single = blocks.pop((op.payload.kind, op.payload.owner), 0) == 1
+                p = op.payload
+                if op.send and p.kind.is_partial:
+                    single = blocks.pop((p.kind, p.owner, p.heads), 0) == 1
+                    placed = p.heads is not None and op.peer == p.owner
                     compact_here = ins.channel in compact
-                    out[(ins.handle, k)] = Wire.INPUT if single or compact_here else Wire.FP32
+                    keep = single or placed or compact_here
+                    out[(ins.handle, k)] = Wire.INPUT if keep else Wire.FP32
     return out
 
 

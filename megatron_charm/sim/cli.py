@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--causal", action="store_true", help="causal attention (zigzag layout)")
     pb.add_argument("--dtype-bytes", type=int, default=2, help="bytes per q/k/v element")
     sim = ap.add_argument_group("simulation")
-    sim.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    sim.add_argument(
+        "--methods",
+        help="comma-separated methods (default: every method that can split the problem; a2a "
+        "needs heads and kv heads divisible by the GPU count)",
+    )
     sim.add_argument("--mode", choices=MODES, default="auto", help="replay all ranks or one node")
     sim.add_argument("--window", type=int, default=2, help="prefetch window of the pipelines")
     sim.add_argument(
@@ -66,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _resolve(args: argparse.Namespace) -> tuple[Topology, Problem, FlopsCompute, list[str]]:
+def _resolve(
+    args: argparse.Namespace,
+) -> tuple[Topology, Problem, FlopsCompute, list[str] | None]:
     preset = PRESETS[args.preset] if args.preset else None
 
     def pick(value, attr: str, default=None):
@@ -110,6 +116,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Topology, Problem, FlopsCompute,
         args.causal,
         args.dtype_bytes,
     )
+    if args.methods is None:
+        return topo, problem, compute, None  # every method that fits (predict decides)
     methods = [x.strip() for x in args.methods.split(",") if x.strip()]
     bad = [x for x in methods if x not in METHODS]
     if bad or not methods:
@@ -134,11 +142,8 @@ def format_table(pred: Prediction) -> str:
         f"{'method':<11} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
         f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",
     ]
-    order = [
-        m
-        for m in ("ring", "ring-contig", "all_gather", "merge", "rm+", "charm")
-        if m in pred.methods
-    ]
+    order = ["ring", "ring-contig", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"]
+    order = [m for m in order if m in pred.methods]
     for name in order:
         mp = pred.methods[name]
         f, b = mp.forward, mp.backward
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             topo,
             problem,
             compute,
-            tuple(methods),
+            None if methods is None else tuple(methods),
             args.mode,
             PlanOptions(window=args.window, cross_level=args.cross_level),
         )

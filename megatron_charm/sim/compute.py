@@ -20,12 +20,13 @@ import math
 from dataclasses import dataclass
 
 from megatron_charm.plan.payloads import AttnShape
-from megatron_charm.plan.types import Compute
+from megatron_charm.plan.types import Compute, head_fraction
 
 
 def block_area(ins: Compute, shape: AttnShape) -> float:
-    """Fraction of a full unmasked ``s_local x s_local`` block that ``ins`` computes."""
-    area = ins.q_part.fraction * ins.kv_part.fraction
+    """Fraction of a full unmasked ``s_local x s_local`` block on all heads that ``ins``
+    computes (a block of one head group of ``n`` is ``1/n`` of its area)."""
+    area = ins.q_part.fraction * ins.kv_part.fraction * head_fraction(ins.heads)
     return area * 0.5 if ins.masked else area
 
 

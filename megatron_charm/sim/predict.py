@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_charm.plan import METHODS, PlanOptions
+from megatron_charm.plan import PlanOptions, check_shape, methods_for
 from megatron_charm.plan.layout import block_parts
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Kind, Layout, Part, Payload, Wire
@@ -17,7 +17,7 @@ from megatron_charm.sim.topology import Topology
 # simplest method (ring and all_gather are stock Megatron/TE p2p and all_gather, then merge, rm+,
 # charm).
 TIE = 0.02
-SIMPLICITY = ("ring", "all_gather", "merge", "rm+", "charm")
+SIMPLICITY = ("ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm")
 
 
 @dataclass(frozen=True)
@@ -140,16 +140,21 @@ def predict(
     topo: Topology,
     problem: Problem,
     compute: ComputeModel,
-    methods: tuple[str, ...] = METHODS,
+    methods: tuple[str, ...] | None = None,
     mode: str = "auto",
     options: PlanOptions | None = None,
     record: bool = False,
 ) -> Prediction:
     """Replay forward and backward of every method in ``methods``, each with ``options`` (its
-    method replaced)."""
+    method replaced). ``None``: every method that can split the problem (``a2a`` only when the
+    heads divide over the CP group); a method in ``methods`` that cannot raises ``ValueError``."""
     options = options if options is not None else PlanOptions()
     shape = problem.shape(topo.cp_size)
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
+    if methods is None:
+        methods = methods_for(layout, shape)
+    for method in methods:
+        check_shape(options.replace(method=method), layout, shape)
     pred = Prediction(
         topo,
         problem,
@@ -212,6 +217,16 @@ def advise(pred: Prediction) -> Advice:
             f"cross-node links ({topo.cross_bw:g} GB/s) are {topo.intra_bw / topo.cross_bw:.1f}x "
             "slower than intra-node ones: ring and flat schedules wait for them every step, "
             "charm keeps kv inside the node and overlaps the query transfers"
+        )
+    elif choice == "a2a":
+        reasons.append(
+            "a2a (Ulysses) sends each rank's q and kv once, split by heads, with every transfer "
+            "posted at once; it needs the heads to divide over the CP group"
+        )
+    elif choice == "a2a+p2p":
+        reasons.append(
+            "a2a+p2p splits heads inside each node and runs a ring across nodes: m - 1 cross "
+            "steps instead of n - 1, each moving one whole kv per rank"
         )
     elif choice == "all_gather":
         reasons.append(

@@ -6,9 +6,9 @@ Building every rank's program is the dominant cost at scale (``build_plan`` for 
 takes minutes), and replaying millions of instructions in Python is not much cheaper. But the
 schedules are symmetric under a relabelling of nodes that maps node ``a`` to node 0:
 
-* ``ring``, ``all_gather`` and ``charm``: a shift by whole nodes, ``r -> (r - a*p) mod n``
-  (``ring-contig`` too, but only for non-causal attention: causally its nodes do different work,
-  the last the most, so it is always replayed in full);
+* ``ring``, ``all_gather``, ``a2a``, ``a2a+p2p`` and ``charm``: a shift by whole nodes,
+  ``r -> (r - a*p) mod n`` (``ring-contig`` too, but only for non-causal attention: causally its
+  nodes do different work, the last the most, so it is always replayed in full);
 * ``merge`` and ``rm+``: ``r -> r XOR (a*p)`` (partners are ``x XOR j``; needs ``p`` and ``n``
   powers of two so that no partner is skipped).
 
@@ -25,8 +25,9 @@ as two halves in two rounds), so symmetric mode is an approximation. Matched cla
 larger of the sizes their two local sides name. For charm the nodes do not even agree on how many
 cross-node transfers a class has, so its cross-node transfers run unmatched: each starts when its
 own side's exchange starts and uses only its own side's links. Against full replays of 4x4, 8x2
-and 8x4 groups (shared and rails): ring exact; charm -16%..+1%; rm+ up to +15%; merge's backward
-up to +25% and all_gather's up to +15% (their forwards are exact). Compute is exact (every causal
+and 8x4 groups (shared and rails): ring, a2a and a2a+p2p (which move whole tokens) exact; charm
+-16%..+1%; rm+ up to +15%; merge's backward up to +25% and all_gather's up to +15% (their forwards
+are exact). Compute is exact (every causal
 block costs half a full one).
 """
 
@@ -93,7 +94,7 @@ def symmetry_of(method: str, layout: Layout, causal: bool = False) -> str | None
     none we can use."""
     if layout.num_nodes == 1 or (causal and method == "ring-contig"):
         return None
-    if method in ("ring", "all_gather", "charm", "ring-contig"):
+    if method in ("ring", "all_gather", "a2a", "a2a+p2p", "charm", "ring-contig"):
         return "shift"
     if _pow2(layout.ranks_per_node) and _pow2(layout.cp_size):
         return "xor"

@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from megatron_charm.plan import METHODS
+from megatron_charm.plan import METHODS, Layout, methods_for
 from megatron_charm.plan.options import SEQ_LAYOUT_OF
 from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
@@ -59,7 +59,9 @@ def run(
                     1, tokens_per_gpu * m * p, shape.heads, shape.head_dim, causal=True
                 )
                 start = time.process_time()
-                pred = predict(topo, problem, compute, SWEPT)
+                layout = Layout(topo.num_nodes, topo.ranks_per_node)
+                runnable = methods_for(layout, problem.shape(topo.cp_size))
+                pred = predict(topo, problem, compute, tuple(m for m in SWEPT if m in runnable))
                 row = {
                     "model": shape.name,
                     "cross_links": links,
@@ -70,7 +72,11 @@ def run(
                     "sim_cpu_s": round(time.process_time() - start, 2),
                 }
                 for method in SWEPT:
-                    mp = pred.methods[method]
+                    mp = pred.methods.get(method)
+                    if mp is None:  # a2a: the heads do not split over this many GPUs
+                        for col in ("fwd_ms", "bwd_ms", "fwd_x", "bwd_x"):
+                            row[f"{method}_{col}"] = ""
+                        continue
                     row[f"{method}_fwd_ms"] = round(mp.forward.makespan * 1e3, 3)
                     row[f"{method}_bwd_ms"] = round(mp.backward.makespan * 1e3, 3)
                     row[f"{method}_fwd_x"] = round(pred.speedup(method), 3)

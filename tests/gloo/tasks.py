@@ -184,6 +184,10 @@ def expect_value_error(ctx, case: str):
             mc.cp_attention(q, k, t(1, 8, 1, 8), topo)
         elif case == "method":
             mc.cp_attention(q, k, v, topo, method="ulysses")
+        elif case == "a2a_heads":  # 2 kv heads cannot split over 4 ranks
+            mc.cp_attention(q, k, v, topo, method="a2a")
+        elif case == "a2a_p2p_heads":  # 2 kv heads cannot split over a node of 4
+            mc.cp_attention(q, k, v, topo, method="a2a+p2p")
         elif case == "format":
             mc.cp_attention(q, k, v, topo, qkv_format="thd")
         elif case == "device":

@@ -25,3 +25,19 @@ def test_executor_bytes_equal_plan(pools, method, p, causal):
     for x in range(n):
         assert got[x][0] == want_fwd.get(x, {}), f"forward, cp_rank {x}"
         assert got[x][1] == want_bwd.get(x, {}), f"backward, cp_rank {x}"
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("method,p", [("a2a", 4), ("a2a+p2p", 2)])
+def test_head_split_executor_bytes_equal_plan(pools, method, p):
+    # the heads must split over the four ranks (a2a) or a node (a2a+p2p): GQA 8:4; causal only
+    # (both move whole tokens either way, which tests/pure/test_bytes.py checks)
+    causal = True
+    n, shape = 4, AttnShape(b=1, s_local=8, h=8, h_kv=4, d=8, itemsize=2)
+    got = pools(n).run(
+        tasks.bytes_moved, method=method, ranks_per_node=p, causal=causal, h=8, h_kv=4
+    )
+    plan = build_plan(PlanOptions(method=method), Layout(n // p, p), causal, shape)
+    want_fwd, want_bwd = plan_bytes(plan, shape)
+    for x in range(n):
+        assert got[x] == [want_fwd[x], want_bwd[x]], f"cp_rank {x}"

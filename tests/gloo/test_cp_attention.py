@@ -33,6 +33,8 @@ for n, splits in LAYOUTS.items():
     if n <= 4:  # all-gather has no node structure and no levels: small groups cover it
         CASES.append((n, "all_gather", n))
         CASES.append((n, "ring-contig", n))  # on contiguous shards (tests.gloo.reference)
+    if n == 4:  # a2a inside nodes of 2 (h = 4 and h_kv = 2 split over 2), ring across nodes
+        CASES.append((n, "a2a+p2p", 2))
 
 
 def check(results):
@@ -57,6 +59,18 @@ def check(results):
 def test_matches_reference(pools, n, method, p):
     results = pools(n).run(
         tasks.compare_with_reference, method=method, ranks_per_node=p, variants=VARIANTS
+    )
+    for rank_results in results:
+        check(rank_results)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("n,h_kv", [(2, 2), (4, 4)], ids=["n2-gqa", "n4-mha"])
+def test_a2a_matches_reference(pools, n, h_kv):
+    """Ulysses splits the heads over the group: h = 4 with GQA on two ranks, MHA on four."""
+    variants = [(c, h_kv, dt) for c in (True, False) for dt in ("float32", "bfloat16")]
+    results = pools(n).run(
+        tasks.compare_with_reference, method="a2a", ranks_per_node=n, variants=variants
     )
     for rank_results in results:
         check(rank_results)

@@ -20,6 +20,8 @@ CASES = {
     "head_dim": "head dim",
     "kv_shapes": "same shape",
     "method": "unknown CP attention method 'ulysses'",
+    "a2a_heads": "h=4 and kv heads h_kv=2 must both be divisible by cp_size=4",
+    "a2a_p2p_heads": "h_kv=2 must both be divisible by ranks_per_node=4",
     "format": "unknown qkv_format 'thd'",
     "device": "cannot be communicated",
     "rpn_divide": "ranks_per_node=3",

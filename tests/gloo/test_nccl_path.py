@@ -36,9 +36,10 @@ def test_build_connects_every_channel_pair_and_sets_timeouts(pools, p):
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("method,p", [("charm", 2), ("ring", 4)])
-def test_gqa_kv_expanded_once_per_delivery_without_native_gqa(pools, method, p):
-    h, h_kv = 4, 2
+@pytest.mark.parametrize("method,p,h", [("charm", 2, 4), ("ring", 4, 4), ("a2a", 4, 8)])
+def test_gqa_kv_expanded_once_per_delivery_without_native_gqa(pools, method, p, h):
+    h_kv = h // 2
+    groups = 4 if method == "a2a" else 1  # a2a computes on one head group of four per rank
     got = pools(4).run(
         nccl_path_tasks.gqa_expansions, method=method, ranks_per_node=p, h=h, h_kv=h_kv
     )
@@ -46,8 +47,8 @@ def test_gqa_kv_expanded_once_per_delivery_without_native_gqa(pools, method, p):
         expanded, native = answers[False], answers[True]
         # k and v of every kv delivery are expanded once, however many blocks use it
         assert expanded["expansions"] == [2 * n for n in expanded["deliveries"]], cp_rank
-        assert expanded["heads"] == [h]
-        assert native["expansions"] == [0, 0] and native["heads"] == [h_kv]
+        assert expanded["heads"] == [h // groups]
+        assert native["expansions"] == [0, 0] and native["heads"] == [h_kv // groups]
         for a, b in zip(expanded["results"], native["results"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         # the expanded copies are buffers of the pass

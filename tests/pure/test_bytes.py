@@ -191,3 +191,52 @@ def test_no_rank_receives_an_input_it_already_holds(n, p):
                         )
                         assert not held.get(key, set()) & halves, (level, causal, prog.cp_rank, ex)
                         held.setdefault(key, set()).update(halves)
+
+
+A2A = AttnShape(b=2, s_local=16, h=8, h_kv=4, d=4, itemsize=2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a2a_per_link(n, causal):
+    # every link carries the all-to-all volume: 1/n of the heads of every token, causal or not
+    plan = plan_of("a2a", Layout(1, n), causal)
+    t, q, kv, lse = 2 * C, A2A.b * A2A.h * A2A.d, 2 * A2A.b * A2A.h_kv * A2A.d, A2A.b * A2A.h * 4
+    links = [(x, y) for x in range(n) for y in range(n) if x != y]
+    fwd = {("full.q", x, y): t * q * E // n for x, y in links}
+    fwd |= {("full.kv", x, y): t * kv * E // n for x, y in links}
+    # a returned output is complete for its heads: input dtype, and its float32 lse
+    fwd |= {("full.o", x, y): t * (q * E + lse) // n for x, y in links}
+    assert _link_bytes(plan.forward, A2A) == fwd
+    # backward: q, out, dout and lse with kv; dq and dk/dv come back in the input dtype
+    bwd = {("full.q", x, y): t * (3 * q * E + lse) // n for x, y in links}
+    bwd |= {("full.kv", x, y): t * kv * E // n for x, y in links}
+    bwd |= {("full.o", x, y): t * (q + kv) * E // n for x, y in links}
+    assert _link_bytes(plan.backward, A2A) == bwd
+    # the all-to-all volume: a rank keeps 1/n of its q and kv and sends the rest
+    sent = sum(v for (ch, x, _), v in fwd.items() if ch != "full.o" and x == 0)
+    assert sent == (n - 1) * t * (q + kv) * E // n
+
+
+@pytest.mark.parametrize("m,p", [(1, 2), (2, 2), (3, 2), (2, 4)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a2a_p2p_per_link(m, p, causal):
+    # inside a node the all-to-all of a2a over p ranks; across nodes a ring of whole kv per step
+    layout = Layout(m, p)
+    plan = plan_of("a2a+p2p", layout, causal)
+    t, q, kv, lse = 2 * C, A2A.b * A2A.h * A2A.d, 2 * A2A.b * A2A.h_kv * A2A.d, A2A.b * A2A.h * 4
+    intra = [(x, y) for x in range(m * p) for y in range(m * p) if x != y and x // p == y // p]
+    ring = [(x, (x + p) % (m * p)) for x in range(m * p)] if m > 1 else []
+    fwd = {("intra.q", x, y): t * q * E // p for x, y in intra}
+    fwd |= {("intra.kv", x, y): t * kv * E // p for x, y in intra}
+    fwd |= {("intra.o", x, y): t * (q * E + lse) // p for x, y in intra}
+    # p owners' kv at 1/p of the heads per step: one whole kv, m - 1 steps
+    fwd |= {("cross.kv", x, y): (m - 1) * t * kv * E for x, y in ring}
+    assert _link_bytes(plan.forward, A2A) == fwd
+    bwd = {k: v for k, v in fwd.items() if k[0] in ("intra.kv", "cross.kv")}
+    bwd |= {("intra.q", x, y): t * (3 * q * E + lse) // p for x, y in intra}
+    bwd |= {("intra.o", x, y): t * (q + kv) * E // p for x, y in intra}
+    # partial dk/dv go around the whole ring (m hops, home on the last), in float32 (p blocks or
+    # more), but the one the last hop brings to its owner is complete: input dtype
+    bwd |= {("cross.o", x, y): m * t * kv * 4 - t * kv * (4 - E) // p for x, y in ring}
+    assert _link_bytes(plan.backward, A2A) == bwd

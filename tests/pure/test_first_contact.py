@@ -33,8 +33,10 @@ SPLITS = [(n, p) for n in range(1, 13) for p in range(1, n + 1) if n % p == 0]
 
 def _plans(n: int, p: int):
     for method in METHODS:
-        if method != "charm" and p != n:
+        if method not in ("charm", "a2a+p2p") and p != n:
             continue
+        if method in ("a2a", "a2a+p2p") and n > 8:
+            continue  # n**3 blocks per pass, one exchange pattern: smaller sizes cover it
         combos = [False, True] if method == "charm" and n // p == 2 else [False]
         for combine in combos:
             levels = ["q", "kv"] if method == "charm" and n // p > 1 and not combine else ["q"]

@@ -8,7 +8,17 @@ import pytest
 
 from megatron_charm.plan import METHODS, Layout, PlanOptions, build_plan
 from megatron_charm.plan.partners import num_levels, partner_tasks
-from megatron_charm.plan.types import Compute, Exchange, Merge, Op, Part, Payload, Wait, Wire
+from megatron_charm.plan.types import (
+    Compute,
+    Exchange,
+    Heads,
+    Merge,
+    Op,
+    Part,
+    Payload,
+    Wait,
+    Wire,
+)
 from megatron_charm.plan.validate import ScheduleError, validate
 
 
@@ -23,8 +33,10 @@ SPLITS = [(n, p) for n in range(1, 17) for p in range(1, n + 1) if n % p == 0]
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_every_plan_validates(n, p, causal):
     for method in METHODS:
-        if method != "charm" and p != n:
+        if method not in ("charm", "a2a+p2p") and p != n:
             continue  # flat methods ignore the node split
+        if method in ("a2a", "a2a+p2p") and n > 8:
+            continue  # n**3 blocks per pass; its offsets are regular, the sizes below cover them
         variants = [False, True] if method == "charm" and n // p == 2 else [False]
         for combine in variants:
             levels = ["q", "kv"] if method == "charm" and n // p > 1 and not combine else ["q"]
@@ -235,3 +247,67 @@ def test_all_gather_posts_the_gather_before_computing(n, causal):
                 if isinstance(ins, Wait) and ins.handle in delivers:
                     nxt = next(i for i in instrs[k:] if isinstance(i, Compute))
                     assert nxt.kv_owner == delivers[ins.handle]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a2a_posts_the_all_to_all_before_computing(n, causal):
+    # every input exchange before the own block; whole tokens of one head group each way;
+    # every block on this rank's head group
+    plan = plan_of("a2a", Layout(1, n), causal)
+    for backward in (False, True):
+        for prog in plan.programs(backward):
+            x, instrs = prog.cp_rank, prog.instrs
+            first = _index_in(instrs, Compute)
+            assert [type(i) for i in instrs[:first]] == [Exchange] * 2 * (n - 1)
+            assert (instrs[first].q_owner, instrs[first].kv_owner) == (x, x)
+            for ins in instrs[:first]:
+                for op in ins.ops:
+                    group = op.peer if op.send else x
+                    assert op.payload.heads == Heads(group, n) and op.payload.part == Part.FULL
+            assert {c.heads for c in prog.computes()} == {Heads(x, n)}
+            assert len(prog.computes()) == n * n
+
+
+def _a2a_first_return(instrs):
+    return next(
+        i for i, ins in enumerate(instrs) if isinstance(ins, Exchange) and ins.channel == "full.o"
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        # the block right before the first return: that result leaves incomplete
+        (lambda ins: ins.pop(_a2a_first_return(ins) - 1), "before it is complete"),
+        # a complete head-group result sent in float32
+        (
+            lambda ins: ins.__setitem__(
+                _a2a_first_return(ins),
+                dataclasses.replace(
+                    ins[_a2a_first_return(ins)],
+                    ops=tuple(
+                        dataclasses.replace(op, wire=Wire.FP32) if op.send else op
+                        for op in ins[_a2a_first_return(ins)].ops
+                    ),
+                ),
+            ),
+            "in float32",
+        ),
+        # a returned head group never placed
+        (lambda ins: ins.pop(_index_in(ins, Merge)), "never merged"),
+        # the own block on another rank's head group
+        (
+            lambda ins: ins.__setitem__(
+                _index_in(ins, Compute),
+                dataclasses.replace(ins[_index_in(ins, Compute)], heads=Heads(0, 4)),
+            ),
+            "twice",
+        ),
+    ],
+    ids=["incomplete", "fp32", "unplaced", "wrong-group"],
+)
+def test_validator_checks_head_groups(mutate, message):
+    plan = plan_of("a2a", Layout(1, 4), True)
+    with pytest.raises(ScheduleError, match=message):
+        validate(_mutated(plan, 1, mutate))

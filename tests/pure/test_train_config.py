@@ -235,7 +235,8 @@ def test_gpu_only_options_are_refused_on_cpu(monkeypatch):
     from megatron_charm.train.setup import _dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for te_type in ("p2p", "all_gather"):  # all_gather keeps its Megatron-LM meaning: TE's
+    # all_gather and a2a keep their Megatron-LM meaning: TE's (ours are cp_attention methods)
+    for te_type in ("p2p", "all_gather", "a2a"):
         with pytest.raises(ValueError, match="Transformer Engine baseline"):
             build_layer_spec(load_config(None, [f"parallel.cp_comm_type={te_type}"]))
     with pytest.raises(ValueError, match="transformer_impl=local"):

@@ -12,7 +12,8 @@ from megatron_charm.sim.engine import simulate_pass
 from megatron_charm.sim.programs import node_programs, programs
 from megatron_charm.sim.topology import Topology
 
-SHAPE = AttnShape(b=2, s_local=256, h=4, h_kv=2, d=64)
+# heads that a2a can split over every CP size below (4, 6, 8, 16), GQA ratio 2
+SHAPE = AttnShape(b=2, s_local=256, h=96, h_kv=48, d=64)
 
 
 def test_replay_runs_the_plans_own_instructions() -> None:
@@ -197,7 +198,8 @@ def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
             backward,
         )
         assert not b.exact
-        tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3, "all_gather": 0.2}[method]
+        tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3, "all_gather": 0.2}
+        tol = tol.get(method, 1e-9)  # a2a and a2a+p2p move whole tokens: exact
         assert b.makespan == pytest.approx(a.makespan, rel=tol)
 
 

@@ -54,12 +54,16 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     args += "--heads 12 --head-dim 128 --causal"
     assert main(args.split()) == 0
     out = capsys.readouterr().out
+    # by default every method that fits: 12 heads do not split over 8 GPUs for a2a
+    fits = set(METHODS) - {"a2a"}
     for m in METHODS:
-        assert f"\n{m} " in out
+        assert (f"\n{m} " in out) == (m in fits), m
     assert "CCR forward" in out
     assert main([*args.split(), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["methods"]) == set(METHODS)
+    assert set(data["methods"]) == fits
+    assert main([*args.split(), "--heads", "16", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["methods"]) == set(METHODS)
     assert data["methods"]["ring"]["forward"]["speedup_vs_ring"] == pytest.approx(1.0)
     assert data["s_local"] == 1024
 
@@ -83,6 +87,7 @@ def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
         (["--intra-bw", "inf"], "must be > 0"),
         (["--tflops", "nan"], "tflops nan must be > 0"),
         (["--methods", "ring,zigzag"], "not in"),
+        (["--methods", "a2a", "--gpus", "2x8", "--seq", "8192"], "h=8 and kv heads h_kv=8"),
     ],
 )
 def test_cli_rejects_bad_input(

@@ -156,7 +156,7 @@ def cp4(
 ) -> tuple[dict, list[str]]:
     """Run every transport; a result per transport (``save_partial`` after each)."""
     on_cuda = device.type == "cuda"
-    shape = [2, s_local, 16, 4, 128] if on_cuda else [1, s_local, 4, 2, 16]
+    shape = [2, s_local, 16, 4, 128] if on_cuda else [1, s_local, 8, 4, 16]
     base = {
         "device": device.type, "dtype": "bf16" if on_cuda else "fp32", "shape": shape,
         "methods": methods, "splits": list(NODE_SPLITS), "causal": [True, False], "seed": 3,
