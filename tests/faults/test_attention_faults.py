@@ -106,7 +106,7 @@ def test_stalled_rank_times_out_the_others_and_then_fails_itself(job, phase):
 @pytest.mark.parametrize(
     ("case", "first_pass", "names"),
     [
-        ("mismatch-options", 0, "cross_return='input'"),
+        ("mismatch-options", 0, "cross_return='fp32'"),
         ("mismatch-shape", 2, "local_shape_sbhd=(12, 1, 4, 8) vs (8, 1, 4, 8)"),
     ],
 )

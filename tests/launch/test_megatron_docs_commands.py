@@ -55,7 +55,7 @@ def test_plan_options_and_node_split_become_charm_flags():
     flags = _flags(
         "plan.window=4",
         "plan.cross_level=kv",
-        "plan.cross_return=input",
+        "plan.cross_return=fp32",
         "plan.combine_two_nodes=true",
         "parallel.node_split=numa",
     )
@@ -64,7 +64,7 @@ def test_plan_options_and_node_split_become_charm_flags():
         "--charm-ranks-per-node 2",
         "--charm-window 4",
         "--charm-cross-level kv",
-        "--charm-cross-return input",
+        "--charm-cross-return fp32",
         "--charm-combine-two-nodes",
         "--charm-node-split numa",
     ):
