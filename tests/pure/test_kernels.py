@@ -88,3 +88,23 @@ def test_zigzag_positions():
     assert every == list(range(16))
     with pytest.raises(ValueError, match=r"divisible by 2 \* cp_size = 8"):
         zigzag_positions(0, 4, 12)
+
+
+def test_cpu_half_blocks_are_computed_in_float32_and_rounded():
+    """bf16/fp16 blocks on CPU run the float32 kernel (Note in torch_kernel.CPU_UPCAST): the same
+    numbers as the float32 call on the same values, rounded to the input dtype."""
+    from megatron_charm.kernels.torch_kernel import torch_backward, torch_forward
+
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(16, 1, 4, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(16, 1, 2, 8, generator=g) for _ in range(2))
+    for dtype in (torch.bfloat16, torch.float16):
+        qh, kh, vh, doh = (t.to(dtype) for t in (q, k, v, do))
+        out, lse = torch_forward(qh, kh, vh, True, 0.3)
+        ref_out, ref_lse = torch_forward(*(t.float() for t in (qh, kh, vh)), True, 0.3)
+        assert out.dtype == dtype and torch.equal(out, ref_out.to(dtype))
+        assert torch.equal(lse, ref_lse)
+        grads = torch_backward(doh, qh, kh, vh, out, lse, True, 0.3)
+        ref = torch_backward(*(t.float() for t in (doh, qh, kh, vh, out)), lse, True, 0.3)
+        for got, want in zip(grads, ref, strict=True):
+            assert got.dtype == dtype and torch.equal(got, want.to(dtype))
