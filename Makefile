@@ -4,7 +4,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-attention test test-all test-slurm lint format testbed-setup clean
+.PHONY: setup demo demo-attention test test-all test-slurm test-megatron-0.19 lint format \
+	testbed-setup clean
+
+# The second line: Python 3.12 with megatron-core 0.19.x (0.16.1 is the newest for Python 3.11).
+# PYTHON_MC019: python3.12 on PATH, else pyenv's newest 3.12.
+PYTHON_MC019 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; \
+	do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' \
+	2>/dev/null && break; done)
+VENV_MC019 ?= .venv-mc019
+STAMP_MC019 := $(VENV_MC019)/.installed
+# The Megatron tier: core_attention contract and spec helpers, CHARM+ module, CP equivalence and
+# group building on CPU gloo ranks, trainer smoke test, Megatron-LM argument rules and
+# patch-megatron; with MEGATRON_LM_PATH set, also the patched validate_args of that checkout.
+MEGATRON_TIER := tests/pure/test_spec_and_compat.py tests/pure/test_megatron_core_pin.py \
+	tests/integration tests/launch/test_megatron_args.py tests/launch/test_patch_megatron.py \
+	tests/launch/test_megatron_lm_checkout.py
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +45,21 @@ demo-attention: setup
 test: setup
 	$(PY) -m pytest -q
 
+$(STAMP_MC019): pyproject.toml
+	@test -n "$(PYTHON_MC019)" || { echo "no Python 3.12 found: pass PYTHON_MC019=/path/to/python3.12"; exit 1; }
+	rm -rf $(VENV_MC019)
+	$(PYTHON_MC019) -m venv $(VENV_MC019)
+	$(VENV_MC019)/bin/python -m pip install -q --upgrade pip
+	# No CPU build of torch for 3.12 here: the registry's CUDA build (it runs on CPU).
+	$(VENV_MC019)/bin/python -m pip install -q torch==2.13.0
+	# pyproject.toml's marker picks megatron-core 0.19.x on Python 3.12.
+	$(VENV_MC019)/bin/python -m pip install -q -e '.[test]'
+	touch $(STAMP_MC019)
+
+## The Megatron tier on Python 3.12 + megatron-core 0.19.x (its own venv, .venv-mc019).
+test-megatron-0.19: $(STAMP_MC019)
+	$(VENV_MC019)/bin/python -m pytest -q -p no:cacheprovider $(MEGATRON_TIER)
+
 ## Also the real-Slurm launcher test (root; installs slurm-wlm and munge with apt).
 test-slurm: setup
 	MEGATRON_CHARM_SLURM_TEST=1 $(PY) -m pytest -q -m slurm tests/launch/test_slurm.py
@@ -45,4 +75,4 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache runs
+	rm -rf $(VENV) $(VENV_MC019) .pytest_cache .ruff_cache runs

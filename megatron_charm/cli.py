@@ -4,9 +4,9 @@ Subcommands:
 
 ``patch-megatron PATH [--check] [--patch FILE]``
     Apply megatron-charm's patch to a Megatron-LM checkout so that ``pretrain_gpt.py
-    --cp-comm-type charm`` builds the CHARM+ attention spec. The patch was made against Megatron-LM
-    tag ``core_v0.16.1``; other versions get a warning and a dry run before anything is written.
-    Re-running on a patched tree is a no-op.
+    --cp-comm-type charm`` builds the CHARM+ attention spec. It tells the checkout's release
+    (``core_v0.16.1`` or ``core_v0.19.0``) and applies that release's patch after a dry run; other
+    versions are refused with the list of supported tags. Re-running on a patched tree is a no-op.
 
 ``megatron-args [--config CONFIG] [section.key=value ...] [--lines]``
     Print the Megatron-LM ``pretrain_gpt.py`` flags equivalent to a ``megatron-charm-train`` YAML
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -27,23 +28,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-#: The Megatron-LM release the shipped patch was made against.
+#: The Megatron-LM releases a shipped patch was made against: tag -> commit. One patch per
+#: release, ``patches/megatron-lm-<tag>.patch``; megatron-core 0.16.1 (Python 3.10/3.11) and 0.19.x
+#: (Python >= 3.12) go with them.
+MEGATRON_RELEASES: dict[str, str] = {
+    "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
+    "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
+}
+#: The release of the examples in the docs (and of ``default_patch_path()`` without a release).
 MEGATRON_TAG = "core_v0.16.1"
-MEGATRON_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
-PATCH_NAME = f"megatron-lm-{MEGATRON_TAG}.patch"
+MEGATRON_COMMIT = MEGATRON_RELEASES[MEGATRON_TAG]
+
+
+def patch_name(release: str) -> str:
+    """File name of the shipped patch for a Megatron-LM release tag."""
+    return f"megatron-lm-{release}.patch"
+
+
+PATCH_NAME = patch_name(MEGATRON_TAG)
 
 
 class CliError(Exception):
     """A user-facing failure: printed without a traceback, exit status 1."""
 
 
-def default_patch_path() -> Path:
-    """Locate the shipped Megatron-LM patch.
+def default_patch_path(release: str = MEGATRON_TAG) -> Path:
+    """Locate the shipped Megatron-LM patch of ``release`` (a tag of ``MEGATRON_RELEASES``).
 
     Looked up inside the package (package data), in the installation's data folder
     (``share/megatron-charm/patches``, setuptools data-files), then in the source tree's top-level
     ``patches/`` folder (editable installs and source checkouts).
     """
+    name = patch_name(release)
     here = Path(__file__).resolve().parent
     candidates = (
         here / "patches",
@@ -51,11 +67,11 @@ def default_patch_path() -> Path:
         here.parent / "patches",
     )
     for folder in candidates:
-        if (folder / PATCH_NAME).is_file():
-            return folder / PATCH_NAME
+        if (folder / name).is_file():
+            return folder / name
     raise CliError(
-        f"the Megatron-LM patch {PATCH_NAME} is not installed with this copy of megatron-charm; "
-        "pass it explicitly with --patch FILE (it is patches/" + PATCH_NAME + " in the source tree)"
+        f"the Megatron-LM patch {name} is not installed with this copy of megatron-charm; "
+        "pass it explicitly with --patch FILE (it is patches/" + name + " in the source tree)"
     )
 
 
@@ -82,6 +98,42 @@ def describe_checkout(path: Path) -> str | None:
         return None
     rc, tag = _run(["git", "describe", "--tags", "--exact-match", "HEAD"], path)
     return f"{commit} ({tag})" if rc == 0 and tag else commit
+
+
+def _version_file(root: Path) -> str | None:
+    """``"MAJOR.MINOR.PATCH"`` from ``megatron/core/package_info.py``, or None."""
+    info = root / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        return None
+    found = dict(re.findall(r"^(MAJOR|MINOR|PATCH)\s*=\s*(\d+)", info.read_text(), flags=re.M))
+    if len(found) != 3:
+        return None
+    return f"{found['MAJOR']}.{found['MINOR']}.{found['PATCH']}"
+
+
+def detect_release(
+    root: Path, in_git_repo: bool, releases: dict[str, str]
+) -> tuple[str | None, str]:
+    """The supported release a Megatron-LM tree is at, and how the tree was described.
+
+    A git checkout is matched by its exact tag, else by its commit; a plain tree by the
+    ``MAJOR.MINOR`` of its version file (the version file of tag ``core_v0.19.0`` says 0.19.1,
+    so the patch level is not compared). ``None`` when the tree matches no release.
+    """
+    if in_git_repo:
+        where = describe_checkout(root) or "an unknown commit"
+        for tag, commit in releases.items():
+            if where.startswith(commit) or where.endswith(f"({tag})"):
+                return tag, where
+        return None, where
+    version = _version_file(root)
+    if version is None:
+        return None, "a tree that is not a git checkout and has no megatron/core/package_info.py"
+    minor = version.rsplit(".", 1)[0]
+    for tag in releases:
+        if tag.removeprefix("core_v").rsplit(".", 1)[0] == minor:
+            return tag, f"version file {version}, not a git checkout"
+    return None, f"version file {version}, not a git checkout"
 
 
 @dataclass
@@ -128,45 +180,55 @@ def patch_megatron(
     *,
     patch: Path | None = None,
     check_only: bool = False,
-    expected_commit: str = MEGATRON_COMMIT,
+    releases: dict[str, str] | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> str:
-    """Apply the patch to the Megatron-LM checkout at ``path``.
+    """Apply the patch of the checkout's release to the Megatron-LM checkout at ``path``.
+
+    The release is told by :func:`detect_release` among ``releases`` (tag -> commit; default
+    ``MEGATRON_RELEASES``); ``patch`` overrides the shipped patch of that release.
 
     Returns ``"applied"``, ``"already-applied"`` or ``"applicable"`` (``check_only``).
 
     Raises:
-        CliError: ``path`` is not a Megatron-LM checkout, or the patch does not apply.
+        CliError: ``path`` is not a Megatron-LM checkout, it is at a release without a patch
+            (and no ``patch`` was given), or the patch does not apply.
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    releases = MEGATRON_RELEASES if releases is None else releases
+    supported = ", ".join(releases)
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise CliError(f"{path}: no such directory; pass the root of a Megatron-LM clone")
     if not (root / "pretrain_gpt.py").is_file():
         raise CliError(
             f"{path} is not a Megatron-LM checkout (pretrain_gpt.py not found); pass the folder "
-            f"created by `git clone --branch {MEGATRON_TAG} https://github.com/NVIDIA/Megatron-LM`"
+            f"created by `git clone --branch {MEGATRON_TAG} https://github.com/NVIDIA/Megatron-LM` "
+            f"(supported tags: {supported})"
         )
-    patch_file = Path(patch).resolve() if patch is not None else default_patch_path()
-    if not patch_file.is_file():
-        raise CliError(f"patch file {patch} does not exist")
-
     # Only a repository rooted exactly here lets `git apply` use the patch's paths as they are.
     in_git_repo = _git_toplevel(root) == root
-    if in_git_repo:
-        where = describe_checkout(root)
-        print(f"Megatron-LM checkout: {root} at {where}", file=out)
-        if where is not None and not where.startswith(expected_commit):
-            print(
-                f"warning: the patch was made for Megatron-LM {MEGATRON_TAG} "
-                f"({expected_commit[:8]}); this checkout is at {where}. It may not apply or may "
-                f"need review; `git checkout {MEGATRON_TAG}` gives the tested version.",
-                file=err,
-            )
-    else:
-        print(f"Megatron-LM tree: {root} (not a git checkout; version unknown)", file=out)
+    release, where = detect_release(root, in_git_repo, releases)
+    print(f"Megatron-LM tree: {root} at {where}", file=out)
+    if release is None and patch is None:
+        raise CliError(
+            f"Megatron-LM at {where} is not a supported version: megatron-charm ships patches for "
+            f"the tags {supported} (`git -C {root} checkout <tag>`), or pass a patch you made "
+            "with --patch FILE"
+        )
+    if release is None:
+        print(
+            f"warning: this Megatron-LM is none of the supported tags ({supported}); trying "
+            f"{Path(patch).name} with a dry run first.",
+            file=err,
+        )
+    patch_file = Path(patch).resolve() if patch is not None else default_patch_path(release)
+    if not patch_file.is_file():
+        raise CliError(f"patch file {patch} does not exist")
+    if release is not None:
+        print(f"Release {release}: using {patch_file.name}", file=out)
 
     tool = _Applier.for_tree(root, patch_file, in_git_repo)
     rc, forward_log = _run(tool.check, root, tool.env)
@@ -175,11 +237,13 @@ def patch_megatron(
         if rc_rev == 0:
             print(f"{patch_file.name} is already applied to {root}; nothing to do.", file=out)
             return "already-applied"
-        raise CliError(
-            f"{patch_file.name} does not apply to {root}:\n{forward_log}\n"
-            f"Use a clean checkout of Megatron-LM {MEGATRON_TAG} "
-            f"(`git -C {root} status` shows local changes)."
+        cause = (
+            f"Use a clean checkout of Megatron-LM {release} (`git -C {root} status` shows local "
+            "changes)."
+            if release is not None
+            else f"Check out one of the supported tags ({supported})."
         )
+        raise CliError(f"{patch_file.name} does not apply to {root}:\n{forward_log}\n{cause}")
     if check_only:
         print(f"{patch_file.name} applies cleanly to {root} (--check: nothing written).", file=out)
         return "applicable"
@@ -322,9 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "patch-megatron",
-        help=f"patch a Megatron-LM {MEGATRON_TAG} checkout for --cp-comm-type charm",
+        help=f"patch a Megatron-LM checkout ({', '.join(MEGATRON_RELEASES)}) for --cp-comm-type "
+        "charm",
         description=(
-            f"Apply megatron-charm's patch to a Megatron-LM checkout (made for {MEGATRON_TAG}). "
+            "Apply megatron-charm's patch for the checkout's release "
+            f"({', '.join(MEGATRON_RELEASES)}) to a Megatron-LM checkout. "
             "Runs a dry run first; does nothing if the patch is already applied."
         ),
     )

@@ -64,12 +64,12 @@ def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | N
 class CharmDotProductAttention(MegatronModule):
     """Context-parallel core attention with the CHARM+ schedules.
 
-    Constructor keywords follow megatron-core 0.16.1's ``CoreAttentionBuilder``; ``k_channels`` and
-    ``v_channels`` are accepted for MLA. ``method``, ``ranks_per_node``, ``node_split`` and
-    ``options`` (the :class:`megatron_charm.PlanOptions`; its method is replaced by the resolved
-    ``cp_comm_type``) and ``timeout_s`` (seconds before a blocked exchange fails: Megatron-LM's
-    ``--distributed-timeout-minutes``) are extra keywords that spec helpers set through
-    ``ModuleSpec.params``.
+    Constructor keywords follow megatron-core's ``CoreAttentionBuilder`` (the same in 0.16.1 and
+    0.19.x); ``k_channels`` and ``v_channels`` are accepted for MLA. ``method``,
+    ``ranks_per_node``, ``node_split`` and ``options`` (the :class:`megatron_charm.PlanOptions`;
+    its method is replaced by the resolved ``cp_comm_type``) and ``timeout_s`` (seconds before a
+    blocked exchange fails: Megatron-LM's ``--distributed-timeout-minutes``) are extra keywords
+    that spec helpers set through ``ModuleSpec.params``.
 
     Checkpoints: like Transformer Engine's attention, the module saves an ``_extra_state`` entry
     and accepts TE's on load, so state dicts move between a TE-spec run and a CHARM+ run in both
@@ -317,14 +317,18 @@ def _check_config(
 
 def captures_attention(config: Any) -> str | None:
     """The CUDA-graph setting of ``config`` (a ``TransformerConfig`` or Megatron-LM's ``args``)
-    that would capture this module, or ``None``."""
+    that would capture this module, or ``None``. Reads ``cuda_graph_scope`` (megatron-core 0.16)
+    or, when that is unset, ``cuda_graph_modules`` (its 0.19 name)."""
     for legacy in ("enable_cuda_graph", "external_cuda_graph"):
         if getattr(config, legacy, False):
             return f"{legacy}=True"
     impl = str(getattr(config, "cuda_graph_impl", "none") or "none")
     if impl == "none":
         return None
-    raw = getattr(config, "cuda_graph_scope", None) or []
+    # megatron-core 0.19 renamed the setting cuda_graph_modules (its __post_init__ moves a
+    # cuda_graph_scope there and clears it); an empty list means the whole layer in both.
+    raw = getattr(config, "cuda_graph_scope", None) or getattr(config, "cuda_graph_modules", None)
+    raw = raw or []
     scopes = [
         getattr(x, "name", str(x)) for x in (raw if isinstance(raw, (list, tuple)) else [raw])
     ]

@@ -1,10 +1,12 @@
 """Checks that the installed megatron-core speaks the core_attention contract we implement.
 
 megatron-core builds ``core_attention`` with keyword arguments and calls it with a fixed
-positional/keyword split. Both are fixed by the ``CoreAttentionBuilder`` and ``CoreAttention``
-protocols in ``megatron.core.transformer.attention`` (0.16.x). If a future release changes them, a
+positional/keyword split. Both are fixed by the ``CoreAttentionBuilder`` protocol and the forward
+protocol in ``megatron.core.transformer.attention``: ``CoreAttention`` in 0.16.x, renamed
+``CoreAttentionInterface`` in 0.19.x with the same signatures. If a future release changes them, a
 silent mismatch would surface as a confusing ``TypeError`` deep inside model construction, or worse,
 as an argument bound to the wrong parameter. We compare signatures up front and fail loudly instead.
+Which protocol name exists is looked up, never inferred from the version string.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import functools
 import inspect
 from collections.abc import Callable
 
-#: Keywords megatron-core passes when it builds ``core_attention`` (0.16.1).
+#: Keywords megatron-core passes when it builds ``core_attention`` (0.16.1 and 0.19.x).
 CONSTRUCTOR_KEYWORDS: tuple[str, ...] = (
     "config",
     "layer_number",
@@ -29,7 +31,13 @@ FORWARD_POSITIONAL: tuple[str, ...] = ("query", "key", "value", "attention_mask"
 FORWARD_KEYWORDS: tuple[str, ...] = ("attn_mask_type", "attention_bias", "packed_seq_params")
 
 #: The megatron-core versions this contract was checked against.
-TESTED_MEGATRON_CORE = ("0.16.1",)
+TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
+#: Names of the ``core_attention.forward`` protocol, newest first (0.19.x, then 0.16.x).
+FORWARD_PROTOCOL_NAMES: tuple[str, ...] = ("CoreAttentionInterface", "CoreAttention")
+#: The megatron-core release to install for each Python line (``pyproject.toml`` pins the same).
+SUPPORTED_INSTALLS = (
+    "'megatron-core==0.16.1' on Python 3.10/3.11, 'megatron-core>=0.19,<0.20' on 3.12+"
+)
 
 
 class MegatronCompatibilityError(RuntimeError):
@@ -96,14 +104,16 @@ def core_attention_contract_problems() -> list[str]:
     except ImportError as exc:  # pragma: no cover - megatron-core is a dependency
         return [f"megatron.core.transformer.attention cannot be imported: {exc}"]
     builder = getattr(mc_attention, "CoreAttentionBuilder", None)
-    protocol = getattr(mc_attention, "CoreAttention", None)
-    if builder is None or protocol is None:
+    found = [n for n in FORWARD_PROTOCOL_NAMES if hasattr(mc_attention, n)]
+    if builder is None or not found:
         return [
-            "megatron.core.transformer.attention defines no CoreAttentionBuilder/CoreAttention "
-            "protocol, so the core_attention contract cannot be verified"
+            "megatron.core.transformer.attention defines no CoreAttentionBuilder and "
+            f"{' / '.join(FORWARD_PROTOCOL_NAMES)} protocols, so the core_attention contract "
+            "cannot be verified"
         ]
+    protocol = getattr(mc_attention, found[0])
     problems = _check_constructor(builder.__call__, "CoreAttentionBuilder.__call__")
-    problems += _check_forward(protocol.forward, "CoreAttention.forward")
+    problems += _check_forward(protocol.forward, f"{found[0]}.forward")
     return problems
 
 
@@ -135,7 +145,7 @@ def check_megatron_compat() -> str:
             + " does not match the core_attention contract that megatron-charm implements "
             + f"(checked against megatron-core {', '.join(TESTED_MEGATRON_CORE)}):\n  - "
             + "\n  - ".join(problems)
-            + "\nInstall a supported megatron-core (pip install 'megatron-core==0.16.1') or "
+            + f"\nInstall a supported megatron-core ({SUPPORTED_INSTALLS}) or "
             "update megatron_charm.megatron.attention to the new contract."
         )
     return version

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -48,10 +49,15 @@ class TrainResult:
 
 def _local_batch(batch: dict[str, torch.Tensor], ctx: DistContext) -> dict[str, torch.Tensor]:
     """This CP rank's zigzag share of a full-sequence batch (Megatron's own slicing)."""
+    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     batch = {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
-    return get_batch_on_this_cp_rank(batch)
+    # The CP group explicitly: without one, megatron-core 0.19 slices over the whole world.
+    kwargs: dict[str, Any] = {"cp_group": parallel_state.get_context_parallel_group()}
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        kwargs["is_hybrid_cp"] = False  # required from megatron-core 0.19 on
+    return get_batch_on_this_cp_rank(batch, **kwargs)
 
 
 def train_step(trainer: Trainer, iteration: int, grad_hook: GradHook | None) -> dict[str, Any]:

@@ -10,7 +10,8 @@ its optional dependencies), so the ``megatron.training`` package is created empt
 checkout's folder as its path, and only ``arguments.py`` and what it imports are loaded. There is
 no GPU here, so ``get_device_arch_version`` reports a Hopper GPU (9), as on an H100/H200, which
 makes ``validate_args`` apply its ``CUDA_DEVICE_MAX_CONNECTIONS`` rule. For every case that
-passes, the patched ``gpt_builders._maybe_apply_charm`` is applied to megatron-core's local layer
+passes, the patched builder's ``_maybe_apply_charm`` (``gpt_builders`` in core_v0.16.1,
+``megatron/training/models/gpt.py`` in core_v0.19.0) is applied to megatron-core's local layer
 spec, and the resulting ``core_attention`` is reported.
 """
 
@@ -81,11 +82,23 @@ def _run(arguments: types.ModuleType, case: dict) -> dict:
 
 
 def _core_attention(args) -> dict:
-    """What the patched ``gpt_builders._maybe_apply_charm`` makes of megatron-core's local spec."""
+    """What the patched builder makes of megatron-core's local spec: ``_maybe_apply_charm`` of
+    ``gpt_builders`` (core_v0.16.1) or of ``megatron.training.models.gpt`` (core_v0.19.0, which
+    reads the global args and the config's ``cp_comm_type``)."""
     import gpt_builders
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = gpt_builders._maybe_apply_charm(get_gpt_layer_local_spec(), args)
+    if hasattr(gpt_builders, "_maybe_apply_charm"):
+        spec = gpt_builders._maybe_apply_charm(get_gpt_layer_local_spec(), args)
+    else:
+        from megatron.training import global_vars
+        from megatron.training.models import gpt
+
+        global_vars.set_args(args)
+        values = args.cp_comm_type
+        cp_comm_type = values[0] if len(values) == 1 else values
+        config = types.SimpleNamespace(transformer=types.SimpleNamespace(cp_comm_type=cp_comm_type))
+        spec = gpt._maybe_apply_charm(get_gpt_layer_local_spec(), config)
     core = spec.submodules.self_attention.submodules.core_attention
     module = core.module if hasattr(core, "module") else core
     params = dict(getattr(core, "params", {}) or {})

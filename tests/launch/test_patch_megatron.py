@@ -43,12 +43,21 @@ def megatron_repo(tmp_path: Path) -> tuple[Path, Path]:
     return repo, patch
 
 
-def _run(repo: Path, patch: Path, **kw) -> tuple[str, str, str]:
+def _run(repo: Path, patch: Path | None, **kw) -> tuple[str, str, str]:
     out, err = io.StringIO(), io.StringIO()
     head = _git(repo, "rev-parse", "HEAD") if (repo / ".git").exists() else "0" * 40
-    kw.setdefault("expected_commit", head)
+    kw.setdefault("releases", {"core_v9.9.9": head})
     status = cli.patch_megatron(repo, patch=patch, out=out, err=err, **kw)
     return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def shipped(monkeypatch, tmp_path) -> Path:
+    """A folder standing in for the shipped patches: ``default_patch_path`` reads from it."""
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    monkeypatch.setattr(cli, "default_patch_path", lambda release: folder / cli.patch_name(release))
+    return folder
 
 
 @needs_git
@@ -68,11 +77,66 @@ def test_check_then_apply_then_idempotent(megatron_repo):
 
 
 @needs_git
-def test_other_commit_warns(megatron_repo):
+def test_other_commit_with_explicit_patch_warns(megatron_repo):
     repo, patch = megatron_repo
-    status, _, err = _run(repo, patch, check_only=True, expected_commit="f" * 40)
+    status, _, err = _run(repo, patch, check_only=True, releases={"core_v9.9.9": "f" * 40})
     assert status == "applicable"
-    assert "warning" in err and cli.MEGATRON_TAG in err
+    assert "warning" in err and "core_v9.9.9" in err
+
+
+@needs_git
+def test_unsupported_version_names_the_supported_tags(megatron_repo, shipped):
+    repo, _ = megatron_repo
+    _git(repo, "tag", "core_v0.17.1")
+    releases = {"core_v0.16.1": "a" * 40, "core_v0.19.0": "b" * 40}
+    with pytest.raises(cli.CliError) as info:
+        _run(repo, None, releases=releases)
+    message = str(info.value)
+    assert "not a supported version" in message and "core_v0.17.1" in message
+    assert "core_v0.16.1, core_v0.19.0" in message and "local changes" not in message
+    assert (repo / "pretrain_gpt.py").read_text() == ORIGINAL
+
+
+@needs_git
+def test_tag_picks_its_patch(megatron_repo, shipped):
+    repo, patch = megatron_repo
+    # The other release's patch would fail: it expects a different file content.
+    (shipped / cli.patch_name("core_v0.16.1")).write_text(patch.read_text().replace("p2p", "a2a"))
+    (shipped / cli.patch_name("core_v0.19.0")).write_text(patch.read_text())
+    _git(repo, "tag", "core_v0.19.0")
+    releases = {"core_v0.16.1": "a" * 40, "core_v0.19.0": "b" * 40}
+    status, out, err = _run(repo, None, releases=releases)
+    assert status == "applied" and err == ""
+    assert "Release core_v0.19.0: using megatron-lm-core_v0.19.0.patch" in out
+    assert (repo / "pretrain_gpt.py").read_text() == PATCHED
+
+
+@needs_git
+def test_commit_without_tag_picks_its_patch(megatron_repo, shipped):
+    repo, patch = megatron_repo
+    (shipped / cli.patch_name("core_v0.16.1")).write_text(patch.read_text())
+    head = _git(repo, "rev-parse", "HEAD")
+    status, out, _ = _run(repo, None, check_only=True, releases={"core_v0.16.1": head})
+    assert status == "applicable" and "Release core_v0.16.1" in out
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="patch(1) is not installed")
+@needs_git
+def test_plain_tree_is_told_by_its_version_file(megatron_repo, shipped, tmp_path):
+    _, patch = megatron_repo
+    (shipped / cli.patch_name("core_v0.19.0")).write_text(patch.read_text())
+    plain = tmp_path / "plain-0.19"
+    (plain / "megatron" / "core").mkdir(parents=True)
+    (plain / "pretrain_gpt.py").write_text(ORIGINAL)
+    info = plain / "megatron" / "core" / "package_info.py"
+    info.write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\nPRE_RELEASE = ''\n")
+    releases = {"core_v0.16.1": "a" * 40, "core_v0.19.0": "b" * 40}
+    status, out, _ = _run(plain, None, releases=releases)
+    assert status == "applied" and "version file 0.19.1" in out
+    assert (plain / "pretrain_gpt.py").read_text() == PATCHED
+    info.write_text("MAJOR = 0\nMINOR = 18\nPATCH = 2\n")
+    with pytest.raises(cli.CliError, match="version file 0.18.2, .* not a supported version"):
+        _run(plain, None, releases=releases)
 
 
 @needs_git
@@ -116,12 +180,24 @@ def test_main_exit_status(megatron_repo, tmp_path, capsys):
     assert exc.value.code == 2
 
 
-def test_shipped_patch_touches_only_the_builder_arguments_and_init():
-    patch = cli.default_patch_path()
+#: Where each release's Megatron-LM picks the GPT layer spec (0.19 builds it in GPTModelBuilder).
+SPEC_FILE = {"core_v0.16.1": "gpt_builders.py", "core_v0.19.0": "megatron/training/models/gpt.py"}
+
+
+def test_every_release_has_a_shipped_patch():
+    assert set(cli.MEGATRON_RELEASES) == set(SPEC_FILE)
+    for release, commit in cli.MEGATRON_RELEASES.items():
+        assert re.fullmatch(r"[0-9a-f]{40}", commit)
+        assert cli.default_patch_path(release).name == f"megatron-lm-{release}.patch"
+
+
+@pytest.mark.parametrize("release", sorted(SPEC_FILE))
+def test_shipped_patch_touches_only_the_builder_arguments_and_init(release):
+    patch = cli.default_patch_path(release)
     text = patch.read_text()
     files = set(re.findall(r"^\+\+\+ b/(\S+)$", text, flags=re.M))
     assert files == {
-        "gpt_builders.py",
+        SPEC_FILE[release],
         "megatron/training/arguments.py",
         "megatron/training/initialize.py",
         "pretrain_gpt.py",
