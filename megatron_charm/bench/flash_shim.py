@@ -2,8 +2,9 @@
 
 ring-flash-attention imports ``_flash_attn_forward`` and ``_flash_attn_backward`` from
 ``flash_attn.flash_attn_interface``. On CPU there is no flash-attn; this module provides the two
-functions (flash-attn >= 2.6 signatures, keyword-called by ring-flash-attention) over PyTorch's
-CPU flash-attention ops, and installs them as ``flash_attn.flash_attn_interface`` in
+functions (flash-attn >= 2.6 signatures, keyword-called by ring-flash-attention) over our own
+CPU block kernel (PyTorch's CPU flash-attention ops; the same kernel as our methods, so the
+comparison is of schedules), and installs them as ``flash_attn.flash_attn_interface`` in
 ``sys.modules`` only inside :func:`installed`. It is benchmark code: the library never imports it.
 
 Shapes follow flash-attn: ``q [b, s_q, h, d]``, ``k, v [b, s_k, h_kv, d]``, ``lse`` float32
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_charm.kernels.backends import expand_kv_heads, fold_kv_heads
+from megatron_charm.kernels.torch_kernel import cpu_backward, cpu_forward
 
 Tensor = torch.Tensor
 
@@ -49,12 +50,10 @@ def _flash_attn_forward(
     """``(out [b, s_q, h, d], lse float32 [b, h, s_q], None, None)`` like flash-attn 2.6+."""
     _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     t0 = time.perf_counter()
-    h = q.shape[2]
-    qq, kk, vv = (x.transpose(1, 2) for x in (q, expand_kv_heads(k, h), expand_kv_heads(v, h)))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qq, kk, vv, 0.0, causal, attn_mask=None, scale=softmax_scale
-    )
-    out = out.transpose(1, 2)
+    # our own CPU block kernel, so that both sides of a comparison compute alike
+    sbhd = lambda x: x.transpose(0, 1)  # noqa: E731
+    out, lse = cpu_forward(sbhd(q), sbhd(k), sbhd(v), causal, softmax_scale)
+    out, lse = sbhd(out), lse.permute(1, 2, 0)
     KERNEL_SECONDS[0] += time.perf_counter() - t0
     return out, lse, None, None
 
@@ -83,21 +82,10 @@ def _flash_attn_backward(
     row sums ``delta`` ``[b, h, s_q]`` in their place (ring-flash-attention ignores it)."""
     _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     t0 = time.perf_counter()
-    h, h_kv = q.shape[2], k.shape[2]
-    bhsd = lambda x: x.transpose(1, 2)  # noqa: E731
-    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        bhsd(dout),
-        bhsd(q),
-        bhsd(expand_kv_heads(k, h)),
-        bhsd(expand_kv_heads(v, h)),
-        bhsd(out),
-        softmax_lse.contiguous(),
-        0.0,
-        causal,
-        attn_mask=None,
-        scale=softmax_scale,
-    )
-    grads = (bhsd(gq), fold_kv_heads(bhsd(gk), h_kv), fold_kv_heads(bhsd(gv), h_kv))
+    sbhd = lambda x: x.transpose(0, 1)  # noqa: E731
+    lse = softmax_lse.permute(2, 0, 1)
+    grads = cpu_backward(*(sbhd(x) for x in (dout, q, k, v, out)), lse, causal, softmax_scale)
+    grads = tuple(sbhd(g) for g in grads)
     for dst, g in zip((dq, dk, dv), grads, strict=True):
         if dst is not None:
             dst.copy_(g)
