@@ -22,7 +22,7 @@ from pathlib import Path
 from megatron_charm.bench.methods import BASELINES, OURS
 from megatron_charm.bench.summary import markdown, summarise
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
-from megatron_charm.plan.options import CROSS_LEVELS, CROSS_RETURNS, PlanOptions
+from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -49,27 +49,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    defaults = PlanOptions()
-    ap.add_argument(
-        "--window", type=int, default=defaults.window, help="plan option: exchanges in flight"
-    )
-    ap.add_argument(
-        "--cross-return",
-        choices=CROSS_RETURNS,
-        default=defaults.cross_return,
-        help="plan option: precision of charm's node-merged results crossing nodes",
-    )
-    ap.add_argument(
-        "--cross-level",
-        choices=CROSS_LEVELS,
-        default=defaults.cross_level,
-        help="plan option: what charm ships across nodes (auto: fewer bytes per head ratio)",
-    )
-    ap.add_argument(
-        "--combine-two-nodes",
-        action="store_true",
-        help="plan option: charm's two-node pipeline (paper Algorithm 2)",
-    )
+    add_plan_arguments(ap)
     ap.add_argument("--kernel", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
@@ -115,10 +95,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "iters": args.iters,
         "warmup": args.warmup,
         "seed": args.seed,
-        "window": args.window,
-        "cross_return": args.cross_return,
-        "combine_two_nodes": args.combine_two_nodes,
-        "cross_level": args.cross_level,
+        **plan_values_from_args(args),
         "kernel": args.kernel,
         "device": args.device,
         "topology": args.topology,

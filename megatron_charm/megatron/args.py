@@ -27,11 +27,12 @@ from typing import Any
 
 from megatron_charm.nodes import NODE_SPLITS
 from megatron_charm.plan.options import (
-    CROSS_LEVELS,
-    CROSS_RETURNS,
     MEGATRON_METHODS,
     TE_CP_COMM_TYPES,
     PlanOptions,
+    add_plan_arguments,
+    flag_name,
+    plan_values_from_args,
 )
 
 #: ``--cp-comm-type`` values served by megatron-charm.
@@ -60,29 +61,7 @@ def add_megatron_arguments(group: argparse._ArgumentGroup) -> None:
         default="host",
         help="what a detected node is: the host, or each NUMA domain of GPUs without NVLink.",
     )
-    group.add_argument(
-        "--charm-window",
-        type=int,
-        default=_DEFAULTS.window,
-        help="exchanges in flight per channel in the CHARM+ pipelines (>= 1).",
-    )
-    group.add_argument(
-        "--charm-cross-return",
-        choices=CROSS_RETURNS,
-        default=_DEFAULTS.cross_return,
-        help="wire precision of partial results that cross nodes.",
-    )
-    group.add_argument(
-        "--charm-cross-level",
-        choices=CROSS_LEVELS,
-        default=_DEFAULTS.cross_level,
-        help="what charm ships across nodes: q, kv, or auto (fewer bytes).",
-    )
-    group.add_argument(
-        "--charm-combine-two-nodes",
-        action="store_true",
-        help="charm on exactly two nodes: own and foreign queries in one pipeline.",
-    )
+    add_plan_arguments(group, prefix="charm-")
 
 
 def uses_charm(args: argparse.Namespace) -> bool:
@@ -101,13 +80,8 @@ def plan_options_from_args(args: argparse.Namespace) -> PlanOptions:
     Raises:
         ValueError: naming the flag whose value the planner refuses.
     """
-    flags = {
-        "window": "--charm-window",
-        "cross_return": "--charm-cross-return",
-        "cross_level": "--charm-cross-level",
-        "combine_two_nodes": "--charm-combine-two-nodes",
-    }
-    values = {key: getattr(args, flag[2:].replace("-", "_")) for key, flag in flags.items()}
+    values = plan_values_from_args(args, prefix="charm-")
+    flags = {key: flag_name(key, "charm-") for key in values}
     method = _comm_types(args)[0] if uses_charm(args) else _DEFAULTS.method
     try:
         return PlanOptions(method=method, **values)  # type: ignore[arg-type]

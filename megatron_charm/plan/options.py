@@ -120,3 +120,45 @@ class PlanOptions:
         if unknown:
             raise ValueError(f"unknown plan option(s) {unknown}; expected some of {sorted(known)}")
         return cls(**values)  # type: ignore[arg-type]
+
+
+#: Help of each plan option's command-line flag (every CLI that takes plan options uses these).
+FLAG_HELP: dict[str, str] = {
+    "window": "plan option: exchanges in flight per channel in the pipelines (>= 1)",
+    "cross_return": "plan option: precision of charm's node-merged results crossing nodes",
+    "cross_level": "plan option: what charm ships across nodes (q, kv, or auto: fewer bytes)",
+    "combine_two_nodes": "plan option: charm on two nodes as one pipeline (paper Algorithm 2)",
+}
+
+
+def flag_name(key: str, prefix: str = "") -> str:
+    """``cross_return`` -> ``--cross-return`` (``--charm-cross-return`` with prefix ``charm-``)."""
+    return f"--{prefix}{key.replace('_', '-')}"
+
+
+def add_plan_arguments(parser, prefix: str = "", keys: tuple[str, ...] = tuple(FLAG_HELP)) -> None:
+    """Add ``--<prefix><option>`` flags for the plan options ``keys`` to an argparse parser or
+    group, with :class:`PlanOptions`' defaults and choices."""
+    defaults = PlanOptions()
+    choices = {"cross_return": CROSS_RETURNS, "cross_level": CROSS_LEVELS}
+    for key in keys:
+        if key == "combine_two_nodes":
+            parser.add_argument(flag_name(key, prefix), action="store_true", help=FLAG_HELP[key])
+        elif key == "window":
+            parser.add_argument(
+                flag_name(key, prefix), type=int, default=defaults.window, help=FLAG_HELP[key]
+            )
+        else:
+            parser.add_argument(
+                flag_name(key, prefix),
+                choices=choices[key],
+                default=getattr(defaults, key),
+                help=FLAG_HELP[key],
+            )
+
+
+def plan_values_from_args(
+    args: object, prefix: str = "", keys: tuple[str, ...] = tuple(FLAG_HELP)
+) -> dict[str, object]:
+    """The values of the flags :func:`add_plan_arguments` added, keyed by plan option."""
+    return {key: getattr(args, (prefix + key).replace("-", "_")) for key in keys}

@@ -15,10 +15,14 @@ import json
 import sys
 
 from megatron_charm.plan import METHODS, PlanOptions
+from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Prediction, Problem, advise, predict
 from megatron_charm.sim.programs import MODES
 from megatron_charm.sim.topology import CROSS_LINKS, FABRICS, PRESETS, Topology, parse_gpus
+
+#: The plan options the simulator takes as flags.
+SIM_PLAN_OPTIONS = ("window", "cross_level")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,13 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "needs heads and kv heads divisible by the GPU count)",
     )
     sim.add_argument("--mode", choices=MODES, default="auto", help="replay all ranks or one node")
-    sim.add_argument("--window", type=int, default=2, help="prefetch window of the pipelines")
-    sim.add_argument(
-        "--cross-level",
-        choices=("auto", "q", "kv"),
-        default="auto",
-        help="what charm ships across nodes (auto: fewer bytes for the head ratio)",
-    )
+    add_plan_arguments(sim, keys=SIM_PLAN_OPTIONS)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap
 
@@ -176,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             compute,
             None if methods is None else tuple(methods),
             args.mode,
-            PlanOptions(window=args.window, cross_level=args.cross_level),
+            PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS)),
         )
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
