@@ -128,11 +128,13 @@ def _place(b: ProgramBuilder, kind: Kind, cp_size: int) -> None:
         b.merge(Payload(kind, x, Part.FULL, Heads((x - o) % cp_size, cp_size)))
 
 
-def a2a_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
-    """Forward program of ``cp_rank`` (Note [All-to-all schedule])."""
+def _compute_and_return(cp_rank: int, cp_size: int, causal: bool, backward: bool) -> ProgramBuilder:
+    """Gather head group ``cp_rank`` of every owner's inputs, compute every block, and return each
+    owner's q-side result (out, or dq) as soon as it is complete."""
     b = ProgramBuilder(cp_rank)
-    block = _Blocks(b, cp_size, causal, Kind.Q)
-    owners = _post_inputs(b, cp_size, Kind.Q)
+    q_kind, result = (Kind.QB, Kind.DQ) if backward else (Kind.Q, Kind.O)
+    block = _Blocks(b, cp_size, causal, q_kind)
+    owners = _post_inputs(b, cp_size, q_kind)
     block.early(owners)
     last, x = owners[-1], cp_rank
     # the last owner completes every result: its row first (its own result goes back first,
@@ -140,11 +142,17 @@ def a2a_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     if cp_size > 1:
         for y in owners:
             block(last, y)
-        _return(b, Kind.O, 1, cp_size)
+        _return(b, result, 1, cp_size)
         for o in range(2, cp_size):
             block((x + o) % cp_size, last)
-            _return(b, Kind.O, o, cp_size)
+            _return(b, result, o, cp_size)
     block(x, last)
+    return b
+
+
+def a2a_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
+    """Forward program of ``cp_rank`` (Note [All-to-all schedule])."""
+    b = _compute_and_return(cp_rank, cp_size, causal, backward=False)
     _place(b, Kind.O, cp_size)
     return b.finish()
 
@@ -152,19 +160,7 @@ def a2a_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
 def a2a_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     """Backward program of ``cp_rank``: gather the bundle and kv of head group ``cp_rank``,
     compute, return each dq and dk/dv to its owner (Note [All-to-all schedule])."""
-    b = ProgramBuilder(cp_rank)
-    block = _Blocks(b, cp_size, causal, Kind.QB)
-    owners = _post_inputs(b, cp_size, Kind.QB)
-    block.early(owners)
-    last, x = owners[-1], cp_rank
-    if cp_size > 1:
-        for y in owners:
-            block(last, y)
-        _return(b, Kind.DQ, 1, cp_size)
-        for o in range(2, cp_size):
-            block((x + o) % cp_size, last)
-            _return(b, Kind.DQ, o, cp_size)
-    block(x, last)
+    b = _compute_and_return(cp_rank, cp_size, causal, backward=True)
     # every dk/dv of this head group is complete now (the last owner's column is done)
     for o in range(1, cp_size):
         _return(b, Kind.DKV, o, cp_size)
