@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from megatron_charm.bench.methods import BASELINES, OURS
+from megatron_charm.bench.provenance import git
 from megatron_charm.bench.summary import markdown, summarise
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
@@ -162,16 +162,7 @@ def code_version() -> dict[str, str | None]:
     digest = hashlib.sha256()
     for path in sorted([*pkg.glob("plan/*.py"), *pkg.glob("comm/*.py"), pkg / "function.py"]):
         digest.update(path.name.encode() + path.read_bytes())
-    try:
-        commit = subprocess.run(
-            ["git", "-C", REPO_ROOT, "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {"git_commit": commit, "plan_comm_sha256": digest.hexdigest()[:16]}
+    return {"git_commit": git("rev-parse", "HEAD"), "plan_comm_sha256": digest.hexdigest()[:16]}
 
 
 def run_attention(args: argparse.Namespace) -> dict:

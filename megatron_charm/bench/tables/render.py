@@ -5,12 +5,12 @@ from __future__ import annotations
 import csv
 import datetime
 import os
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_charm.bench.provenance import git
 from megatron_charm.bench.tables.collect import Result, Row, speedup
-from megatron_charm.bench.tables.plan import REPO, TABLES, Scale
+from megatron_charm.bench.tables.plan import TABLES, Scale
 
 METHOD_TITLES = {"ring": "Ring", "charm": "CHARM+", "p2p": "Ring (TE p2p)"}
 
@@ -155,22 +155,9 @@ def markdown_document(
 
 def describe_code() -> str:
     """The git commit the runs used, and whether the work tree had local changes."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+    sha = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    if sha is None or dirty is None:
         return "unknown (not a git checkout)"
     return f"commit {sha}" + (" with local changes to tracked files" if dirty else "")
 
