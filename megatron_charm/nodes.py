@@ -126,17 +126,18 @@ def node_identity(
     gpus = (probe or probe_gpus)()
     domains = numa_domains(gpus)
     if device_pci not in domains:
+        listed = ", ".join(format_pci(g.pci) for g in gpus) or "none"
         raise ValueError(
-            f"node_split='numa': this rank's GPU at PCI {_fmt(device_pci)} is not among the host's "
-            f"GPUs that NVML lists ({', '.join(_fmt(g.pci) for g in gpus) or 'none'}); set "
-            "charm ranks_per_node explicitly"
+            f"node_split='numa': this rank's GPU at PCI {format_pci(device_pci)} is not among the "
+            f"host's GPUs that NVML lists ({listed}); set charm ranks_per_node explicitly"
         )
     if len(set(domains.values())) == 1:
         return host
     return f"{host}/numa{domains[device_pci]}"
 
 
-def _fmt(pci: PciAddress) -> str:
+def format_pci(pci: PciAddress) -> str:
+    """``(0, 0x3b, 0)`` -> ``0000:3b:00.0`` (the sysfs spelling)."""
     return f"{pci[0]:04x}:{pci[1]:02x}:{pci[2]:02x}.0"
 
 
@@ -151,7 +152,7 @@ def cuda_device_pci(device_index: int) -> PciAddress:
 def sysfs_numa_node(pci: PciAddress, root: Path = Path("/sys/bus/pci/devices")) -> int:
     """NUMA node of a PCI device from sysfs; 0 where the platform reports none (-1) or no file."""
     try:
-        node = int((root / _fmt(pci) / "numa_node").read_text().strip())
+        node = int((root / format_pci(pci) / "numa_node").read_text().strip())
     except (OSError, ValueError):
         return 0
     return max(node, 0)

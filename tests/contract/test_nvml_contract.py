@@ -108,3 +108,23 @@ def test_probe_through_the_real_pynvml():
     assert [numa_domains(gpus)[g.pci] for g in gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert fake.calls[0] == "nvmlInitWithFlags" and fake.calls[-1] == "nvmlShutdown"
     assert "nvmlDeviceGetNvLinkRemotePciInfo_v2" in fake.calls
+
+
+def test_cuda_device_pci_reads_what_torch_itself_reads():
+    """``cuda_device_pci`` reads ``pci_domain_id``, ``pci_bus_id`` and ``pci_device_id`` of
+    ``torch.cuda.get_device_properties``; the CPU build has no ``_CudaDeviceProperties`` to
+    inspect, but the installed torch's own NUMA binding reads the same three attributes (and
+    spells the sysfs address as we do)."""
+    import inspect
+
+    import torch.numa.binding as binding
+
+    from megatron_charm import nodes
+
+    ours = inspect.getsource(nodes.cuda_device_pci)
+    theirs = inspect.getsource(binding._get_numa_node_index_for_gpu_index)
+    for attribute in ("pci_domain_id", "pci_bus_id", "pci_device_id"):
+        assert f"props.{attribute}" in ours
+        assert f"device_properties.{attribute}" in theirs
+    assert "{domain:04x}:{bus:02x}:{device:02x}.0" in theirs
+    assert nodes.format_pci((0, 0xDC, 0)) == "0000:dc:00.0"

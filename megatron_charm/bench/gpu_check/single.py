@@ -36,6 +36,10 @@ def versions(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        from megatron_charm.nodes import cuda_device_pci, format_pci, sysfs_numa_node
+
+        pci = cuda_device_pci(device.index or 0)  # what node_split="numa" reads
+        info["gpu_pci"], info["gpu_numa_node"] = format_pci(pci), sysfs_numa_node(pci)
         iface, why = load_flash_attn()
         info["flash_attn_adapter"] = iface.describe() if iface is not None else why
     return info
