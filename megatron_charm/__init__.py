@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_charm.plan import METHODS, PlanOptions
+from megatron_charm.plan.docmask import DocMask
 
-__all__ = ["CPTopology", "cp_attention", "METHODS", "PlanOptions"]
+__all__ = ["CPTopology", "DocMask", "cp_attention", "METHODS", "PlanOptions"]
 __version__ = "0.1.0"
 
 

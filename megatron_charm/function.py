@@ -21,6 +21,8 @@ from megatron_charm.plan import (
     cross_levels,
     plan_with_levels,
 )
+from megatron_charm.plan.docmask import DocMask, MaskModel
+from megatron_charm.plan.layout import ZIGZAG
 from megatron_charm.plan.types import Kind, Part, Program
 from megatron_charm.plan.validate import validate
 
@@ -30,18 +32,59 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def validated_plan(
-    options: PlanOptions, layout: Layout, causal: bool, shape: AttnShape | None = None
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    shape: AttnShape | None = None,
+    pattern: frozenset | None = None,
 ) -> Plan:
-    """The plan for a configuration (``shape`` decides charm's ``cross_level="auto"``), replayed
-    by the validator before its first use."""
-    return _validated(options, layout, causal, cross_levels(options, layout, causal, shape))
+    """The plan for a configuration (``shape`` decides charm's ``cross_level="auto"``; ``pattern``
+    prunes it to a mask's non-empty half blocks), replayed by the validator before its first
+    use."""
+    cross = cross_levels(options, layout, causal, shape)
+    return _validated(options, layout, causal, cross, pattern)
 
 
 @lru_cache(maxsize=128)
-def _validated(options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str]) -> Plan:
-    plan = plan_with_levels(options, layout, causal, cross)
+def _validated(
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    pattern: frozenset | None,
+) -> Plan:
+    plan = plan_with_levels(options, layout, causal, cross, pattern)
     validate(plan)
     return plan
+
+
+def _mask_model(
+    mask: DocMask | None, options: PlanOptions, topo: CPTopology, s_local: int, causal: bool
+) -> MaskModel | None:
+    """Resolve ``mask`` for the CP group, refusing what it cannot describe."""
+    if mask is None:
+        return None
+    if not isinstance(mask, DocMask):
+        raise ValueError(
+            f"mask={mask!r}: expected a megatron_charm.DocMask (document lengths, layout, window)"
+        )
+    if options.seq_layout != ZIGZAG:
+        raise ValueError(
+            f"method {options.method!r} schedules the {options.seq_layout} layout, but document "
+            "masks describe the zigzag layout; pick a zigzag method (charm, ring, a2a, ...)"
+        )
+    if s_local % 2 != 0:
+        raise ValueError(
+            f"a document mask needs an even local sequence length (two zigzag chunks), got "
+            f"{s_local}; make the global sequence length divisible by 2 * cp_size"
+        )
+    if mask.total != s_local * topo.cp_size:
+        raise ValueError(
+            f"DocMask lengths sum to {mask.total} tokens, but the CP group holds "
+            f"{s_local} x {topo.cp_size} = {s_local * topo.cp_size}; the lengths must cover the "
+            "global sequence exactly (pad the last document or fix cu_seqlens)"
+        )
+    return mask.model(topo.cp_size, causal)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, qkv_format: str, causal: bool) -> None:
@@ -107,9 +150,11 @@ def forward_pass(
     kernel: BlockKernel,
     scale: float,
     trace: list[RunTrace] | None = None,
+    mask: MaskModel | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Run one rank's forward program. ``q [s, b, h, d]``, ``k, v [s, b, h_kv, d]`` (contiguous);
-    returns ``out [s, b, h, d]`` in q's dtype and the float32 ``lse [s, b, h]``."""
+    """Run one rank's forward program. ``q [s, b, h, d]``, ``k, v [s, b, h_kv, d]`` (contiguous,
+    in the halves order of ``mask`` when one is given); returns ``out [s, b, h, d]`` in q's dtype
+    and the float32 ``lse [s, b, h]``."""
     space = TensorSpace(
         AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size()),
         q.dtype,
@@ -117,7 +162,8 @@ def forward_pass(
     )
     x = topo.cp_rank
     inputs = {(Kind.Q, x, None): (Part.FULL, [q]), (Kind.KV, x, None): (Part.FULL, [k, v])}
-    accumulators = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace).run()
+    runner = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace, mask)
+    accumulators = runner.run()
     out, lse = final_tensors(accumulators, Kind.O, x, q.dtype)
     return out, lse
 
@@ -134,6 +180,7 @@ def backward_pass(
     kernel: BlockKernel,
     scale: float,
     trace: list[RunTrace] | None = None,
+    mask: MaskModel | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run one rank's backward program with the *final* ``out`` and ``lse`` of its queries
     (shapes as :func:`forward_pass`); returns ``dq, dk, dv`` in the input dtypes."""
@@ -147,7 +194,8 @@ def backward_pass(
         (Kind.QB, x, None): (Part.FULL, [q, out, dout.contiguous(), lse]),
         (Kind.KV, x, None): (Part.FULL, [k, v]),
     }
-    accumulators = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace).run()
+    runner = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace, mask)
+    accumulators = runner.run()
     (dq,) = final_tensors(accumulators, Kind.DQ, x, q.dtype)
     dk, dv = final_tensors(accumulators, Kind.DKV, x, k.dtype)
     return dq, dk, dv
@@ -155,10 +203,12 @@ def backward_pass(
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, topo, plan, kernel, scale, trace):  # q, k, v: [s, b, h(_kv), d]
-        out, lse = forward_pass(topo, plan.forward[topo.cp_rank], q, k, v, kernel, scale, trace)
+    def forward(ctx, q, k, v, topo, plan, kernel, scale, trace, mask):  # q: [s, b, h, d]
+        program = plan.forward[topo.cp_rank]
+        out, lse = forward_pass(topo, program, q, k, v, kernel, scale, trace, mask)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.topo, ctx.plan, ctx.kernel, ctx.scale, ctx.trace = topo, plan, kernel, scale, trace
+        ctx.mask = mask
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -167,9 +217,9 @@ class _CPAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         program = ctx.plan.backward[ctx.topo.cp_rank]
         dq, dk, dv = backward_pass(
-            ctx.topo, program, q, k, v, out, lse, dout, ctx.kernel, ctx.scale, ctx.trace
+            ctx.topo, program, q, k, v, out, lse, dout, ctx.kernel, ctx.scale, ctx.trace, ctx.mask
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def cp_attention(
@@ -186,6 +236,7 @@ def cp_attention(
     return_lse: bool = False,
     kernel: str | None = None,
     trace: list[RunTrace] | None = None,
+    mask: DocMask | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Context-parallel attention over ``topo``'s CP group.
 
@@ -208,6 +259,11 @@ def cp_attention(
         trace: a list that receives one :class:`megatron_charm.comm.executor.RunTrace` per pass
             (forward, then backward): timelines, bytes sent and peak buffer bytes. ``None`` (the
             default) measures nothing.
+        mask: documents packed into the global sequence and an optional sliding window
+            (:class:`megatron_charm.DocMask`), combined with ``causal``. The plan skips every
+            block the mask empties: no compute, no transfer, no merge (Note [Pruning to a mask]).
+            With ``layout="thd"`` the local tokens are in Transformer Engine's THD order (every
+            sequence's two chunks in turn); with ``"bshd"`` in the zigzag layout.
 
     Returns:
         ``out`` shaped like ``q`` in q's dtype, or ``(out, lse)``.
@@ -219,23 +275,38 @@ def cp_attention(
     topo.check_device(q.device)
     if qkv_format == "bshd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    model = _mask_model(mask, options, topo, q.shape[0], causal)
+    order = model.local_order(q.shape[0]) if model is not None else None
+    if order is not None:
+        index = torch.tensor(order, device=q.device)
+        q, k, v = (t.index_select(0, index) for t in (q, k, v))
     q, k, v = (t.contiguous() for t in (q, k, v))
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    fingerprint = mask.fingerprint() if mask is not None else ""
     check_agreement(
         topo,
-        CallKey(tuple(q.shape), k.shape[2], str(q.dtype), causal, float(scale), options),
+        CallKey(
+            tuple(q.shape), k.shape[2], str(q.dtype), causal, float(scale), options, fingerprint
+        ),
         device=q.device,
     )
     shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
     check_shape(options, topo.layout, shape)
-    plan = validated_plan(options, topo.layout, causal, shape)
+    if model is None:
+        plan = validated_plan(options, topo.layout, causal, shape)
+    else:
+        plan = validated_plan(options, topo.layout, model.dense_causal, shape, model.pattern)
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
     with topo.exclusive():
-        out, lse = _CPAttention.apply(q, k, v, topo, plan, blk, scale, trace)
+        out, lse = _CPAttention.apply(q, k, v, topo, plan, blk, scale, trace, model)
+    if order is not None:
+        inverse = torch.empty_like(index)
+        inverse[index] = torch.arange(len(order), device=q.device)
+        out, lse = out.index_select(0, inverse), lse.index_select(0, inverse)
     if qkv_format == "bshd":
         out = out.transpose(0, 1)
     lse = lse.permute(1, 2, 0)
     return (out, lse) if return_lse else out
 
 
-__all__ = ["METHODS", "Plan", "PlanOptions", "cp_attention"]
+__all__ = ["METHODS", "DocMask", "Plan", "PlanOptions", "cp_attention"]

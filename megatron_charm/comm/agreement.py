@@ -35,6 +35,8 @@ class CallKey:
     causal: bool
     softmax_scale: float
     options: PlanOptions
+    mask: str = ""
+    """Fingerprint of the document mask (``""``: none)."""
 
     def fingerprint(self) -> int:
         digest = hashlib.blake2b(repr(self).encode(), digest_size=8).digest()

@@ -21,6 +21,8 @@ from megatron_charm.comm.buffers import Accumulator, TensorSpace, part_of
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
+from megatron_charm.kernels.masked import masked_backward, masked_forward
+from megatron_charm.plan.docmask import MaskModel
 from megatron_charm.plan.payloads import group_heads
 from megatron_charm.plan.types import Compute, Exchange, Heads, Kind, Merge, Part, Program, Wait
 
@@ -144,7 +146,9 @@ class ProgramRunner:
     holds on all heads (its own q/kv, or its backward bundle); received inputs join them as their
     exchanges complete and leave after their last use. With ``trace`` (a list), the pass appends
     one :class:`RunTrace` with its timeline, bytes and peak buffer bytes; without it, nothing is
-    measured.
+    measured. With ``mask`` (a document mask resolved for the CP group), every compute runs the
+    spans the mask leaves in its block (:mod:`megatron_charm.kernels.masked`) instead of the
+    layout's causal rule.
 
     Note [GQA expansion]
     ~~~~~~~~~~~~~~~~~~~~
@@ -167,8 +171,10 @@ class ProgramRunner:
         backward: bool,
         inputs: dict[Key, tuple[Part, list[Tensor]]],
         trace: list[RunTrace] | None = None,
+        mask: MaskModel | None = None,
     ) -> None:
         self.topo = topo
+        self.mask = mask
         self.prog = program
         self.space = space
         self.kernel = kernel
@@ -288,13 +294,23 @@ class ProgramRunner:
         qkind = Kind.QB if self.backward else Kind.Q
         q_in = self._input(qkind, c.q_owner, c.q_part, c.heads)
         k, v = self._kv(c.kv_owner, c.kv_part, c.heads)
+        spans = None
+        if self.mask is not None:
+            half = self.space.shape.s_local // 2
+            spans = self.mask.spans(c.q_owner, c.q_part, c.kv_owner, c.kv_part, half)
         if not self.backward:
-            out, lse = self.kernel.forward(q_in[0], k, v, c.masked, self.scale)
+            if spans is None:
+                out, lse = self.kernel.forward(q_in[0], k, v, c.masked, self.scale)
+            else:
+                out, lse = masked_forward(self.kernel, q_in[0], k, v, spans, self.scale)
             acc = self._accumulator(Kind.O, c.q_owner, c.heads)
             acc.add(c.q_part, [out, lse], computed=True)
             return
         q, out, dout, lse = q_in
-        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
+        if spans is None:
+            dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
+        else:
+            dq, dk, dv = masked_backward(self.kernel, dout, q, k, v, out, lse, spans, self.scale)
         if self.expand:
             h_kv = group_heads(self.space.shape, c.heads)[1]
             dk, dv = (fold_kv_heads(g, h_kv) for g in (dk, dv))

@@ -21,12 +21,15 @@ def merge_partial(
     """Merge ``(out_b, lse_b)`` into ``(out, lse)`` in place.
 
     Args:
-        out: float32 ``[s, b, h, d]`` accumulator.
-        lse: float32 ``[s, b, h]`` accumulator.
+        out: float32 (or float64) ``[s, b, h, d]`` accumulator.
+        lse: ``[s, b, h]`` accumulator in out's dtype.
         out_b: ``[s, b, h, d]``, any float dtype.
-        lse_b: float32 ``[s, b, h]``.
+        lse_b: ``[s, b, h]``, any float dtype.
+
+    Rows empty on both sides (``-inf`` twice, which masks produce) stay empty: the sigmoid of
+    ``-inf - -inf`` is NaN and is taken as 0.
     """
-    assert out.dtype == torch.float32 and lse.dtype == torch.float32
-    weight = torch.sigmoid(lse_b - lse).unsqueeze(-1)
-    out.sub_(weight * (out - out_b.to(torch.float32)))
-    torch.logaddexp(lse, lse_b, out=lse)
+    assert out.dtype == lse.dtype and out.dtype in (torch.float32, torch.float64)
+    weight = torch.sigmoid(lse_b - lse).nan_to_num_(0.0).unsqueeze(-1)
+    out.sub_(weight * (out - out_b.to(out.dtype)))
+    torch.logaddexp(lse, lse_b.to(lse.dtype), out=lse)

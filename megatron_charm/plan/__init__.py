@@ -25,6 +25,7 @@ from megatron_charm.plan.layout import (
 from megatron_charm.plan.options import METHODS, PlanOptions, check_method
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
+from megatron_charm.plan.prune import prune_programs
 from megatron_charm.plan.ring import ring_backward, ring_forward
 from megatron_charm.plan.types import Exchange, Layout, Part, Plan, Program
 from megatron_charm.plan.wire import assign_wires
@@ -147,17 +148,34 @@ def build_plan(
     return plan_with_levels(options, layout, causal, cross_levels(options, layout, causal, shape))
 
 
+@lru_cache(maxsize=64)
+def _dense_programs(
+    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str]
+) -> tuple[list[Program], list[Program]]:
+    return rank_programs(options, layout, causal, range(layout.cp_size), cross)
+
+
 @lru_cache(maxsize=256)
 def plan_with_levels(
-    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str]
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    pattern: frozenset[tuple[int, Part, int, Part]] | None = None,
 ) -> Plan:
-    """:func:`build_plan` with the cross levels already resolved (cached by them)."""
-    fwd, bwd = rank_programs(options, layout, causal, range(layout.cp_size), cross)
+    """:func:`build_plan` with the cross levels already resolved (cached by them).
+
+    ``pattern``: prune the dense plan to these non-empty half blocks of a mask (Note [Pruning
+    to a mask] in :mod:`megatron_charm.plan.prune`); masks that empty the same blocks share a
+    plan, whatever their documents."""
+    fwd, bwd = _dense_programs(options, layout, causal, cross)
+    if pattern is not None:
+        fwd, bwd = prune_programs(fwd, False, pattern), prune_programs(bwd, True, pattern)
     compact = compact_channels(options)
     fwd_t, bwd_t = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
     used = sorted({i.channel for p in fwd_t + bwd_t for i in p.instrs if isinstance(i, Exchange)})
     channels = tuple((c, CHANNELS[c]) for c in used)
-    return Plan(options, layout, causal, fwd_t, bwd_t, channels, cross)
+    return Plan(options, layout, causal, fwd_t, bwd_t, channels, cross, pattern)
 
 
 def cross_levels(

@@ -146,9 +146,22 @@ def _runs(spans: Sequence[tuple[int, int, int]]) -> tuple[Run, ...]:
     return tuple(out)
 
 
-def thd_runs(seq_lens: Sequence[int], cp_size: int) -> dict[tuple[int, Part], tuple[Run, ...]]:
+def thd_runs(
+    seq_lens: Sequence[int], cp_size: int, real_lens: Sequence[int] | None = None
+) -> dict[tuple[int, Part], tuple[Run, ...]]:
     """Runs of every (cp_rank, half) under the ``thd`` layout; ``seq_lens``: the padded length of
-    each sequence (``cu_seqlens_padded`` differences), each a multiple of ``2 * cp_size``."""
+    each sequence (``cu_seqlens_padded`` differences), each a multiple of ``2 * cp_size``.
+
+    ``real_lens`` (``cu_seqlens`` differences, each at most its padded length): the tokens past a
+    sequence's real length are padding. They form a document of their own (id ``len(seq_lens) +
+    i`` for sequence ``i``), so that no real token attends to padding and every padding token
+    still attends to something (its outputs are finite; a loss mask drops them)."""
+    real = list(seq_lens) if real_lens is None else list(real_lens)
+    if len(real) != len(seq_lens):
+        raise ValueError(
+            f"{len(real)} real lengths for {len(seq_lens)} padded sequences; cu_seqlens and "
+            "cu_seqlens_padded must describe the same sequences"
+        )
     for i, length in enumerate(seq_lens):
         if length < 0 or length % (2 * cp_size) != 0:
             raise ValueError(
@@ -156,13 +169,21 @@ def thd_runs(seq_lens: Sequence[int], cp_size: int) -> dict[tuple[int, Part], tu
                 f"= {2 * cp_size}: THD context parallelism cuts every sequence into 2 * cp_size "
                 "chunks; pad each sequence to a multiple (cu_seqlens_padded)"
             )
+        if not 0 <= real[i] <= length:
+            raise ValueError(
+                f"sequence {i} has real length {real[i]} and padded length {length}: the real "
+                "length must lie in [0, padded length]; check cu_seqlens against cu_seqlens_padded"
+            )
+    pad_id = len(seq_lens)
     out = {}
     for r in range(cp_size):
         for part, chunk in ((Part.FIRST, r), (Part.SECOND, 2 * cp_size - 1 - r)):
             spans = []
             for doc, length in enumerate(seq_lens):
                 c = length // (2 * cp_size)
-                spans.append((doc, chunk * c, (chunk + 1) * c))
+                lo, hi, cut = chunk * c, (chunk + 1) * c, real[doc]
+                spans.append((doc, lo, min(hi, cut)))
+                spans.append((pad_id + doc, max(lo, cut) - cut, hi - cut))
             out[(r, part)] = _runs(spans)
     return out
 

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megatron_charm.plan import compact_channels
+from megatron_charm.plan.docmask import half_blocks
 from megatron_charm.plan.layout import balanced, block_cost, block_parts, computed_blocks
 from megatron_charm.plan.types import (
     Compute,
@@ -224,13 +225,22 @@ class _RankReplay:
         if (c.q_owner, c.kv_owner) not in replay.blocks:
             raise self.err(f"computes block ({c.q_owner},{c.kv_owner}), empty in the {seq} layout")
         qp, kp, masked = block_parts(c.q_owner, c.kv_owner, replay.plan.causal, seq)
-        # a block may be computed in two halves of its queries or of its keys (never the
-        # masked one)
-        q_split = qp == Part.FULL and c.q_part != Part.FULL and c.kv_part == kp
-        kv_split = kp == Part.FULL and c.kv_part != Part.FULL and c.q_part == qp
-        whole = (c.q_part, c.kv_part) == (qp, kp)
-        if masked != c.masked or not (whole or ((q_split or kv_split) and not masked)):
-            raise self.err(f"block ({c.q_owner},{c.kv_owner}) uses wrong parts")
+        if replay.plan.pattern is not None:
+            # pruned to a mask: any narrowing of the dense block that holds a non-empty half
+            # block (coverage is checked per half block at the end)
+            live = [hb for hb in half_blocks(c.q_part, c.kv_part) if hb in replay.live(c)]
+            if masked != c.masked or not (qp.contains(c.q_part) and kp.contains(c.kv_part)):
+                raise self.err(f"block ({c.q_owner},{c.kv_owner}) uses wrong parts")
+            if not live:
+                raise self.err(f"computes block ({c.q_owner},{c.kv_owner}), empty under the mask")
+        else:
+            # a block may be computed in two halves of its queries or of its keys (never the
+            # masked one)
+            q_split = qp == Part.FULL and c.q_part != Part.FULL and c.kv_part == kp
+            kv_split = kp == Part.FULL and c.kv_part != Part.FULL and c.q_part == qp
+            whole = (c.q_part, c.kv_part) == (qp, kp)
+            if masked != c.masked or not (whole or ((q_split or kv_split) and not masked)):
+                raise self.err(f"block ({c.q_owner},{c.kv_owner}) uses wrong parts")
         qk = Kind.QB if replay.backward else Kind.Q
         if not self.has(qk, c.q_owner, c.q_part, c.heads):
             q = Payload(Kind.Q, c.q_owner, c.q_part, c.heads)
@@ -374,7 +384,17 @@ class Replay:
         # (q owner, kv owner) -> head group -> the (q part, kv part) pieces computed
         self.pair_parts: dict[tuple[int, int], dict[Heads | None, list[tuple[Part, Part]]]] = {}
         self.blocks = computed_blocks(self.n, plan.causal, plan.options.seq_layout)
+        # pruned plans: (q owner, kv owner) -> its non-empty (q half, kv half) blocks
+        self.want: dict[tuple[int, int], set[tuple[Part, Part]]] = {}
+        if plan.pattern is not None:
+            for x, a, y, b in plan.pattern:
+                self.want.setdefault((x, y), set()).add((a, b))
+            self.blocks = set(self.want)
         self.ranks = [_RankReplay(self, p) for p in progs]
+
+    def live(self, c: Compute) -> set[tuple[Part, Part]]:
+        """``(q half, kv half)`` of the block of ``c`` that the plan's mask leaves non-empty."""
+        return self.want.get((c.q_owner, c.kv_owner), set())
 
     def owner_pairs(self, kind: Kind, owner: int) -> set[tuple[int, int]]:
         """The blocks a complete partial of ``kind`` of ``owner`` holds."""
@@ -406,10 +426,25 @@ class Replay:
             "sides arrive; see Note [First contact])"
         )
 
+    def _check_masked_cover(self) -> None:
+        """Pruned plans: every non-empty half block is computed exactly once per head group."""
+        want = self.want
+        for pair, by_heads in self.pair_parts.items():
+            for heads, parts in by_heads.items():
+                got = [hb for q, k in parts for hb in half_blocks(q, k) if hb in want.get(pair, ())]
+                if len(got) != len(set(got)) or set(got) != want[pair]:
+                    raise ScheduleError(_cover_error(pair, heads, got, want[pair]))
+
     def _final_checks(self) -> None:
         n, causal, seq = self.n, self.plan.causal, self.plan.options.seq_layout
         halves = sorted([Part.FIRST, Part.SECOND])
+        if self.plan.pattern is not None:
+            self._check_masked_cover()
         for pair, by_heads in self.pair_parts.items():
+            if self.plan.pattern is not None:
+                if not _all_heads(by_heads):
+                    raise ScheduleError(f"block {pair} computed on head groups {_groups(by_heads)}")
+                continue
             qp, kp, _ = block_parts(*pair, causal, seq)
             tilings = (
                 [(qp, kp)],
@@ -449,8 +484,14 @@ class Replay:
                     if a.part != Part.FULL:
                         raise ScheduleError(f"cp_rank {r.x} accumulator {k}/{h} covers {a.part}")
         costs = {x: round(self.report.cost.get(x, 0.0), 9) for x in range(n)}
-        if len(set(costs.values())) > 1 and balanced(causal, seq):
+        even = balanced(causal, seq) and self.plan.pattern is None
+        if len(set(costs.values())) > 1 and even:
             raise ScheduleError(f"unbalanced work: {costs}")
+
+
+def _cover_error(pair: tuple[int, int], heads: Heads | None, got: list, want: set) -> str:
+    shown = sorted(f"{a.value}x{b.value}" for a, b in got)
+    return f"block {pair} on heads {heads} covers non-empty half blocks {shown}, want {want}"
 
 
 def _all_heads(by_heads: dict) -> bool:
