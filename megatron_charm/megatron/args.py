@@ -194,17 +194,31 @@ def _check_attention_dropout(args: argparse.Namespace) -> str | None:
 
 
 def _check_masks(args: argparse.Namespace) -> str | None:
+    # Documents reach CHARM+ as THD packed_seq_params (--sft) or as the dense causal document
+    # mask of --reset-attention-mask (Note [Megatron document masks]); without the mask in the
+    # batch the documents would be dropped.
+    if getattr(args, "reset_attention_mask", False) and not getattr(
+        args, "create_attention_mask_in_dataloader", True
+    ):
+        return (
+            "--reset-attention-mask with --no-create-attention-mask-in-dataloader: CHARM+ reads "
+            "the documents from the attention mask, which the data loader then does not build; "
+            "drop --no-create-attention-mask-in-dataloader"
+        )
     for attr, flag, why in (
-        ("reset_attention_mask", "--reset-attention-mask", "document masks"),
-        ("sft", "--sft", "packed (THD) SFT sequences"),
-        ("hybrid_context_parallel", "--hybrid-context-parallel", "packed (THD) sequences"),
-        ("rl_use_sequence_packing", "--rl-use-sequence-packing", "packed (THD) sequences"),
+        ("hybrid_context_parallel", "--hybrid-context-parallel", "a CP size per sample"),
+        ("rl_use_sequence_packing", "--rl-use-sequence-packing", "RL sequence packing"),
     ):
         if getattr(args, attr, False):
             return (
-                f"{flag} needs {why}, but CHARM+ implements only the causal (or no) mask over "
-                f"fixed-length sequences and would drop that mask; remove {flag}"
+                f"{flag} needs {why}, which CHARM+ does not implement (its CP group is fixed per "
+                f"model); remove {flag}"
             )
+    if getattr(args, "window_attn_skip_freq", None):
+        return (
+            f"--window-attn-skip-freq {args.window_attn_skip_freq}: CHARM+ applies one window to "
+            "every layer; remove it"
+        )
     return None
 
 
@@ -219,8 +233,6 @@ def _check_attention_variants(args: argparse.Namespace) -> str | None:
             "--multi-latent-attention is not supported (MLA's value heads differ from its "
             "query/key heads); remove --multi-latent-attention"
         )
-    if getattr(args, "window_size", None) is not None:
-        return f"--window-size {args.window_size}: sliding windows are not supported; unset it"
     softmax = getattr(args, "softmax_type", "vanilla")
     if softmax != "vanilla":
         return f"--softmax-type {softmax} is not supported; pass --softmax-type vanilla"
@@ -347,6 +359,8 @@ def megatron_defaults(names: Sequence[str] | None = None) -> dict[str, Any]:
         "distributed_timeout_minutes": 10,
         "attention_dropout": 0.1,
         "reset_attention_mask": False,
+        "create_attention_mask_in_dataloader": True,
+        "window_attn_skip_freq": None,
         "sft": False,
         "hybrid_context_parallel": False,
         "rl_use_sequence_packing": False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import weakref
 from typing import Any
 
 import torch
@@ -19,7 +20,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.megatron.groups import get_charm_topology
+from megatron_charm.megatron.masks import documents_from_attention_mask, thd_mask
 from megatron_charm.plan import PlanOptions
+from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.options import MEGATRON_METHODS, SEQ_LAYOUT_OF
 
 #: Values of ``cp_comm_type`` served by this module: the methods on Megatron's zigzag layout.
@@ -78,7 +81,9 @@ class CharmDotProductAttention(MegatronModule):
     saves an empty tensor, which TE 2.1 cannot read back).
 
     Supported: self-attention, causal (Megatron's zigzag CP layout) and no-mask attention, MHA/GQA/
-    MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16. CUDA graphs that would
+    MQA through ``num_query_groups``, ``softmax_scale``, fp32/bf16/fp16, packed documents (THD
+    ``packed_seq_params``, ``--reset-attention-mask``) and sliding windows (``window_size``),
+    whose empty blocks the plan skips. CUDA graphs that would
     capture this module are refused (its communication is scheduled from Python). Everything else
     raises a ``ValueError`` that says what to change.
     """
@@ -119,6 +124,9 @@ class CharmDotProductAttention(MegatronModule):
             )
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
+        self.window = _window_of(config)
+        # (weak reference to Megatron's mask object, the document masks read from it)
+        self._mask_cache: tuple[weakref.ref, list[DocMask | None]] | None = None
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim_k)
         )
@@ -154,53 +162,98 @@ class CharmDotProductAttention(MegatronModule):
         """Attention over the whole (context-parallel) sequence.
 
         Args:
-            query: ``[s_local, b, np, hn]``.
-            key: ``[s_local, b, ng, hn]`` with ``np % ng == 0``.
-            value: ``[s_local, b, ng, hn]``.
-            attention_mask: ignored: causal attention uses the zigzag layout's implicit mask
-                (as Transformer Engine does), no-mask attention has none. Megatron-LM's ways to
-                make any other mask (``--reset-attention-mask``, packed sequences, ``--sft``) are
-                refused at argument time (:mod:`megatron_charm.megatron.args`).
-            attn_mask_type: overrides the constructor's mask type (``causal`` or ``no_mask``).
+            query: ``[s_local, b, np, hn]``, or ``[t_local, np, hn]`` with THD
+                ``packed_seq_params`` (Transformer Engine's THD order).
+            key: ``[s_local, b, ng, hn]`` (``[t_local, ng, hn]``) with ``np % ng == 0``.
+            value: like ``key``.
+            attention_mask: with a causal mask type, a boolean ``[b, 1, s_local, s]`` causal
+                document mask (``--reset-attention-mask``), read as documents (Note [Megatron
+                document masks]); a plain causal mask is one document. Ignored without a causal
+                mask type.
+            attn_mask_type: overrides the constructor's mask type: ``causal`` / ``no_mask``,
+                and with packed sequences also their ``padding`` forms (padding is in the
+                cumulative lengths).
             attention_bias: must be ``None``.
-            packed_seq_params: must be ``None`` (THD/packed sequences are not supported).
+            packed_seq_params: THD packed sequences (``cu_seqlens_q/kv`` and their padded forms).
 
         Returns:
-            ``[s_local, b, np * hn]`` in the dtype of ``query``.
+            ``[s_local, b, np * hn]`` (``[t_local, np * hn]`` with THD) in the dtype of ``query``.
         """
         from megatron_charm import cp_attention
 
-        if packed_seq_params is not None:
-            raise ValueError(
-                "packed_seq_params was given: CHARM+ does not support packed (THD) sequences. "
-                "Train with padded/fixed-length sequences (drop --reset-attention-mask / "
-                "packed-sequence options)."
-            )
         if attention_bias is not None:
             raise ValueError(
                 "attention_bias was given: CHARM+ does not support an additive attention bias "
                 "(e.g. ALiBi). Use learned absolute or rotary position embeddings instead."
             )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        causal = _is_causal(mask_type)
+        packed = packed_seq_params is not None
+        causal = _is_causal(mask_type, packed)
+        if packed and query.dim() == 3:
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         if query.dim() != 4 or key.shape != value.shape or query.shape[:2] != key.shape[:2]:
             raise ValueError(
                 f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
-                "expected [s_local, b, heads, head_dim] self-attention tensors with equal s_local "
-                "and batch, and key/value of one shape."
+                "expected [s_local, b, heads, head_dim] (THD: [t_local, heads, head_dim]) "
+                "self-attention tensors with equal lengths, and key/value of one shape."
             )
-        out = cp_attention(
-            query,
-            key,
-            value,
-            self.topology,
-            options=self.options,
-            causal=causal,
-            softmax_scale=self.softmax_scale,
-            qkv_format="sbhd",
-        )
+
+        def attend(q, k, v, mask):
+            return cp_attention(
+                q,
+                k,
+                v,
+                self.topology,
+                options=self.options,
+                causal=causal,
+                softmax_scale=self.softmax_scale,
+                qkv_format="sbhd",
+                mask=mask,
+            )
+
+        masks = self._masks(query, attention_mask, causal, packed_seq_params)
+        if len(set(masks)) == 1:
+            out = attend(query, key, value, masks[0])
+        else:  # documents differ between samples: one call each
+            out = torch.cat(
+                [
+                    attend(*(t[:, i : i + 1] for t in (query, key, value)), m)
+                    for i, m in enumerate(masks)
+                ],
+                dim=1,
+            )
         s_local, batch = out.shape[0], out.shape[1]
+        if packed:
+            return out.reshape(s_local, -1)
         return out.reshape(s_local, batch, -1)
+
+    def _masks(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        causal: bool,
+        packed_seq_params: Any | None,
+    ) -> list[DocMask | None]:
+        """The document mask of every sample (``None``: plain attention), cached for the
+        layers of one step by the identity of Megatron's mask objects."""
+        source = packed_seq_params if packed_seq_params is not None else attention_mask
+        if source is None or (packed_seq_params is None and not causal):
+            whole = query.shape[0] * self.topology.cp_size
+            window = DocMask((whole,), window=self.window) if self.window is not None else None
+            return [window] * query.shape[1]
+        cached = self._mask_cache
+        if cached is not None and cached[0]() is source:
+            return cached[1]
+        if packed_seq_params is not None:
+            masks: list[DocMask | None] = [thd_mask(packed_seq_params, self.window)]
+        else:
+            assert attention_mask is not None
+            masks = documents_from_attention_mask(attention_mask, self.topology, self.window)
+        try:
+            self._mask_cache = (weakref.ref(source), masks)
+        except TypeError:  # not weak-referenceable: no cache
+            self._mask_cache = None
+        return masks
 
     def get_extra_state(self) -> Any:
         """What a Transformer Engine checkpoint brought, else TE's "no FP8 state" value."""
@@ -258,16 +311,52 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _is_causal(mask_type: AttnMaskType) -> bool:
-    if mask_type == AttnMaskType.causal:
+def _is_causal(mask_type: AttnMaskType, packed: bool = False) -> bool:
+    """Whether ``mask_type`` is causal. With packed sequences the padding forms are accepted
+    too: THD padding lives in the cumulative lengths, and for self-attention of equal q and kv
+    lengths bottom-right causal is causal."""
+    causal = {AttnMaskType.causal}
+    plain = {AttnMaskType.no_mask}
+    if packed:
+        causal |= {
+            getattr(AttnMaskType, name)
+            for name in ("padding_causal", "causal_bottom_right", "padding_causal_bottom_right")
+            if hasattr(AttnMaskType, name)
+        }
+        plain.add(AttnMaskType.padding)
+    if mask_type in causal:
         return True
-    if mask_type == AttnMaskType.no_mask:
+    if mask_type in plain:
         return False
     raise ValueError(
-        f"attn_mask_type={mask_type}: CHARM+ supports only AttnMaskType.causal and "
-        "AttnMaskType.no_mask (padding, arbitrary and bottom-right masks are not supported). Use a "
-        "causal GPT layer spec."
+        f"attn_mask_type={mask_type}: CHARM+ supports AttnMaskType.causal and "
+        "AttnMaskType.no_mask, and with packed sequences (packed_seq_params) their padding forms; "
+        "arbitrary masks are not supported. Use a causal GPT layer spec."
     )
+
+
+def _window_of(config: TransformerConfig) -> tuple[int, int] | None:
+    """megatron-core's ``window_size`` as ``(left, right)`` (``-1``: unbounded), checked."""
+    window = getattr(config, "window_size", None)
+    if window is None:
+        return None
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"window_size={window!r}: expected (left, right) token counts, -1 for unbounded; "
+            "fix --window-size"
+        ) from None
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window_size={window!r}: sizes must be >= 0 or -1 (unbounded); fix --window-size"
+        )
+    if getattr(config, "window_attn_skip_freq", None):
+        raise ValueError(
+            f"window_attn_skip_freq={config.window_attn_skip_freq}: CHARM+ applies one window to "
+            "every layer; unset --window-attn-skip-freq"
+        )
+    return (left, right)
 
 
 def _check_config(
@@ -282,19 +371,15 @@ def _check_config(
             f"attention_type={attention_type!r}: CHARM+ implements self-attention only; keep the "
             "stock core_attention for cross-attention layers."
         )
-    _is_causal(attn_mask_type)
+    # the padding forms are valid with packed sequences, which only the forward sees
+    _is_causal(attn_mask_type, packed=True)
     dropout = config.attention_dropout if attention_dropout is None else attention_dropout
     if dropout and dropout > 0:
         raise ValueError(
             f"attention_dropout={dropout}: CHARM+ does not implement attention dropout (Megatron's "
             "default is 0.1). Set --attention-dropout 0 (config key model.attention_dropout: 0.0)."
         )
-    window = getattr(config, "window_size", None)
-    if window is not None:
-        raise ValueError(
-            f"window_size={window}: sliding-window attention is not supported by CHARM+. Unset "
-            "--window-size."
-        )
+    _window_of(config)
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type != "vanilla":
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 from typing import Any
@@ -192,14 +193,16 @@ def forward_errors() -> list[str]:
         pg_collection=None,
     )
     q = torch.randn(8, 1, 2, 8)
+    arbitrary = torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(0)) > 0.5
     messages = []
-    for kwargs in (
-        {"packed_seq_params": PackedSeqParams(qkv_format="thd")},
-        {"attention_bias": torch.zeros(1, 2, 8, 8)},
-        {"attn_mask_type": AttnMaskType.padding},
+    for mask, kwargs in (
+        (None, {"packed_seq_params": PackedSeqParams(qkv_format="sbhd")}),
+        (None, {"attention_bias": torch.zeros(1, 2, 8, 8)}),
+        (None, {"attn_mask_type": AttnMaskType.padding}),
+        (arbitrary, {}),
     ):
         try:
-            module(q, q, q, None, **kwargs)
+            module(q, q, q, mask, **kwargs)
         except ValueError as exc:
             messages.append(str(exc))
         else:
@@ -207,3 +210,100 @@ def forward_errors() -> list[str]:
     parallel_state.destroy_model_parallel()
     clear_topology_cache()
     return [module.method, *messages]
+
+
+def module_documents_vs_reference(kind: str, window: tuple[int, int] | None = None) -> float:
+    """``CharmDotProductAttention`` with documents against fp64 on the gathered sequence.
+
+    ``kind``: ``thd`` (``packed_seq_params`` with padded sequences, tokens in Transformer
+    Engine's THD order, ``[t, heads, d]`` tensors) or ``reset`` (Megatron's dense causal document
+    ``attention_mask``, different documents in each of two samples, zigzag rows). ``window``:
+    megatron-core's ``window_size``. Returns the largest error of out, dq, dk, dv relative to the
+    reference's magnitude.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import megatron_charm as mc
+    from megatron_charm.megatron import CharmDotProductAttention, clear_topology_cache
+    from tests.gloo.mask_tasks import allowed_matrix, masked_reference, token_table
+
+    world = dist.get_world_size()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    clear_topology_cache()
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    heads, groups, head_dim = 4, 2, 8
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        context_parallel_size=world,
+        cp_comm_type="charm",
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        window_size=window,
+    )
+    module = CharmDotProductAttention(
+        config=config,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.padding_causal if kind == "thd" else AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type="charm",
+        pg_collection=None,
+        ranks_per_node=2 if world % 2 == 0 else None,
+    )
+    rank, unit = dist.get_rank(), 2 * world
+    if kind == "thd":
+        masks = [mc.DocMask((3 * unit, unit, 4 * unit), "thd", (3 * unit - 5, unit, 4 * unit - 1))]
+    else:
+        masks = [mc.DocMask((5, 20, 3, 36)), mc.DocMask((32, 32))]
+    plain, masks = masks, [mc.DocMask(m.seq_lens, m.layout, m.real_lens, window) for m in masks]
+    seq = masks[0].total
+    gen = torch.Generator().manual_seed(11)
+    batch = len(masks)
+    q, k, v = (torch.randn(seq, batch, n, head_dim, generator=gen) for n in (heads, groups, groups))
+    dout = torch.randn(seq, batch, heads, head_dim, generator=gen)
+    tables = [token_table(m, world) for m in masks]
+    scale = 1.0 / math.sqrt(head_dim)
+    refs, grads = [], []
+    for i, m in enumerate(masks):
+        allowed = allowed_matrix(m, tables[i][0], True)
+        full = [t[:, i : i + 1].transpose(0, 1).double().requires_grad_(True) for t in (q, k, v)]
+        out, _ = masked_reference(*full, allowed, scale, True)
+        (out * dout[:, i : i + 1].transpose(0, 1).double()).sum().backward()
+        refs.append(out.detach().transpose(0, 1))
+        grads.append([t.grad.transpose(0, 1) for t in full])
+    index = torch.tensor(tables[0][1][rank])
+    local = [t[index].clone().requires_grad_(True) for t in (q, k, v)]
+    if kind == "thd":
+        cu = torch.tensor([0, *itertools.accumulate(masks[0].real_lens)], dtype=torch.int32)
+        cu_pad = torch.tensor([0, *itertools.accumulate(masks[0].seq_lens)], dtype=torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_pad,
+            cu_seqlens_kv_padded=cu_pad,
+        )
+        out = module(*(t[:, 0] for t in local), None, packed_seq_params=params)
+        assert out.shape == (len(index), heads * head_dim), out.shape
+        out = out.reshape(len(index), 1, heads, head_dim)
+    else:
+        rows = []
+        for i, (table, _) in enumerate(tables):
+            rows.append(~allowed_matrix(plain[i], table, True)[index])  # documents only
+        attention_mask = torch.stack(rows).unsqueeze(1)  # [b, 1, s_local, s], True: masked
+        out = module(*local, attention_mask).reshape(len(index), batch, heads, head_dim)
+    (out.double() * dout[index].double()).sum().backward()
+    want = torch.cat(refs, dim=1)[index]
+    errors = [float((out.detach().double() - want).abs().max() / want.abs().max())]
+    for j, t in enumerate(local):
+        ref = torch.cat([g[j] for g in grads], dim=1)[index]
+        errors.append(float((t.grad.double() - ref).abs().max() / ref.abs().max()))
+    parallel_state.destroy_model_parallel()
+    clear_topology_cache()
+    return max(errors)

@@ -11,6 +11,7 @@ from megatron_charm.megatron import CharmDotProductAttention
 WORKLOADS = "tests.integration.integration_workloads"
 MODULE_VS_REFERENCE = f"{WORKLOADS}:module_vs_reference"
 FORWARD_ERRORS = f"{WORKLOADS}:forward_errors"
+DOCUMENTS_VS_REFERENCE = f"{WORKLOADS}:module_documents_vs_reference"
 
 
 def _config(**kwargs):
@@ -66,11 +67,25 @@ def test_module_explicit_softmax_scale(pool4):
 
 @pytest.mark.gloo
 def test_forward_refuses_packed_bias_and_padding(pool1):
-    method, packed, bias, padding = pool1.run(FORWARD_ERRORS)[0]
+    method, packed, bias, padding, arbitrary = pool1.run(FORWARD_ERRORS)[0]
     assert method == "charm"  # CP = 1: megatron passes no cp_comm_type; the default applies
-    assert "packed" in packed and "THD" in packed
+    assert "qkv_format='sbhd'" in packed and "'thd'" in packed
     assert "attention_bias" in bias
     assert "padding" in padding and "causal" in padding
+    assert "not a causal document mask" in arbitrary
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "kind,window",
+    [("thd", None), ("reset", None), ("thd", (5, 0)), ("reset", (9, 0))],
+    ids=["thd", "reset-attention-mask", "thd-window", "reset-window"],
+)
+def test_module_documents_match_reference(pool4, kind, window):
+    """THD packed_seq_params (with padding) and --reset-attention-mask masks (different
+    documents per sample), with and without megatron-core's window_size, on a 2 x 2 split."""
+    errors = pool4.run(DOCUMENTS_VS_REFERENCE, kind, window)
+    assert max(errors) < 1e-5, errors
 
 
 @pytest.mark.parametrize(
@@ -82,8 +97,8 @@ def test_forward_refuses_packed_bias_and_padding(pool1):
         ({}, {"method": "zigzag"}, "cp_comm_type='zigzag'"),
         ({"context_parallel_size": 2, "cp_comm_type": ["charm"]}, {}, "per-layer list"),
         ({}, {"attention_type": "cross"}, "self-attention only"),
-        ({}, {"attn_mask_type": AttnMaskType.padding}, "AttnMaskType.causal"),
-        ({"window_size": (8, 0)}, {}, "--window-size"),
+        ({}, {"attn_mask_type": AttnMaskType.arbitrary}, "AttnMaskType.causal"),
+        ({"window_size": (8, -2)}, {}, "--window-size"),
         ({}, {"k_channels": 8, "v_channels": 4}, "head dimension"),
     ],
 )

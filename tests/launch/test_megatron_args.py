@@ -46,15 +46,29 @@ def test_megatron_default_attention_dropout_is_refused_with_advice():
 @pytest.mark.parametrize(
     "attr,flag",
     [
-        ("reset_attention_mask", "--reset-attention-mask"),
-        ("sft", "--sft"),
         ("hybrid_context_parallel", "--hybrid-context-parallel"),
         ("rl_use_sequence_packing", "--rl-use-sequence-packing"),
+        ("window_attn_skip_freq", "--window-attn-skip-freq"),
     ],
 )
-def test_masks_and_packed_sequences_are_refused(attr, flag):
-    message = _refusal(**{attr: True})
-    assert flag in message and f"remove {flag}" in message
+def test_unsupported_packing_is_refused(attr, flag):
+    message = _refusal(**{attr: 2 if attr == "window_attn_skip_freq" else True})
+    assert flag in message and "remove" in message
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"reset_attention_mask": True}, {"sft": True}, {"window_size": (128, 0)}],
+    ids=["reset-attention-mask", "sft", "window-size"],
+)
+def test_documents_and_windows_pass(changes):
+    """CHARM+ reads documents (THD packed_seq_params, --reset-attention-mask) and windows."""
+    margs.validate_megatron_args(_args(**changes))  # raises on a refusal
+
+
+def test_reset_attention_mask_needs_the_mask_in_the_batch():
+    message = _refusal(reset_attention_mask=True, create_attention_mask_in_dataloader=False)
+    assert "drop --no-create-attention-mask-in-dataloader" in message
 
 
 @pytest.mark.parametrize(
@@ -63,7 +77,6 @@ def test_masks_and_packed_sequences_are_refused(attr, flag):
         ({"multi_latent_attention": True}, "remove --multi-latent-attention"),
         ({"experimental_attention_variant": "gated_delta_net"}, "--experimental-attention"),
         ({"use_legacy_models": True}, "remove --use-legacy-models"),
-        ({"window_size": (128, 0)}, "--window-size"),
         ({"softmax_type": "learnable"}, "--softmax-type vanilla"),
         ({"qk_clip": True}, "--qk-clip"),
         ({"log_max_attention_logit": True}, "--log-max-attention-logit"),
