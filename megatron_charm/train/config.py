@@ -99,6 +99,10 @@ class DataConfig:
     """byte: 256 byte values plus end-of-document; needs no download."""
     cache_dir: str | None = None
     """Where Megatron writes dataset index caches; ``None`` means ``<run dir>/data_cache``."""
+    reset_attention_mask: bool = False
+    """Documents: every token attends only to its own document and positions restart at each
+    document, as Megatron-LM's ``--reset-attention-mask --reset-position-ids``. The attention
+    reads the documents from the mask and skips the blocks they leave empty."""
 
 
 @dataclass

@@ -94,10 +94,11 @@ def build_train_dataset(cfg: Config, tokenizer: ByteTokenizer, num_samples: int)
         split="100,0,0",
         path_to_cache=cache,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
+        reset_position_ids=cfg.data.reset_attention_mask,
+        reset_attention_mask=cfg.data.reset_attention_mask,
         eod_mask_loss=False,
-        create_attention_mask=False,
+        # the dense [1, s, s] mask only when documents need it (CHARM+ reads them from it)
+        create_attention_mask=cfg.data.reset_attention_mask,
     )
     cls = MockGPTDataset if cfg.data.kind == "mock" else GPTDataset
     train, _, _ = BlendedMegatronDatasetBuilder(
@@ -117,15 +118,17 @@ def get_microbatch(
     """The full-sequence microbatch of one data-parallel rank.
 
     Returns ``tokens``, ``labels``, ``position_ids`` (int64) and ``loss_mask`` (float32), each
-    ``[micro_batch_size, seq_length]``.
+    ``[micro_batch_size, seq_length]``, and with ``data.reset_attention_mask`` the boolean
+    document mask ``attention_mask`` ``[micro_batch_size, 1, seq_length, seq_length]`` (``True``:
+    masked).
     """
     mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
     first = iteration * gbs + microbatch * mbs * dp_size + dp_rank * mbs
     samples = [dataset[first + k] for k in range(mbs)]
-    return {
-        key: torch.stack([s[key] for s in samples])
-        for key in ("tokens", "labels", "position_ids", "loss_mask")
-    }
+    keys = ["tokens", "labels", "position_ids", "loss_mask"]
+    if cfg.data.reset_attention_mask:
+        keys.append("attention_mask")
+    return {key: torch.stack([s[key] for s in samples]) for key in keys}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -77,7 +77,12 @@ def train_step(trainer: Trainer, iteration: int, grad_hook: GradHook | None) -> 
     dist.all_reduce(counts, group=ctx.dp_cp_group)
     loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for batch in batches:
-        per_token = opt.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        per_token = opt.model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+        )
         local = (per_token.float() * batch["loss_mask"]).sum()
         (local / counts).backward()
         loss_sum += local.detach()

@@ -118,3 +118,28 @@ def test_mock_dataset_trains(pool4):
     losses = results[0]["losses"]
     assert len(losses) == 10 and all(r["losses"] == losses for r in results)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+DOCS = ["data.reset_attention_mask=true"]
+
+
+@pytest.fixture(scope="module")
+def reference_docs(pool1):
+    return pool1.run(TARGET, [*DOCS, "parallel.context_parallel_size=1", "parallel.nproc=1"])[0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["parallel.ranks_per_node=2"], ["parallel.cp_comm_type=ring"]],
+    ids=["charm-2x2", "ring"],
+)
+def test_documents_cp4_match_cp1(pool4, reference_docs, reference_mha, extra):
+    """Packed documents (--reset-attention-mask --reset-position-ids): CP = 4 reads the
+    documents from each rank's rows of the mask and matches CP = 1; the documents change the
+    losses, so the mask is not dropped."""
+    results = pool4.run(TARGET, [*DOCS, *extra])
+    _assert_losses_match(results[0]["losses"], reference_docs["losses"])
+    _assert_grads_match(results[0]["grads"], reference_docs["grads"])
+    pairs = zip(reference_docs["losses"], reference_mha["losses"], strict=True)
+    differ = [abs(a - b) for a, b in pairs]
+    assert max(differ) > 1e-3, differ
