@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_charm.plan import Layout, PlanOptions, build_plan
+from megatron_charm.plan import Layout, PlanOptions, build_plan, cross_levels, plan_with_levels
+from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.validate import Report, validate
 
@@ -56,11 +57,19 @@ def method_bytes(
     shape: AttnShape,
     topology: str,
     options: PlanOptions | None = None,
+    mask: DocMask | None = None,
 ) -> dict[str, LinkBytes]:
     """``{"fwd": LinkBytes, "bwd": LinkBytes}`` of ``method`` on ``layout`` with ``options``
-    (its method replaced), as ``cp_attention`` plans it."""
+    (its method replaced), as ``cp_attention`` plans it (pruned to ``mask`` if given)."""
     options = (options or PlanOptions()).replace(method=method)
-    fwd, bwd = validate(build_plan(options, layout, causal, shape))
+    if mask is None:
+        plan = build_plan(options, layout, causal, shape)
+    else:
+        model = mask.model(layout.cp_size, causal)
+        dense = model.dense_causal
+        cross = cross_levels(options, layout, dense, shape)
+        plan = plan_with_levels(options, layout, dense, cross, model.pattern)
+    fwd, bwd = validate(plan)
     return {
         "fwd": classify(fwd, shape, layout, topology),
         "bwd": classify(bwd, shape, layout, topology),

@@ -46,6 +46,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default="charm,rm+,merge,ring,ring-flash",
         help=f"comma list of {','.join(OURS + BASELINES)}",
     )
+    ap.add_argument(
+        "--docs",
+        default=None,
+        help="documents packed into the global sequence: LENxCOUNT (e.g. 2048x8) or "
+        "comma-separated lengths; their sum is the global sequence length",
+    )
+    ap.add_argument(
+        "--mask-window",
+        type=int,
+        default=None,
+        help="sliding window: tokens to the left (right 0 when causal, the same otherwise)",
+    )
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -69,6 +81,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quiet", action="store_true")
 
 
+def parse_docs(text: str | None) -> list[int] | None:
+    """``LENxCOUNT`` or comma-separated lengths -> document lengths (``None`` for no text)."""
+    if not text:
+        return None
+    try:
+        if "x" in text:
+            length, count = (int(x) for x in text.split("x"))
+            lens = [length] * count
+        else:
+            lens = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--docs {text!r}: expected LENxCOUNT (e.g. 2048x8) or comma-separated lengths"
+        ) from None
+    if not lens or min(lens) < 1:
+        raise ValueError(f"--docs {text!r}: every document needs at least one token")
+    return lens
+
+
 def config_from_args(args: argparse.Namespace) -> dict:
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in OURS + BASELINES]
@@ -81,6 +112,14 @@ def config_from_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if args.causal and args.seq_local % 2:
         raise ValueError(f"--seq-local {args.seq_local} must be even for causal (zigzag halves)")
+    docs = parse_docs(args.docs)
+    if (docs or args.mask_window is not None) and args.reference:
+        raise ValueError(
+            "--reference compares with dense attention; with --docs / --mask-window the float64 "
+            "check is the gloo test tier's (tests/gloo/test_masks.py); drop --reference"
+        )
+    if args.mask_window is not None and args.mask_window < 0:
+        raise ValueError(f"--mask-window {args.mask_window} must be >= 0")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters {args.iters} must be >= 1 and --warmup {args.warmup} >= 0")
     return {
@@ -92,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "head_dim": args.head_dim,
         "dtype": args.dtype,
         "causal": args.causal,
+        "docs": docs,
+        "mask_window": args.mask_window,
         "iters": args.iters,
         "warmup": args.warmup,
         "seed": args.seed,

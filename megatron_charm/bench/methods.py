@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.plan import PlanOptions, sequence_positions
+from megatron_charm.plan.docmask import DocMask
 
 OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig")
 BASELINES = ("ring-flash", "te-p2p")
@@ -90,10 +91,29 @@ def plan_options(cfg: dict) -> PlanOptions:
     return PlanOptions().replace(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
 
 
+def doc_mask(cfg: dict, seq: int) -> DocMask | None:
+    """The benchmark's document mask over a ``seq``-token global sequence: ``docs`` (lengths,
+    back to back) and/or ``mask_window`` (left tokens; the right side is 0 when causal, the same
+    otherwise); ``None`` without either."""
+    docs, left = cfg.get("docs"), cfg.get("mask_window")
+    if not docs and not left:
+        return None
+    lens = tuple(docs) if docs else (seq,)
+    if sum(lens) != seq:
+        raise ValueError(
+            f"--docs lengths sum to {sum(lens)} tokens, but the global sequence has {seq} "
+            "(nodes x ranks per node x --seq-local); make them equal"
+        )
+    window = None if not left else (left, 0 if cfg["causal"] else left)
+    return DocMask(lens, window=window)
+
+
 class Ours(Contender):
-    def __init__(self, name, inp, causal, scale, topo, kernel=None, options=None) -> None:
+    def __init__(
+        self, name, inp, causal, scale, topo, kernel=None, options=None, mask=None
+    ) -> None:
         super().__init__(name, inp, causal, scale)
-        self.topo, self.kernel = topo, kernel
+        self.topo, self.kernel, self.mask = topo, kernel, mask
         self.options = (options or PlanOptions()).replace(method=name)
         # set by the benchmark to a list to record the executor's traces of the next call
         self.trace: list | None = None
@@ -122,6 +142,7 @@ class Ours(Contender):
             qkv_format="sbhd",
             kernel=self.kernel,
             trace=self.trace,
+            mask=self.mask,
         )
 
     def forward(self) -> Tensor:
@@ -242,8 +263,15 @@ class TransformerEngineP2P(Contender):
 
 def make_contender(name: str, inp: Inputs, causal: bool, scale: float, topo, opts: dict):
     """Build the contender ``name`` (see the module docstring); raises ``ValueError`` if unknown."""
+    mask = opts.get("mask")
     if name in OURS:
-        return Ours(name, inp, causal, scale, topo, opts.get("kernel"), opts.get("options"))
+        kernel, options = opts.get("kernel"), opts.get("options")
+        return Ours(name, inp, causal, scale, topo, kernel, options, mask)
+    if mask is not None:
+        raise ValueError(
+            f"benchmark method {name!r} runs without document masks here; drop it from "
+            "--methods or drop --docs / --mask-window"
+        )
     if name == "ring-flash":
         return RingFlash(name, inp, causal, scale, use_shim=not inp.q.is_cuda)
     if name == "te-p2p":

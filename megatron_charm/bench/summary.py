@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from megatron_charm.bench.accounting import lower_bound_s, method_bytes, zigzag_ring_bytes
-from megatron_charm.bench.methods import plan_options
+from megatron_charm.bench.methods import doc_mask, plan_options
 from megatron_charm.plan import Layout
 from megatron_charm.plan.payloads import AttnShape
 
@@ -81,14 +81,16 @@ def summarise(raw: dict, cfg: dict) -> dict:
     }
 
     # Bytes per link class, from the plans (and ring-flash-attention's algorithm).
+    mask = doc_mask(cfg, layout.cp_size * cfg["seq_local"])
     link_bytes = {}
     for name in methods:
         if name in ("ring-flash", "te-p2p"):
             lb = zigzag_ring_bytes(layout, shape, topology)
         else:
-            lb = method_bytes(name, layout, cfg["causal"], shape, topology, plan_options(cfg))
+            lb = method_bytes(name, layout, cfg["causal"], shape, topology, plan_options(cfg), mask)
         link_bytes[name] = {k: v.as_dict() for k, v in lb.items()}
-    charm_lb = method_bytes("charm", layout, cfg["causal"], shape, topology, plan_options(cfg))
+    opts = plan_options(cfg)
+    charm_lb = method_bytes("charm", layout, cfg["causal"], shape, topology, opts, mask)
     bound = {
         "fwd": lower_bound_s(_med(pure["fwd"]), charm_lb["fwd"].max_cross_link, cross_bps),
         "fwdbwd": lower_bound_s(
@@ -182,6 +184,11 @@ def markdown(res: dict, cfg: dict) -> str:
         f"s_local {cfg['seq_local']}, heads {cfg['heads']} (kv {cfg['kv_heads']}), "
         f"head dim {cfg['head_dim']}; {cfg['iters']} iterations after {cfg['warmup']} warm-up"
     )
+    if cfg.get("docs") or cfg.get("mask_window"):
+        docs = cfg.get("docs")
+        shown = f"{len(docs)} documents" if docs else "one document"
+        window = cfg.get("mask_window")
+        head += f"; mask: {shown}" + (f", window {window}" if window else "")
     lines = [
         head,
         "",

@@ -21,7 +21,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_charm.bench.methods import OURS, Inputs, barrier, make_contender, plan_options
+from megatron_charm.bench.methods import (
+    OURS,
+    Inputs,
+    barrier,
+    doc_mask,
+    make_contender,
+    plan_options,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -164,7 +171,8 @@ def run(cfg: dict) -> dict | None:
         from megatron_charm.bench.flash_shim import check_shim
 
         shim_err = check_shim()  # before anything is timed; raises if wrong
-    opts = {"kernel": cfg.get("kernel"), "options": plan_options(cfg)}
+    mask = doc_mask(cfg, cfg["seq_local"] * cp_size)
+    opts = {"kernel": cfg.get("kernel"), "options": plan_options(cfg), "mask": mask}
     contenders = [make_contender(m, inp, causal, scale, topo, opts) for m in cfg["methods"]]
 
     # Agreement: every method's out and grads against the first of ours (or the first method).

@@ -2,8 +2,9 @@
 
 A masked block is a list of :class:`megatron_charm.plan.docmask.Span` rectangles (Note [Block
 spans]). ``full`` and ``causal`` spans run the block kernel as it is, unmasked or causal; ``band``
-spans (sliding windows) run :func:`band_forward` / :func:`band_backward`, an explicit softmax
-with the band's mask in float32 (float64 for float64 inputs). Rows that no span covers keep
+spans (sliding windows) run :func:`band_forward` / :func:`band_backward`: on CPU PyTorch's flash
+op with the band as an additive mask, elsewhere an explicit softmax in float32 (float64 for
+float64 inputs). Rows that no span covers keep
 ``lse = -inf`` and a zero output, which the merge of partials treats as "no keys"
 (:func:`megatron_charm.kernels.merge.merge_partial`); their gradients are zero.
 
@@ -20,6 +21,7 @@ import torch
 from megatron_charm.kernels.backends import BlockKernel
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.merge import merge_partial
+from megatron_charm.kernels.torch_kernel import cpu_backward, cpu_compute_dtype, cpu_forward
 from megatron_charm.plan.docmask import Span
 
 Tensor = torch.Tensor
@@ -43,10 +45,24 @@ def _band_scores(q: Tensor, k: Tensor, keep: Tensor, scale: float) -> Tensor:
     return s.masked_fill(~keep, float("-inf"))
 
 
+def _cpu_bias(span: Span, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The additive mask of a span for the CPU flash op, and which rows have no key."""
+    keep = _band_keep(span, torch.device("cpu"))
+    bias = torch.zeros(keep.shape, dtype=cpu_compute_dtype(dtype)).masked_fill_(~keep, -torch.inf)
+    return bias, ~keep.any(dim=1)
+
+
 def band_forward(
     q: Tensor, k: Tensor, v: Tensor, span: Span, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """A ``band`` span: ``out`` in q's dtype (zero on rows without keys), ``lse`` float32."""
+    """A ``band`` span: ``out`` in q's dtype (zero on rows without keys), ``lse`` float32
+    (``-inf`` there). On CPU PyTorch's flash op with an additive mask; elsewhere (and for
+    float64) an explicit softmax."""
+    if q.device.type == "cpu" and q.dtype != torch.float64:
+        bias, empty = _cpu_bias(span, q.dtype)
+        out, lse = cpu_forward(q, k, v, False, scale, bias)
+        lse = lse.float().masked_fill(empty[:, None, None], -torch.inf)
+        return out.masked_fill(empty[:, None, None, None], 0.0), lse
     k, v = expand_kv_heads(k, q.shape[2]), expand_kv_heads(v, q.shape[2])
     s = _band_scores(q, k, _band_keep(span, q.device), scale)
     lse = torch.logsumexp(s, dim=-1)
@@ -65,7 +81,11 @@ def band_backward(
     span: Span,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of a ``band`` span given the queries' final ``out`` and ``lse``."""
+    """Gradients of a ``band`` span given the queries' final ``out`` and ``lse`` (the CPU flash
+    op, or an explicit softmax, as :func:`band_forward`)."""
+    if q.device.type == "cpu" and q.dtype != torch.float64:
+        bias, _ = _cpu_bias(span, q.dtype)
+        return cpu_backward(dout, q, k, v, out, lse, False, scale, bias)
     h, hkv = q.shape[2], k.shape[2]
     dt = _work_dtype(q.dtype)
     ke, ve = expand_kv_heads(k, h).to(dt), expand_kv_heads(v, h).to(dt)

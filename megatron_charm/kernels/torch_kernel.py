@@ -78,19 +78,28 @@ def _cpu_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
 
 
 def cpu_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, bias: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """CPU path of :func:`torch_forward` (shapes there)."""
+    """CPU path of :func:`torch_forward` (shapes there). ``bias``: an additive float mask
+    ``[s_q, s_k]`` (``-inf``: masked) in the compute dtype; the op returns a zero output and a
+    zero lse on rows it masks entirely, which callers must mark themselves."""
     k, v = _cpu_kv(k, v, q.shape[2])
     qc, kc, vc = _cpu_compute(q, k, v)
     out, lse = _ops._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(qc), _bhsd(kc), _bhsd(vc), 0.0, causal, attn_mask=None, scale=scale
+        _bhsd(qc), _bhsd(kc), _bhsd(vc), 0.0, causal, attn_mask=bias, scale=scale
     )
     return _sbhd(out).to(q.dtype), lse.permute(2, 0, 1)
 
 
-def cpu_backward(dout, q, k, v, out, lse, causal, scale) -> tuple[Tensor, Tensor, Tensor]:
-    """CPU path of :func:`torch_backward` (shapes there)."""
+def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU path computes ``dtype`` inputs in (:data:`CPU_UPCAST`)."""
+    return CPU_UPCAST.get(dtype, dtype)
+
+
+def cpu_backward(
+    dout, q, k, v, out, lse, causal, scale, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CPU path of :func:`torch_backward` (shapes there; ``bias`` as :func:`cpu_forward`)."""
     hkv = k.shape[2]
     ke, ve = _cpu_kv(k, v, q.shape[2])
     doc, qc, kc, vc, oc = _cpu_compute(dout, q, ke, ve, out)
@@ -103,7 +112,7 @@ def cpu_backward(dout, q, k, v, out, lse, causal, scale) -> tuple[Tensor, Tensor
         lse.permute(1, 2, 0).contiguous(),
         0.0,
         causal,
-        attn_mask=None,
+        attn_mask=bias,
         scale=scale,
     )
     dk, dv = fold_kv_heads(_sbhd(dk), hkv), fold_kv_heads(_sbhd(dv), hkv)

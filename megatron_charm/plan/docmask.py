@@ -194,9 +194,11 @@ class MaskModel:
             q0, k0 = p.q.offset, p.kv.offset
             q1, k1 = q0 + p.q.length, k0 + p.kv.length
             aligned = p.q.start == p.kv.start and p.q.length == p.kv.length
+            # a window wider than the piece leaves it plain causal
+            reach = band.lo <= -(p.q.length - 1)
             if p.full:
                 out.append(Span(q0, q1, k0, k1, "full"))
-            elif aligned and band.lo == -INF and band.hi == 0:
+            elif aligned and reach and band.hi == 0:
                 out.append(Span(q0, q1, k0, k1, "causal"))
             else:
                 shift = p.kv.start - p.q.start
