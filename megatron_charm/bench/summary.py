@@ -132,7 +132,9 @@ def summarise(raw: dict, cfg: dict) -> dict:
                     }
                     for k in ("fwd", "bwd")
                 }
-            res[mode]["bound_ratio"] = res[mode]["median"] / bound[mode]
+            # the bound is the dense problem's: no ratio under a mask
+            dense = mask is None
+            res[mode]["bound_ratio"] = res[mode]["median"] / bound[mode] if dense else None
         res["max_diff_vs_ref"] = max(max(r["agree"][name].values()) for r in ranks)
         res["agree"] = {
             k: max(r["agree"][name][k] for r in ranks) for k in ("out", "dq", "dk", "dv")
@@ -211,7 +213,10 @@ def markdown(res: dict, cfg: dict) -> str:
         b = r["bytes"]
         cells.append(f"{_mb(b['fwd']['max_cross_link'])} / {_mb(b['bwd']['max_cross_link'])}")
         cells.append(f"{_mb(b['fwd']['intra'])} / {_mb(b['bwd']['intra'])}")
-        cells.append(f"{r['fwd']['bound_ratio']:.2f}, {r['fwdbwd']['bound_ratio']:.2f}")
+        if r["fwd"]["bound_ratio"] is None:
+            cells.append("-")
+        else:
+            cells.append(f"{r['fwd']['bound_ratio']:.2f}, {r['fwdbwd']['bound_ratio']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     lb, pc, ct = res["lower_bound_s"], res["pure_compute_s"], res["cross_link_time_s"]
     lines += [
@@ -228,6 +233,15 @@ def markdown(res: dict, cfg: dict) -> str:
             f" (cross-link time {ct['fwd'] * 1e3:.0f} / {ct['fwdbwd'] * 1e3:.0f} ms)."
             if ct["fwd"] is not None
             else " (no cross rate: compute only)."
+        ),
+        *(
+            [
+                "With a mask, the sequential ring and the lower bound above are the dense "
+                "problem's (for scale only), and time / bound is not reported; cross and intra MB "
+                "are those of the plans pruned to the mask."
+            ]
+            if cfg.get("docs") or cfg.get("mask_window")
+            else []
         ),
         "Agreement with "
         + str(res["ref_method"])
