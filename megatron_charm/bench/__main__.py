@@ -16,11 +16,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(prog="megatron-charm-bench", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    from megatron_charm.bench import attention, memory, numerics
+    from megatron_charm.bench import attention, memory, numerics, planning
 
     attention.add_arguments(sub.add_parser("attention", help="side-by-side attention timings"))
     numerics.add_arguments(sub.add_parser("numerics", help="Table 8: errors vs float64"))
     memory.add_arguments(sub.add_parser("memory", help="Table 3: buffers, ring vs charm"))
+    planning.add_arguments(sub.add_parser("planning", help="cost of planning a new mask"))
     tl = sub.add_parser("timeline", help="per-instruction timeline from an attention --raw file")
     tl.add_argument("raw")
     tl.add_argument("--method", default="charm")
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_timeline(json.load(f), args.method, args.mode, args.iteration))
         elif args.cmd == "numerics":
             numerics.run_numerics(args)
+        elif args.cmd == "planning":
+            planning.run_planning(args)
         else:
             memory.run_memory(args)
     except ValueError as exc:

@@ -38,10 +38,10 @@ from megatron_charm.plan.mask import (
     BlockKey,
     BlockKind,
     Run,
-    block_masks,
+    any_allowed,
     bshd_doc_runs,
     classify,
-    nonempty_pattern,
+    runs_by_doc,
     thd_halves_order,
     thd_runs,
 )
@@ -154,7 +154,16 @@ class MaskModel:
     @cached_property
     def pattern(self) -> frozenset[BlockKey]:
         """Every non-empty half block ``(q cp_rank, q half, kv cp_rank, kv half)``."""
-        return nonempty_pattern(block_masks(self.runs, self.cp_size, self.band))
+        band, runs, n = self.band, self.runs, self.cp_size
+        kv = {key: runs_by_doc(r) for key, r in runs.items()}
+        return frozenset(
+            (x, qp, y, kp)
+            for x in range(n)
+            for qp in HALVES
+            for y in range(n)
+            for kp in HALVES
+            if any_allowed(runs[(x, qp)], kv[(y, kp)], band)
+        )
 
     @property
     def dense_causal(self) -> bool:

@@ -136,6 +136,21 @@ def classify(q_runs: Sequence[Run], kv_runs: Sequence[Run], band: Band) -> Block
     return BlockMask(BlockKind.PARTIAL, tuple(pieces))
 
 
+def runs_by_doc(runs: Sequence[Run]) -> dict[int, list[Run]]:
+    """``runs`` grouped by document."""
+    out: dict[int, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.doc, []).append(run)
+    return out
+
+
+def any_allowed(q_runs: Sequence[Run], kv_by_doc: dict[int, list[Run]], band: Band) -> bool:
+    """Whether the block of ``q_runs`` x the kv runs (grouped by :func:`runs_by_doc`) holds an
+    allowed pair: what :func:`classify` finds non-empty, without its pieces, stopping at the
+    first."""
+    return any(_piece_state(q, kv, band)[0] for q in q_runs for kv in kv_by_doc.get(q.doc, ()))
+
+
 def _runs(spans: Sequence[tuple[int, int, int]]) -> tuple[Run, ...]:
     """``(doc, start, stop)`` spans, stored one after another."""
     out, offset = [], 0

@@ -16,7 +16,8 @@ for every method alike::
     4. exchanges    drop the empty ones and their waits
 
 Steps 2 and 3 cross ranks (a send's liveness is its peer's), so each runs to a fixpoint over all
-ranks; liveness only grows, so it ends. The ``i``-th send of a payload from ``x`` to ``y`` on a
+ranks, revisiting only ranks whose peers changed what they send or need; liveness only grows, so
+it ends. The ``i``-th send of a payload from ``x`` to ``y`` on a
 channel meets the ``i``-th such receive (as in :mod:`megatron_charm.plan.wire`). Nothing is
 reordered, so a dense plan that cannot hang gives a pruned plan that cannot either: every kept
 receive meets its kept send, and the validator replays the result anyway.
@@ -107,39 +108,57 @@ def _compute_keys(c: Compute, backward: bool) -> list[tuple[Key, Part]]:
     return [((Kind.O, c.q_owner, c.heads), c.q_part)]
 
 
+def _fixpoint(programs: Sequence[Program], visit) -> None:
+    """Run ``visit(prog) -> ranks to revisit`` until no rank has a changed input.
+
+    Sweeps alternate direction, so that a chain that flows along a ring in either direction
+    settles in a few sweeps, and only ranks whose inputs changed are visited again."""
+    dirty = {p.cp_rank for p in programs}
+    by_rank = {p.cp_rank: p for p in programs}
+    order = sorted(by_rank)
+    while dirty:
+        for x in order:
+            if x in dirty:
+                dirty.discard(x)
+                dirty |= visit(by_rank[x])
+        order.reverse()
+
+
 def _partial_parts(
     programs: Sequence[Program], backward: bool, pair: dict[OpId, OpId]
 ) -> dict[OpId, Part | None]:
     """Forward flow: the part each partial send carries (``None``: nothing, drop it)."""
     sent: dict[OpId, Part | None] = {}
-    changed = True
-    while changed:
-        changed = False
-        for prog in programs:
-            x = prog.cp_rank
-            acc: dict[Key, Part | None] = {}
-            got: dict[tuple[int, Key], Part | None] = {}
-            for ins in prog.instrs:
-                if isinstance(ins, Compute):
-                    for key, part in _compute_keys(ins, backward):
-                        acc[key] = _union(acc.get(key), part)
-                elif isinstance(ins, Merge):
-                    p = ins.payload
+
+    def visit(prog: Program) -> set[int]:
+        x, wake = prog.cp_rank, set()
+        acc: dict[Key, Part | None] = {}
+        got: dict[tuple[int, Key], Part | None] = {}
+        for ins in prog.instrs:
+            if isinstance(ins, Compute):
+                for key, part in _compute_keys(ins, backward):
+                    acc[key] = _union(acc.get(key), part)
+            elif isinstance(ins, Merge):
+                p = ins.payload
+                key = (p.kind, p.owner, p.heads)
+                acc[key] = _union(acc.get(key), got.pop((ins.handle, key), None))
+            elif isinstance(ins, Exchange):
+                for k, op in enumerate(ins.ops):
+                    p = op.payload
+                    if not p.kind.is_partial:
+                        continue
                     key = (p.kind, p.owner, p.heads)
-                    acc[key] = _union(acc.get(key), got.pop((ins.handle, key), None))
-                elif isinstance(ins, Exchange):
-                    for k, op in enumerate(ins.ops):
-                        p = op.payload
-                        if not p.kind.is_partial:
-                            continue
-                        key = (p.kind, p.owner, p.heads)
-                        if op.send:
-                            part = acc.pop(key, None)
-                            if sent.get((x, ins.handle, k)) != part:
-                                sent[(x, ins.handle, k)] = part
-                                changed = True
-                        else:
-                            got[(ins.handle, key)] = sent.get(pair[(x, ins.handle, k)])
+                    me = (x, ins.handle, k)
+                    if op.send:
+                        part = acc.pop(key, None)
+                        if sent.get(me) != part:
+                            sent[me] = part
+                            wake.add(op.peer)
+                    else:
+                        got[(ins.handle, key)] = sent.get(pair[me])
+        return wake
+
+    _fixpoint(programs, visit)
     return sent
 
 
@@ -149,43 +168,44 @@ def _input_parts(
     """Backward flow: the part each input receive must deliver (``None``: drop it)."""
     qkind = Kind.QB if backward else Kind.Q
     delivered: dict[OpId, Part | None] = {}
-    changed = True
-    while changed:
-        changed = False
-        for prog in programs:
-            x = prog.cp_rank
-            exchanges = {i.handle: i for i in prog.instrs if isinstance(i, Exchange)}
-            need: dict[Key, Part | None] = {}
-            for ins in reversed(prog.instrs):
-                if isinstance(ins, Compute):
-                    for key, part in (
-                        ((qkind, ins.q_owner, ins.heads), ins.q_part),
-                        ((Kind.KV, ins.kv_owner, ins.heads), ins.kv_part),
-                    ):
-                        need[key] = _union(need.get(key), part)
-                elif isinstance(ins, Exchange):
-                    for k, op in enumerate(ins.ops):
-                        p = op.payload
-                        if op.send and not p.kind.is_partial:
-                            key = (p.kind, p.owner, p.heads)
-                            want = delivered.get(pair[(x, ins.handle, k)])
-                            need[key] = _union(need.get(key), want)
-                elif isinstance(ins, Wait):
-                    ex = exchanges[ins.handle]
-                    for k, op in enumerate(ex.ops):
-                        p = op.payload
-                        if op.send or p.kind.is_partial:
-                            continue
-                        # a delivery serves the uses after it, until the next delivery
-                        keys = [(p.kind, p.owner, p.heads)]
-                        if p.heads is None:
-                            keys += [q for q in need if q[:2] == (p.kind, p.owner) and q[2]]
-                        part = None
-                        for key in keys:
-                            part = _union(part, need.pop(key, None))
-                        if delivered.get((x, ex.handle, k)) != part:
-                            delivered[(x, ex.handle, k)] = part
-                            changed = True
+
+    def visit(prog: Program) -> set[int]:
+        x, wake = prog.cp_rank, set()
+        exchanges = {i.handle: i for i in prog.instrs if isinstance(i, Exchange)}
+        need: dict[Key, Part | None] = {}
+        for ins in reversed(prog.instrs):
+            if isinstance(ins, Compute):
+                for key, part in (
+                    ((qkind, ins.q_owner, ins.heads), ins.q_part),
+                    ((Kind.KV, ins.kv_owner, ins.heads), ins.kv_part),
+                ):
+                    need[key] = _union(need.get(key), part)
+            elif isinstance(ins, Exchange):
+                for k, op in enumerate(ins.ops):
+                    p = op.payload
+                    if op.send and not p.kind.is_partial:
+                        key = (p.kind, p.owner, p.heads)
+                        want = delivered.get(pair[(x, ins.handle, k)])
+                        need[key] = _union(need.get(key), want)
+            elif isinstance(ins, Wait):
+                ex = exchanges[ins.handle]
+                for k, op in enumerate(ex.ops):
+                    p = op.payload
+                    if op.send or p.kind.is_partial:
+                        continue
+                    # a delivery serves the uses after it, until the next delivery
+                    keys = [(p.kind, p.owner, p.heads)]
+                    if p.heads is None:
+                        keys += [q for q in need if q[:2] == (p.kind, p.owner) and q[2]]
+                    part = None
+                    for key in keys:
+                        part = _union(part, need.pop(key, None))
+                    if delivered.get((x, ex.handle, k)) != part:
+                        delivered[(x, ex.handle, k)] = part
+                        wake.add(op.peer)
+        return wake
+
+    _fixpoint(programs, visit)
     return delivered
 
 

@@ -190,58 +190,73 @@ def advise(pred: Prediction) -> Advice:
         if m in pred.methods and pred.methods[m].total <= best.total * (1 + TIE)
     ]
     choice = tied[0]
-    mp = pred.methods[choice]
-    topo = pred.topo
-    reasons = [
-        f"predicted forward+backward {mp.total * 1e3:.2f} ms with {choice}"
-        + (
-            f" vs {pred.methods['ring'].total * 1e3:.2f} ms with ring "
-            f"({pred.methods['ring'].total / mp.total:.2f}x)"
-            if "ring" in pred.methods and choice != "ring"
-            else ""
-        ),
-        f"CCR (ring compute / ring communication) forward {pred.ccr_forward:.2f}, "
-        f"backward {pred.ccr_backward:.2f}",
-    ]
+    reasons = [_margin(pred, choice), _ccr(pred)]
     if choice != best.method:
         reasons.append(
             f"{best.method} is within {TIE:.0%} ({best.total * 1e3:.2f} ms); {choice} is simpler"
         )
-    if choice == "ring":
-        reasons.append(
-            "communication hides behind computation (high CCR), so the log-depth schedules "
-            "cannot win time back; ring needs no extra buffers or process groups"
-        )
-    elif choice == "charm":
-        reasons.append(
-            f"cross-node links ({topo.cross_bw:g} GB/s) are {topo.intra_bw / topo.cross_bw:.1f}x "
-            "slower than intra-node ones: ring and flat schedules wait for them every step, "
-            "charm keeps kv inside the node and overlaps the query transfers"
-        )
-    elif choice == "a2a":
-        reasons.append(
-            "a2a (Ulysses) sends each rank's q and kv once, split by heads, with every transfer "
-            "posted at once; it needs the heads to divide over the CP group"
-        )
-    elif choice == "a2a+p2p":
-        reasons.append(
-            "a2a+p2p splits heads inside each node and runs a ring across nodes: m - 1 cross "
-            "steps instead of n - 1, each moving one whole kv per rank"
-        )
-    elif choice == "all_gather":
-        reasons.append(
-            "all_gather posts every kv transfer at once: no transfer waits for another, at the "
-            "cost of holding every rank's kv"
-        )
-    else:
-        reasons.append(
-            f"{choice} shortens the dependent transfer chain from n-1 steps to log2(n) levels"
-            + (" and sends q and kv concurrently" if choice == "rm+" else "")
-        )
-    for name in ("forward", "backward"):
-        res = getattr(mp, name)
-        reasons.append(
-            f"{name}: exposed communication {res.exposed_mean * 1e3:.2f} ms of "
-            f"{res.makespan * 1e3:.2f} ms"
-        )
+    if pred.topo.num_nodes > 1:
+        reasons.append(_cross_bytes(pred, choice))
+    reasons += [
+        _exposure(pred, name) for name in dict.fromkeys([choice, "ring"]) if name in pred.methods
+    ]
     return Advice(choice, reasons, pred)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _margin(pred: Prediction, choice: str) -> str:
+    """The choice's predicted time and its margin over the next method."""
+    mp = pred.methods[choice]
+    others = sorted(
+        (m for m in pred.methods.values() if m.method != choice and m.method in SIMPLICITY),
+        key=lambda m: m.total,
+    )
+    text = f"predicted forward+backward {_ms(mp.total)} with {choice}"
+    if others:
+        nxt = others[0]
+        text += f"; next {nxt.method} {_ms(nxt.total)} ({nxt.total / mp.total:.2f}x)"
+    if "ring" in pred.methods and choice != "ring" and (not others or others[0].method != "ring"):
+        text += f"; ring {_ms(pred.methods['ring'].total)}"
+    return text
+
+
+def _ccr(pred: Prediction) -> str:
+    """The CCR with what it means for this problem."""
+
+    def say(x: float) -> str:
+        if x >= 1:
+            return f"compute {x:.2f}x its communication"
+        return f"communication {1 / x:.2f}x its compute"
+
+    return (
+        f"ring run step by step: forward {say(pred.ccr_forward)}, backward "
+        f"{say(pred.ccr_backward)} (CCR {pred.ccr_forward:.2f} / {pred.ccr_backward:.2f})"
+    )
+
+
+def _cross_bytes(pred: Prediction, choice: str) -> str:
+    """Bytes over cross-node links, forward + backward, of the choice against ring."""
+
+    def cross(name: str) -> float:
+        mp = pred.methods[name]
+        total = mp.forward.link_bytes().get("cross", 0) + mp.backward.link_bytes().get("cross", 0)
+        return total / 1e6
+
+    text = f"cross-node bytes (forward+backward, simulated ranks): {choice} {cross(choice):.1f} MB"
+    if "ring" in pred.methods and choice != "ring":
+        text += f", ring {cross('ring'):.1f} MB"
+    return text
+
+
+def _exposure(pred: Prediction, name: str) -> str:
+    """How much of a method's time is communication that nothing overlaps."""
+    mp = pred.methods[name]
+    parts = []
+    for tag in ("forward", "backward"):
+        res = getattr(mp, tag)
+        share = res.exposed_mean / res.makespan if res.makespan else 0.0
+        parts.append(f"{tag} {_ms(res.exposed_mean)} of {_ms(res.makespan)} ({share:.0%})")
+    return f"{name}: exposed communication (mean over ranks) " + ", ".join(parts)

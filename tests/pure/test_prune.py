@@ -145,3 +145,25 @@ def test_all_gather_moves_exactly_what_the_mask_needs(causal):
                         )
                         got |= {(op.payload.owner, h) for h in halves}
             assert got == need[prog.cp_rank], (mask, prog.cp_rank)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_pattern_matches_the_block_classification(layout):
+    """MaskModel.pattern (first allowed pair per block) agrees with classify's full pieces."""
+    from megatron_charm.plan.mask import block_masks, nonempty_pattern
+
+    rng = random.Random(3)
+    for n in (2, 4):
+        for causal in (True, False):
+            for _ in range(4):
+                if layout == "bshd":
+                    mask = DocMask(_random_docs(rng, 16 * n))
+                else:
+                    padded = [2 * n * rng.randint(1, 3) for _ in range(3)]
+                    real = tuple(rng.randint(1, p) for p in padded)
+                    mask = DocMask(tuple(padded), "thd", real)
+                window = rng.choice([None, (rng.randint(0, 9), -1 if causal else 3)])
+                mask = DocMask(mask.seq_lens, mask.layout, mask.real_lens, window)
+                model = mask.model(n, causal)
+                want = nonempty_pattern(block_masks(model.runs, n, model.band))
+                assert model.pattern == want
