@@ -9,7 +9,9 @@ float64 inputs). Rows that no span covers keep
 (:func:`megatron_charm.kernels.merge.merge_partial`); their gradients are zero.
 
 Shapes are the block kernel's: ``q [s_q, b, h, d]``, ``k, v [s_k, b, h_kv, d]``, ``out`` like q,
-``lse`` float32 ``[s_q, b, h]``.
+``lse`` float32 ``[s_q, b, h]``. On CUDA in fp16/bf16 a block with several spans runs
+FlashAttention-2's varlen mode instead, a few launches per block (Note [Varlen spans] in
+:mod:`megatron_charm.kernels.varlen`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,20 @@ from megatron_charm.kernels.backends import BlockKernel
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.merge import merge_partial
 from megatron_charm.kernels.torch_kernel import cpu_backward, cpu_compute_dtype, cpu_forward
+from megatron_charm.kernels.varlen import varlen_backward, varlen_forward
 from megatron_charm.plan.docmask import Span
 
 Tensor = torch.Tensor
+
+
+def _varlen(q: Tensor) -> bool:
+    """Whether the block runs FlashAttention-2's varlen mode (CUDA fp16/bf16, Note [Varlen
+    spans]); :data:`VARLEN_DEVICES` lets the contract tests run it on CPU fakes."""
+    return q.device.type in VARLEN_DEVICES and q.dtype in (torch.float16, torch.bfloat16)
+
+
+#: Device types whose half-precision masked blocks run :mod:`megatron_charm.kernels.varlen`.
+VARLEN_DEVICES: frozenset[str] = frozenset({"cuda"})
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -110,6 +123,8 @@ def masked_forward(
         sp = spans[0]
         if (sp.q0, sp.q1, sp.k0, sp.k1) == (0, q.shape[0], 0, k.shape[0]):
             return kernel.forward(q, k, v, sp.mode == "causal", scale)
+    if _varlen(q):
+        return varlen_forward(q, k, v, spans, scale)
     dt = _work_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=dt, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=dt, device=q.device)
@@ -140,6 +155,8 @@ def masked_backward(
         sp = spans[0]
         if (sp.q0, sp.q1, sp.k0, sp.k1) == (0, q.shape[0], 0, k.shape[0]):
             return kernel.backward(dout, q, k, v, out, lse, sp.mode == "causal", scale)
+    if _varlen(q):
+        return varlen_backward(dout, q, k, v, out, lse, spans, scale)
     dt = _work_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
     dk = torch.zeros(k.shape, dtype=dt, device=k.device)

@@ -148,3 +148,21 @@ def test_planted_kernel_bug_fails_megatron(tmp_path):
     calls = report["checks"]["megatron"]["model"]["local"]["attention_calls"]
     assert calls and all("out" in c["failed"] for c in calls)
     assert report["checks"]["megatron"]["trainer"] == {"skipped": "--train-iters 0"}
+
+
+def test_masked_check_passes_and_catches_a_planted_bug(monkeypatch):
+    """The masked check (documents, windows, THD padding against float64) passes on CPU, and a
+    dv 1% too large in the block kernel's backward fails it."""
+    from megatron_charm.bench.gpu_check.masked_check import masked_check
+
+    res, bad = masked_check(torch.device("cpu"), 32)
+    assert bad == [] and len(res["rows"]) == 8 and all(r["blocks"] >= 2 for r in res["rows"])
+    real_b = torch_kernel.cpu_backward
+
+    def bad_backward(*args):
+        dq, dk, dv = real_b(*args)
+        return dq, dk, dv * 1.01
+
+    monkeypatch.setattr(torch_kernel, "cpu_backward", bad_backward)
+    _, bad = masked_check(torch.device("cpu"), 32)
+    assert bad and all(b.startswith("masked ") for b in bad)

@@ -1,6 +1,9 @@
 """CPU reference implementations of the CUDA-only ATen attention ops, with the checks their CUDA
 kernels make (layouts, dtypes, head-dim multiple of 8, dense vs varlen branch), computed with the
-float64 math kernel. Used through :class:`tests.contract.schema.RecordingOps`."""
+float64 math kernel; the varlen branch (defined cumulative lengths) as FlashAttention-2 documents
+it: ``[t, h, d]`` tensors, lse ``[h, t]``, bottom-right aligned causal and windows, and rows
+without keys returning a zero output with ``lse = +inf``. Used through
+:class:`tests.contract.schema.RecordingOps`."""
 
 from __future__ import annotations
 
@@ -24,10 +27,95 @@ def _check_flash_inputs(*ts: torch.Tensor) -> None:
     assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, f"head_dim {q.shape[-1]}"
 
 
+def _varlen_allowed(s_q: int, s_k: int, causal: bool, left, right) -> torch.Tensor:
+    """FlashAttention-2's mask of one varlen sequence: bottom-right aligned causal / window."""
+    left = -1 if left is None else left
+    right = 0 if causal else (-1 if right is None else right)
+    i = torch.arange(s_q).unsqueeze(1) + (s_k - s_q)
+    j = torch.arange(s_k).unsqueeze(0)
+    ok = torch.ones(s_q, s_k, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+def _check_varlen(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k):
+    assert query.dim() == 3 and key.dim() == 3 and value.shape == key.shape, "varlen: [t, h, d]"
+    assert query.dtype in HALF and key.dtype == query.dtype
+    assert query.shape[-1] % 8 == 0 and query.shape[1] % key.shape[1] == 0
+    for cu, t, mx in ((cum_seq_q, query, max_q), (cum_seq_k, key, max_k)):
+        assert cu.dtype == torch.int32 and cu.dim() == 1 and int(cu[0]) == 0
+        assert int(cu[-1]) == t.shape[0], "cumulative lengths must end at the packed length"
+        assert int((cu[1:] - cu[:-1]).max()) <= mx, "max_q/max_k below a sequence length"
+    assert len(cum_seq_q) == len(cum_seq_k)
+
+
+def flash_varlen_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                         scale, window_size_left=None, window_size_right=None):  # fmt: skip
+    """FlashAttention-2 varlen: out [t_q, h, d]; lse [h, t_q]; rows without keys: out 0 and
+    lse +inf, as FA2 writes them."""
+    _check_varlen(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    h = query.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    lse = torch.full((h, query.shape[0]), float("inf"), dtype=torch.float64)
+    for n in range(len(cum_seq_q) - 1):
+        qs = slice(int(cum_seq_q[n]), int(cum_seq_q[n + 1]))
+        ks = slice(int(cum_seq_k[n]), int(cum_seq_k[n + 1]))
+        q, k, v = query[qs].double(), key[ks].double(), value[ks].double()
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+        ok = _varlen_allowed(q.shape[0], k.shape[0], is_causal, window_size_left, window_size_right)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        s = s.masked_fill(~ok, float("-inf"))
+        m = torch.logsumexp(s, dim=-1)  # [h, s_q]
+        p = torch.exp(s - m.unsqueeze(-1)).nan_to_num(0.0)
+        out[qs] = torch.einsum("hqk,khd->qhd", p, v)
+        lse[:, qs] = torch.where(torch.isfinite(m), m, torch.full_like(m, float("inf")))
+    return out.to(query.dtype), lse.float()
+
+
+def flash_varlen_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                          max_q, max_k, is_causal, scale, window_size_left=None,
+                          window_size_right=None):  # fmt: skip
+    _check_varlen(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    h, h_kv = query.shape[1], key.shape[1]
+    assert logsumexp.shape == (h, query.shape[0]) and logsumexp.is_contiguous()
+    dq = torch.zeros(query.shape, dtype=torch.float64)
+    dk = torch.zeros(key.shape, dtype=torch.float64)
+    dv = torch.zeros(key.shape, dtype=torch.float64)
+    for n in range(len(cum_seq_q) - 1):
+        qs = slice(int(cum_seq_q[n]), int(cum_seq_q[n + 1]))
+        ks = slice(int(cum_seq_k[n]), int(cum_seq_k[n + 1]))
+        q, do, o = query[qs].double(), grad_out[qs].double(), out[qs].double()
+        k, v = (t[ks].double().repeat_interleave(h // h_kv, dim=1) for t in (key, value))
+        ok = _varlen_allowed(q.shape[0], k.shape[0], is_causal, window_size_left, window_size_right)
+        s = (torch.einsum("qhd,khd->hqk", q, k) * scale).masked_fill(~ok, float("-inf"))
+        p = torch.exp(s - logsumexp[:, qs].double().unsqueeze(-1))
+        dv_e = torch.einsum("hqk,qhd->khd", p, do)
+        dp = torch.einsum("qhd,khd->hqk", do, v)
+        delta = (do * o).sum(-1).transpose(0, 1).unsqueeze(-1)  # [h, s_q, 1]
+        ds = p * (dp - delta) * scale
+        dq[qs] = torch.einsum("hqk,khd->qhd", ds, k)
+        dk_e = torch.einsum("hqk,qhd->khd", ds, q)
+        fold = lambda t: t.reshape(t.shape[0], h_kv, h // h_kv, -1).sum(2)  # noqa: E731
+        dk[ks] += fold(dk_e)
+        dv[ks] += fold(dv_e)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
 def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                  return_debug_mask, scale, **_):  # fmt: skip
+                  return_debug_mask, scale, window_size_left=None, window_size_right=None,
+                  **_):  # fmt: skip
     if cum_seq_q is not None or cum_seq_k is not None:
-        raise RuntimeError("defined cum_seq_q/k: ATen would run the varlen kernel")
+        assert cum_seq_q is not None and cum_seq_k is not None, "varlen needs both lengths"
+        assert dropout_p == 0.0 and not return_debug_mask
+        out, lse = flash_varlen_forward(
+            query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+            window_size_left, window_size_right,
+        )  # fmt: skip
+        rng = torch.zeros(2, dtype=torch.uint64)
+        return out, lse, rng, torch.zeros((), dtype=torch.uint64), query[:0]
     _check_flash_inputs(query, key, value)
     b, s_q, h, _ = query.shape
     assert key.shape[2] and h % key.shape[2] == 0 and (max_q, max_k) == (s_q, key.shape[1])
@@ -38,9 +126,14 @@ def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout
 
 
 def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                   dropout_p, is_causal, rng_state, unused, scale, **_):  # fmt: skip
+                   dropout_p, is_causal, rng_state, unused, scale, window_size_left=None,
+                   window_size_right=None, **_):  # fmt: skip
     if cum_seq_q is not None or cum_seq_k is not None:
-        raise RuntimeError("defined cum_seq_q/k: ATen would run the varlen backward")
+        assert rng_state.dtype == torch.uint64 and dropout_p == 0.0
+        return flash_varlen_backward(
+            grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+            is_causal, scale, window_size_left, window_size_right,
+        )  # fmt: skip
     _check_flash_inputs(query, key, value, out, grad_out)
     b, s_q, h, _ = query.shape
     assert logsumexp.dtype == torch.float32 and logsumexp.is_contiguous()

@@ -188,6 +188,17 @@ def expect_value_error(ctx, case: str):
             mc.cp_attention(q, k, v, topo, method="a2a")
         elif case == "a2a_p2p_heads":  # 2 kv heads cannot split over a node of 4
             mc.cp_attention(q, k, v, topo, method="a2a+p2p")
+        elif case == "masks_differ":
+            docs = (16, 16) if r == 0 else (8, 24)
+            mc.cp_attention(q, k, v, topo, mask=mc.DocMask(docs))
+        elif case == "mask_total":
+            mc.cp_attention(q, k, v, topo, mask=mc.DocMask((10,)))
+        elif case == "mask_ring_contig":
+            mc.cp_attention(q, k, v, topo, method="ring-contig", mask=mc.DocMask((32,)))
+        elif case == "mask_thd_lengths":
+            mc.cp_attention(q, k, v, topo, mask=mc.DocMask((12, 20), "thd"))
+        elif case == "mask_window":
+            mc.cp_attention(q, k, v, topo, mask=mc.DocMask((32,), window=(-3, 0)))
         elif case == "format":
             mc.cp_attention(q, k, v, topo, qkv_format="thd")
         elif case == "device":

@@ -40,7 +40,17 @@ import torch
 
 from megatron_charm.bench.kernel_matrix import MatrixConfig
 
-CHECKS = ("versions", "kernel_matrix", "merge", "speed", "cp1", "cp4", "megatron", "overlap")
+CHECKS = (
+    "versions",
+    "kernel_matrix",
+    "merge",
+    "speed",
+    "cp1",
+    "masked",
+    "cp4",
+    "megatron",
+    "overlap",
+)
 NOT_IMPLEMENTED: dict[str, str] = {}
 
 
@@ -148,6 +158,10 @@ def _run_check(name: str, args: argparse.Namespace, device: torch.device, report
         return single.speed(device, 8 * seq)
     if name == "cp1":
         return single.cp1(device, seq)
+    if name == "masked":
+        from megatron_charm.bench.gpu_check.masked_check import masked_check
+
+        return masked_check(device, 256 if device.type == "cuda" else 32)
     if name == "cp4":
         from megatron_charm.bench.gpu_check.cp4 import cp4
 
