@@ -10,7 +10,8 @@ and the part of its local sequence that the round covers.
 
 A foreign q that a node needs whole travels as two halves (two cross transfers) and is processed
 in two rounds, so the first half is computed, and its output is on its way back, while the second
-half still crosses. The next offset's q travels while the current one computes::
+half still crosses (the second leaves when the first has arrived: Note [Chained cross pieces]).
+The next offset's q travels while the current one computes::
 
     node a        round 0        round 1            round 2            round 3 ...
     cross q     -- q(a-1).first -- q(a-1).second --- q(a-2) ...
@@ -135,6 +136,10 @@ class _Pass:
         # that a round never waits for a partner's result it does not need to finish.
         self.deferred_merges: list[Payload] = []
         self.posted_cross: set[int] = set()
+        # Note [Chained cross pieces]: offset -> exchanges of its pieces not posted yet, and the
+        # handle of the last one posted
+        self.cross_queue: dict[int, list[list]] = {}
+        self.cross_handle: dict[int, int] = {}
         self.ahead_cache: dict[tuple, list[Part | None]] = {}
 
     # --- query sets, kv sets and rounds (identical for all ranks of a node) --------------------
@@ -227,22 +232,60 @@ class _Pass:
         src = self.source(x, offset)
         return CrossRoute(dst, src, self.pieces(x, layout.node(dst)), self.pieces(src, node))
 
+    @property
+    def cross_channel(self) -> tuple[Kind, str]:
+        return (Kind.KV, "cross.kv") if self.kv_cross else (self.qkind, "cross.q")
+
     def post_cross_inputs(self, rnd: list[Slot]) -> None:
         """Ship this rank's q (or kv) to, and receive the q (or kv) from, the nodes a round's
-        slots name (once per offset, all pieces at once)."""
-        kind, channel = (Kind.KV, "cross.kv") if self.kv_cross else (self.qkind, "cross.q")
+        slots name: the first piece now, the others chained (Note [Chained cross pieces])."""
+        kind, channel = self.cross_channel
         for o, _ in rnd:
             if o == 0 or o in self.posted_cross:
                 continue
             self.posted_cross.add(o)
             route = self.cross_route(o)
+            exchanges = []
             for i in range(max(len(route.mine), len(route.theirs))):
                 ops = []
                 if i < len(route.mine):
                     ops.append(send(route.dst, kind, self.x, route.mine[i]))
                 if i < len(route.theirs):
                     ops.append(recv(route.src, kind, route.src, route.theirs[i]))
-                self.b.exchange(channel, ops)
+                exchanges.append(ops)
+            if self.combined or self.layout.num_nodes > 2:  # all at once
+                for ops in exchanges:
+                    self.b.exchange(channel, ops)
+                continue
+            self.cross_handle[o] = self.b.exchange(channel, exchanges[0])
+            self.cross_queue[o] = exchanges[1:]
+
+    def chain_cross(self, rnd: list[Slot]) -> None:
+        """Note [Chained cross pieces]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A foreign input that crosses in two pieces used to be posted as two exchanges at once.
+        On gloo both then share the slow link and the first piece arrives no earlier than the
+        second (NCCL runs the exchanges of one channel in order anyway). So the next piece is
+        posted in the round that computes the current one, after the current one has arrived:
+        the first piece gets the whole link, and its results can start back while the next
+        piece crosses. The round of a rank's last foreign piece posts whatever it still sends.
+        Every rank posts exchange ``i + 1`` of an offset in its round for piece ``i``, so both
+        sides of the channel keep the same order. Only with two nodes: with more, one channel
+        carries several offsets, whose chained pieces would interleave in different orders on
+        different ranks, a deadlock under NCCL's in-order channels (the validator finds it for
+        3 x 1); there every piece goes at once, as the next offset's does.
+        """
+        channel = self.cross_channel[1]
+        for o, i in rnd:
+            queue = self.cross_queue.get(o)
+            if not queue:
+                continue
+            self.b.wait(self.cross_handle[o])
+            last = i == len(self.cross_route(o).theirs) - 1
+            while queue:
+                self.cross_handle[o] = self.b.exchange(channel, queue.pop(0))
+                if not last:
+                    break
 
     @property
     def cross_result(self) -> Kind | None:
@@ -311,6 +354,7 @@ class _Pass:
         # the node boundary (waiting for it would hold back the diagonal block).
         home = all(qs[0] == self.x for qs in my_qs)
         window.top_up(("kv", "q") if home else ("kv",))
+        self.chain_cross(rnd)
         for qs in my_qs:
             if qs[0] == self.x:
                 self.compute(qs, my_kv)
