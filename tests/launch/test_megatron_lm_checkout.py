@@ -50,7 +50,12 @@ CASES: dict[str, dict] = {
     "no_max_connections": _case(CHARM, env={}),
     "default_dropout": _case([*BASE, "--cp-comm-type", "charm"]),
     "reset_attention_mask": _case([*CHARM, "--reset-attention-mask"]),
+    "reset_without_mask": _case(
+        [*CHARM, "--reset-attention-mask", "--no-create-attention-mask-in-dataloader"]
+    ),
     "sft": _case([*CHARM, "--sft"]),
+    "window": _case([*CHARM, "--window-size", "128,0"]),
+    "window_skip": _case([*CHARM, "--window-size", "128,0", "--window-attn-skip-freq", "2"]),
     "mla": _case([*CHARM, "--multi-latent-attention"]),
     "hcp_three_levels": _case([*CHARM, "--hierarchical-context-parallel-sizes", "2", "2", "2"]),
     "hcp_two_levels": _case([*CHARM, "--hierarchical-context-parallel-sizes", "4", "2"]),
@@ -164,8 +169,8 @@ def test_charm_run_passes_and_needs_cuda_device_max_connections(probe):
     "name,fragment",
     [
         ("default_dropout", "pass --attention-dropout 0"),
-        ("reset_attention_mask", "remove --reset-attention-mask"),
-        ("sft", "remove --sft"),
+        ("reset_without_mask", "drop --no-create-attention-mask-in-dataloader"),
+        ("window_skip", "--window-attn-skip-freq"),
         ("mla", "remove --multi-latent-attention"),
         ("hcp_three_levels", "--hierarchical-context-parallel-sizes 2 2 2"),
         ("cuda_graph_local", "--cuda-graph-impl none"),
@@ -189,7 +194,17 @@ def test_local_impl_without_apex(probe):
 
 
 @pytest.mark.parametrize(
-    "name", ["hcp_two_levels", "cuda_graph_mlp", "deterministic", "timeout", "p2p_baseline"]
+    "name",
+    [
+        "hcp_two_levels",
+        "cuda_graph_mlp",
+        "deterministic",
+        "timeout",
+        "p2p_baseline",
+        "reset_attention_mask",
+        "sft",
+        "window",
+    ],
 )
 def test_accepted(probe, name):
     _ok(probe, name)
