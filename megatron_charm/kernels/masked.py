@@ -3,15 +3,15 @@
 A masked block is a list of :class:`megatron_charm.plan.docmask.Span` rectangles (Note [Block
 spans]). ``full`` and ``causal`` spans run the block kernel as it is, unmasked or causal; ``band``
 spans (sliding windows) run :func:`band_forward` / :func:`band_backward`: on CPU PyTorch's flash
-op with the band as an additive mask, elsewhere an explicit softmax in float32 (float64 for
-float64 inputs). Rows that no span covers keep
+op with the band as an additive mask, elsewhere the math kernel's explicit softmax in float32
+(float64 for float64 inputs). Rows that no span covers keep
 ``lse = -inf`` and a zero output, which the merge of partials treats as "no keys"
 (:func:`megatron_charm.kernels.merge.merge_partial`); their gradients are zero.
 
 Shapes are the block kernel's: ``q [s_q, b, h, d]``, ``k, v [s_k, b, h_kv, d]``, ``out`` like q,
-``lse`` float32 ``[s_q, b, h]``. On CUDA in fp16/bf16 a block with several spans runs
-FlashAttention-2's varlen mode instead, a few launches per block (Note [Varlen spans] in
-:mod:`megatron_charm.kernels.varlen`).
+``lse`` float32 ``[s_q, b, h]``. On CUDA in fp16/bf16 the spans that FlashAttention-2's varlen
+mode can run go first, a few launches per block, into the same accumulators (Note [Varlen spans]
+in :mod:`megatron_charm.kernels.varlen`); the loop here runs the rest.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_charm.kernels.backends import BlockKernel
-from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
+from megatron_charm.kernels.math_kernel import explicit_backward, explicit_forward
 from megatron_charm.kernels.merge import merge_partial
 from megatron_charm.kernels.torch_kernel import cpu_backward, cpu_compute_dtype, cpu_forward
 from megatron_charm.kernels.varlen import varlen_backward, varlen_forward
@@ -52,12 +52,6 @@ def _band_keep(span: Span, device: torch.device) -> Tensor:
     return (delta >= span.lo) & (delta <= span.hi)
 
 
-def _band_scores(q: Tensor, k: Tensor, keep: Tensor, scale: float) -> Tensor:
-    dt = _work_dtype(q.dtype)
-    s = torch.einsum("qbhd,kbhd->bhqk", q.to(dt), k.to(dt)) * scale
-    return s.masked_fill(~keep, float("-inf"))
-
-
 def _cpu_bias(span: Span, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The additive mask of a span for the CPU flash op, and which rows have no key."""
     keep = _band_keep(span, torch.device("cpu"))
@@ -76,12 +70,7 @@ def band_forward(
         out, lse = cpu_forward(q, k, v, False, scale, bias)
         lse = lse.float().masked_fill(empty[:, None, None], -torch.inf)
         return out.masked_fill(empty[:, None, None, None], 0.0), lse
-    k, v = expand_kv_heads(k, q.shape[2]), expand_kv_heads(v, q.shape[2])
-    s = _band_scores(q, k, _band_keep(span, q.device), scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # rows without keys: -inf - -inf
-    out = torch.einsum("bhqk,kbhd->qbhd", p, v.to(p.dtype))
-    return out.to(q.dtype), lse.permute(2, 0, 1).float()
+    return explicit_forward(q, k, v, _band_keep(span, q.device), scale, _work_dtype(q.dtype))
 
 
 def band_backward(
@@ -99,19 +88,16 @@ def band_backward(
     if q.device.type == "cpu" and q.dtype != torch.float64:
         bias, _ = _cpu_bias(span, q.dtype)
         return cpu_backward(dout, q, k, v, out, lse, False, scale, bias)
-    h, hkv = q.shape[2], k.shape[2]
-    dt = _work_dtype(q.dtype)
-    ke, ve = expand_kv_heads(k, h).to(dt), expand_kv_heads(v, h).to(dt)
-    s = _band_scores(q, ke, _band_keep(span, q.device), scale)
-    p = torch.exp(s - lse.permute(1, 2, 0).to(dt).unsqueeze(-1))
-    do = dout.to(dt)
-    dv = torch.einsum("bhqk,qbhd->kbhd", p, do)
-    dp = torch.einsum("qbhd,kbhd->bhqk", do, ve)
-    delta = (do * out.to(dt)).sum(-1).permute(1, 2, 0).unsqueeze(-1)
-    ds = p * (dp - delta) * scale
-    dq = torch.einsum("bhqk,kbhd->qbhd", ds, ke)
-    dk = torch.einsum("bhqk,qbhd->kbhd", ds, q.to(dt))
-    return dq, fold_kv_heads(dk, hkv), fold_kv_heads(dv, hkv)
+    keep = _band_keep(span, q.device)
+    return explicit_backward(dout, q, k, v, out, lse, keep, scale, _work_dtype(q.dtype))
+
+
+def _whole(spans: Sequence[Span], q: Tensor, k: Tensor) -> Span | None:
+    """The one unbanded span that covers the whole block, which the dense kernel runs as is."""
+    if len(spans) != 1 or spans[0].mode == "band":
+        return None
+    sp = spans[0]
+    return sp if (sp.q0, sp.q1, sp.k0, sp.k1) == (0, q.shape[0], 0, k.shape[0]) else None
 
 
 def masked_forward(
@@ -119,15 +105,14 @@ def masked_forward(
 ) -> tuple[Tensor, Tensor]:
     """Forward of one masked block: ``out`` in q's dtype, ``lse`` float32 (``-inf`` on rows
     without keys)."""
-    if len(spans) == 1 and spans[0].mode != "band":
-        sp = spans[0]
-        if (sp.q0, sp.q1, sp.k0, sp.k1) == (0, q.shape[0], 0, k.shape[0]):
-            return kernel.forward(q, k, v, sp.mode == "causal", scale)
-    if _varlen(q):
-        return varlen_forward(q, k, v, spans, scale)
+    whole = _whole(spans, q, k)
+    if whole is not None:
+        return kernel.forward(q, k, v, whole.mode == "causal", scale)
     dt = _work_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=dt, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=dt, device=q.device)
+    if _varlen(q):  # the spans FlashAttention-2 can run go first, in few launches
+        spans = varlen_forward(out, lse, q, k, v, spans, scale)
     for sp in spans:
         qs, ks = slice(sp.q0, sp.q1), slice(sp.k0, sp.k1)
         if sp.mode == "band":
@@ -151,16 +136,15 @@ def masked_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of one masked block: ``dq`` like q, ``dk, dv`` like k, v (zero where no span
     reaches), from the queries' final ``out`` and ``lse``."""
-    if len(spans) == 1 and spans[0].mode != "band":
-        sp = spans[0]
-        if (sp.q0, sp.q1, sp.k0, sp.k1) == (0, q.shape[0], 0, k.shape[0]):
-            return kernel.backward(dout, q, k, v, out, lse, sp.mode == "causal", scale)
-    if _varlen(q):
-        return varlen_backward(dout, q, k, v, out, lse, spans, scale)
+    whole = _whole(spans, q, k)
+    if whole is not None:
+        return kernel.backward(dout, q, k, v, out, lse, whole.mode == "causal", scale)
     dt = _work_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
     dk = torch.zeros(k.shape, dtype=dt, device=k.device)
     dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+    if _varlen(q):
+        spans = varlen_backward(dq, dk, dv, dout, q, k, v, out, lse, spans, scale)
     for sp in spans:
         qs, ks = slice(sp.q0, sp.q1), slice(sp.k0, sp.k1)
         args = (dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs])

@@ -13,13 +13,16 @@ per layer, batch entries included (each span x batch entry is one sequence)::
     flash:    j - i in [s_k - s_q - left, s_k - s_q + right]   (bottom-right aligned)
     =>        left = s_k - s_q + shift - lo,  right = hi - shift - (s_k - s_q)   (-1: unbounded)
 
-A span whose band cannot be written so (a negative left or right) runs the explicit band kernel.
-FlashAttention-2 gives rows without keys a zero output and ``lse = +inf``; they are set to
+The layers merge into the block's own accumulators (:mod:`megatron_charm.kernels.masked`), which
+then runs the spans whose band cannot be written so (a negative left or right) like any other
+span. FlashAttention-2 gives rows without keys a zero output and ``lse = +inf``; they are set to
 ``-inf`` here, the merge's "no keys". Backward runs the same layers with the queries' final out
-and lse, and adds the packed gradients back with ``index_add_`` (kv rows may repeat).
+and lse, and adds the packed gradients back with ``index_put_(accumulate=True)`` (kv rows may
+repeat).
 
 Tensors as in :mod:`megatron_charm.kernels.masked`: ``q [s_q, b, h, d]``, ``k, v [s_k, b, h_kv,
-d]`` (fp16/bf16, CUDA); ``lse`` float32 ``[s_q, b, h]``.
+d]`` (fp16/bf16, CUDA); ``lse`` float32 ``[s_q, b, h]``; packed rows are gathered by ``(row,
+batch entry)`` index pairs, no reshaping of the block.
 """
 
 from __future__ import annotations
@@ -75,41 +78,39 @@ def layers(spans: Sequence[Span]) -> tuple[list[tuple[tuple[bool, int, int], lis
 
 @dataclass
 class _Packed:
-    """One layer's sequences: flat row indices into ``[b * s, ...]`` and cumulative lengths."""
+    """One layer's sequences: ``(row, batch entry)`` indices of the packed q and kv rows into
+    ``[s, b, ...]`` tensors, and cumulative lengths."""
 
-    q_rows: Tensor
-    k_rows: Tensor
+    q_idx: tuple[Tensor, Tensor]
+    k_idx: tuple[Tensor, Tensor]
     cu_q: Tensor
     cu_k: Tensor
     max_q: int
     max_k: int
 
 
-def _pack(layer: Sequence[Span], b: int, s_q: int, s_k: int, device: torch.device) -> _Packed:
-    q_rows, k_rows, cu_q, cu_k = [], [], [0], [0]
+def _pack(layer: Sequence[Span], b: int, device: torch.device) -> _Packed:
+    q_rows, q_bat, k_rows, k_bat, cu_q, cu_k = [], [], [], [], [0], [0]
     for sp in layer:
         for bi in range(b):
-            q_rows.append(torch.arange(sp.q0, sp.q1) + bi * s_q)
-            k_rows.append(torch.arange(sp.k0, sp.k1) + bi * s_k)
+            q_rows.append(torch.arange(sp.q0, sp.q1))
+            q_bat.append(torch.full((sp.q1 - sp.q0,), bi))
+            k_rows.append(torch.arange(sp.k0, sp.k1))
+            k_bat.append(torch.full((sp.k1 - sp.k0,), bi))
             cu_q.append(cu_q[-1] + sp.q1 - sp.q0)
             cu_k.append(cu_k[-1] + sp.k1 - sp.k0)
 
-    def dev(x):
-        return x.to(device, non_blocking=True)
+    def dev(parts: list[Tensor], dtype: torch.dtype = torch.int64) -> Tensor:
+        return torch.cat(parts).to(device, dtype, non_blocking=True)
 
     return _Packed(
-        dev(torch.cat(q_rows)),
-        dev(torch.cat(k_rows)),
-        dev(torch.tensor(cu_q, dtype=torch.int32)),
-        dev(torch.tensor(cu_k, dtype=torch.int32)),
+        (dev(q_rows), dev(q_bat)),
+        (dev(k_rows), dev(k_bat)),
+        dev([torch.tensor(cu_q)], torch.int32),
+        dev([torch.tensor(cu_k)], torch.int32),
         max(sp.q1 - sp.q0 for sp in layer),
         max(sp.k1 - sp.k0 for sp in layer),
     )
-
-
-def _flat(t: Tensor) -> Tensor:
-    """``[s, b, heads, d]`` -> ``[b * s, heads, d]`` (row ``bi * s + i``)."""
-    return t.transpose(0, 1).reshape(-1, *t.shape[2:])
 
 
 def _window_kwargs(left: int, right: int) -> dict:
@@ -117,24 +118,18 @@ def _window_kwargs(left: int, right: int) -> dict:
 
 
 def varlen_forward(
-    q: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], scale: float
-) -> tuple[Tensor, Tensor]:
-    """Forward of one masked block: ``out`` in q's dtype, ``lse`` float32 (``-inf`` on rows
-    without keys)."""
-    from megatron_charm.kernels.masked import band_forward
-
-    s_q, b, h, d = q.shape
-    s_k = k.shape[0]
-    out = torch.zeros(b * s_q, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b * s_q, h), -math.inf, dtype=torch.float32, device=q.device)
-    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], scale: float
+) -> list[Span]:
+    """Merge the spans FlashAttention-2 can run into the block's float32 accumulators ``out``
+    ``[s_q, b, h, d]`` and ``lse`` ``[s_q, b, h]``; return the spans it cannot run."""
+    d = q.shape[-1]
     todo, rest = layers(spans)
     for (causal, left, right), layer in todo:
-        pk = _pack(layer, b, s_q, s_k, q.device)
+        pk = _pack(layer, q.shape[1], q.device)
         o, m, _rng, _unused, _mask = torch_kernel._ops._flash_attention_forward.default(
-            pad_head_dim(qf[pk.q_rows]),
-            pad_head_dim(kf[pk.k_rows]),
-            pad_head_dim(vf[pk.k_rows]),
+            pad_head_dim(q[pk.q_idx]),
+            pad_head_dim(k[pk.k_idx]),
+            pad_head_dim(v[pk.k_idx]),
             pk.cu_q,
             pk.cu_k,
             pk.max_q,
@@ -149,19 +144,16 @@ def varlen_forward(
         empty = ~torch.isfinite(m)  # FlashAttention-2 marks rows without keys with +inf
         m = m.masked_fill(empty, -math.inf)
         o = o[..., :d].masked_fill(empty.unsqueeze(-1), 0.0)
-        acc_o, acc_l = out[pk.q_rows], lse[pk.q_rows]
+        acc_o, acc_l = out[pk.q_idx], lse[pk.q_idx]  # copies: no row twice in a layer
         merge_partial(acc_o, acc_l, o, m)
-        out[pk.q_rows], lse[pk.q_rows] = acc_o, acc_l
-    o4 = out.reshape(b, s_q, h, d).transpose(0, 1)
-    l3 = lse.reshape(b, s_q, h).transpose(0, 1)
-    for sp in rest:
-        qs, ks = slice(sp.q0, sp.q1), slice(sp.k0, sp.k1)
-        bo, bl = band_forward(q[qs], k[ks], v[ks], sp, scale)
-        merge_partial(o4[qs], l3[qs], bo, bl)
-    return o4.to(q.dtype).contiguous(), l3.contiguous()
+        out[pk.q_idx], lse[pk.q_idx] = acc_o, acc_l
+    return rest
 
 
 def varlen_backward(
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -170,30 +162,23 @@ def varlen_backward(
     lse: Tensor,
     spans: Sequence[Span],
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of one masked block from the queries' final ``out`` and ``lse``: ``dq`` like q,
-    ``dk, dv`` like k, v."""
-    from megatron_charm.kernels.masked import band_backward
-
-    s_q, b, h, d = q.shape
-    s_k = k.shape[0]
-    dq = torch.zeros(b * s_q, h, d, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(b * s_k, k.shape[2], d, dtype=torch.float32, device=q.device)
-    dv = torch.zeros_like(dk)
-    qf, kf, vf, of, dof = (_flat(t) for t in (q, k, v, out, dout))
-    lf = _flat(lse.unsqueeze(-1)).squeeze(-1)  # [b * s_q, h]
+) -> list[Span]:
+    """Add the gradients of the spans FlashAttention-2 can run, from the queries' final ``out``
+    and ``lse``, into the float32 accumulators ``dq`` (like q) and ``dk, dv`` (like k, v);
+    return the spans it cannot run."""
+    d = q.shape[-1]
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.zeros((), dtype=torch.uint64, device=q.device)
     todo, rest = layers(spans)
     for (causal, left, right), layer in todo:
-        pk = _pack(layer, b, s_q, s_k, q.device)
+        pk = _pack(layer, q.shape[1], q.device)
         g = torch_kernel._ops._flash_attention_backward.default(
-            pad_head_dim(dof[pk.q_rows]),
-            pad_head_dim(qf[pk.q_rows]),
-            pad_head_dim(kf[pk.k_rows]),
-            pad_head_dim(vf[pk.k_rows]),
-            pad_head_dim(of[pk.q_rows]),
-            lf[pk.q_rows].transpose(0, 1).contiguous(),  # [h, total_q]
+            pad_head_dim(dout[pk.q_idx]),
+            pad_head_dim(q[pk.q_idx]),
+            pad_head_dim(k[pk.k_idx]),
+            pad_head_dim(v[pk.k_idx]),
+            pad_head_dim(out[pk.q_idx]),
+            lse[pk.q_idx].transpose(0, 1).contiguous(),  # [h, total_q]
             pk.cu_q,
             pk.cu_k,
             pk.max_q,
@@ -205,19 +190,11 @@ def varlen_backward(
             scale=scale,
             **_window_kwargs(left, right),
         )
-        dq.index_add_(0, pk.q_rows, g[0][..., :d].float())
-        dk.index_add_(0, pk.k_rows, g[1][..., :d].float())
-        dv.index_add_(0, pk.k_rows, g[2][..., :d].float())
-    dq4 = dq.reshape(b, s_q, h, d).transpose(0, 1)
-    dk4, dv4 = (t.reshape(b, s_k, k.shape[2], d).transpose(0, 1) for t in (dk, dv))
-    for sp in rest:
-        qs, ks = slice(sp.q0, sp.q1), slice(sp.k0, sp.k1)
-        args = (dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs])
-        gq, gk, gv = band_backward(*args, sp, scale)
-        dq4[qs] += gq
-        dk4[ks] += gk
-        dv4[ks] += gv
-    return dq4.to(q.dtype), dk4.to(k.dtype), dv4.to(v.dtype)
+        # kv rows may repeat in a layer: accumulate
+        dq.index_put_(pk.q_idx, g[0][..., :d].float(), accumulate=True)
+        dk.index_put_(pk.k_idx, g[1][..., :d].float(), accumulate=True)
+        dv.index_put_(pk.k_idx, g[2][..., :d].float(), accumulate=True)
+    return rest
 
 
 __all__ = ["flash_window", "layers", "varlen_backward", "varlen_forward"]

@@ -8,6 +8,8 @@ import random
 import torch
 
 from megatron_charm.plan.layout import zigzag_positions
+from tests.gloo.reference import naive_attention
+from tests.gloo.tasks import _grads_of
 
 
 def random_mask(seed: int, cp_size: int, s_local: int, layout: str, window: bool, causal: bool):
@@ -69,26 +71,6 @@ def allowed_matrix(mask, table, causal: bool) -> torch.Tensor:
     return (doc.unsqueeze(0) == doc.unsqueeze(1)) & (delta >= lo) & (delta <= hi)
 
 
-def masked_reference(q, k, v, allowed, scale: float, upcast: bool):
-    """Attention of ``[b, S, h, d]`` tensors under ``allowed``; out and lse ``[b, h, S]``."""
-    dt = torch.float64 if upcast else q.dtype
-    h = q.shape[2]
-    k = k.repeat_interleave(h // k.shape[2], dim=2)
-    v = v.repeat_interleave(h // v.shape[2], dim=2)
-    qq, kk, vv = (t.to(dt).transpose(1, 2) for t in (q, k, v))
-    s = ((qq @ kk.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s.float() if not upcast else s, dim=-1)
-    out = (torch.softmax(s, dim=-1) @ vv).transpose(1, 2)
-    return out, lse
-
-
-def _grads(fn, q, k, v, dout):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = fn(q, k, v)
-    (out.to(torch.float64) * dout).sum().backward()
-    return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
-
-
 def compare_masked(
     ctx,
     method: str,
@@ -136,11 +118,11 @@ def _one_case(topo, method, mask, causal, h_kv, dtype_name, dims, seed, trace):
     scale = d**-0.5
 
     def ref(upcast):
-        return lambda q, k, v: masked_reference(q, k, v, allowed, scale, upcast)
+        return lambda q, k, v: naive_attention(q, k, v, False, scale, upcast, allowed)
 
-    want = _grads(ref(True), Q, K, V, DO)
+    want = _grads_of(ref(True), Q, K, V, DO)
     low = [t.to(dtype) for t in (Q, K, V)]
-    naive = _grads(ref(False), *low, DO)
+    naive = _grads_of(ref(False), *low, DO)
     idx = torch.tensor(local[x])
     runs: list = []
 
@@ -158,7 +140,7 @@ def _one_case(topo, method, mask, causal, h_kv, dtype_name, dims, seed, trace):
             trace=runs if trace else None,
         )
 
-    got = _grads(ours, *(t[:, idx] for t in low), DO[:, idx])
+    got = _grads_of(ours, *(t[:, idx] for t in low), DO[:, idx])
     errs, nerrs, mags = [], [], []
     for i in range(5):
         w = (want[i][:, :, idx] if i == 1 else want[i][:, idx]).to(torch.float64)

@@ -10,9 +10,9 @@ naive single-process implementation rounds only once.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.gloo import tasks
+from tests.gloo.reference import error_bound
 
 VARIANTS = [
     (causal, h_kv, dtype)
@@ -44,10 +44,7 @@ def check(results):
         for name, ours, naive, mag in zip(
             NAMES, res["ours"], res["naive"], res["magnitude"], strict=True
         ):
-            if dtype == "float32":
-                bound = 1e-4 * max(1.0, mag)
-            else:
-                bound = 2 * naive + torch.finfo(getattr(torch, dtype)).eps * mag
+            bound = error_bound(dtype, naive, mag)
             assert ours <= bound, (
                 f"{name} error {ours:.3e} > {bound:.3e} (naive {naive:.3e}) for causal={causal} "
                 f"h_kv={h_kv} {dtype}"

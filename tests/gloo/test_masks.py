@@ -5,9 +5,9 @@ floor of ``eps * 1e-4`` for gradients that are exactly zero (a query with one al
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.gloo import mask_tasks
+from tests.gloo.reference import error_bound
 
 NAMES = ["out", "lse", "dq", "dk", "dv"]
 
@@ -34,12 +34,8 @@ def check(results):
         for name, ours, naive, mag in zip(
             NAMES, res["ours"], res["naive"], res["magnitude"], strict=True
         ):
-            if dtype == "float32":
-                bound = 1e-4 * max(1.0, mag)
-            else:
-                # the floor: a window of 0 leaves one key per query, whose exact dq is 0
-                eps = torch.finfo(getattr(torch, dtype)).eps
-                bound = 2 * naive + eps * max(mag, 1e-4)
+            # the floor: a window of 0 leaves one key per query, whose exact dq is 0
+            bound = error_bound(dtype, naive, mag, floor=1e-4)
             assert ours <= bound, (
                 f"{name} error {ours:.3e} > {bound:.3e} (naive {naive:.3e}) for {res['case']} "
                 f"{res['mask']}"

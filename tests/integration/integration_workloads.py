@@ -76,6 +76,18 @@ def train_error(overrides: list[str]) -> str | None:
     return None
 
 
+def fresh_cp_state(cp_size: int) -> None:
+    """Megatron's parallel state with one CP group of ``cp_size``, and no cached topologies."""
+    from megatron.core import parallel_state
+
+    from megatron_charm.megatron import clear_topology_cache
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    clear_topology_cache()
+    parallel_state.initialize_model_parallel(context_parallel_size=cp_size)
+
+
 def _reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> torch.Tensor:
@@ -110,10 +122,7 @@ def module_vs_reference(
     from megatron_charm.megatron import CharmDotProductAttention, clear_topology_cache
 
     world = dist.get_world_size()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    clear_topology_cache()
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    fresh_cp_state(world)
     head_dim, batch, seq = 8, 2, 16 * world
     config = TransformerConfig(
         num_layers=1,
@@ -176,10 +185,7 @@ def forward_errors() -> list[str]:
 
     from megatron_charm.megatron import CharmDotProductAttention, clear_topology_cache
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    clear_topology_cache()
-    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+    fresh_cp_state(dist.get_world_size())
     config = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0
     )
@@ -228,13 +234,11 @@ def module_documents_vs_reference(kind: str, window: tuple[int, int] | None = No
 
     import megatron_charm as mc
     from megatron_charm.megatron import CharmDotProductAttention, clear_topology_cache
-    from tests.gloo.mask_tasks import allowed_matrix, masked_reference, token_table
+    from tests.gloo.mask_tasks import allowed_matrix, token_table
+    from tests.gloo.reference import naive_attention
 
     world = dist.get_world_size()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    clear_topology_cache()
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    fresh_cp_state(world)
     heads, groups, head_dim = 4, 2, 8
     config = TransformerConfig(
         num_layers=1,
@@ -273,7 +277,7 @@ def module_documents_vs_reference(kind: str, window: tuple[int, int] | None = No
     for i, m in enumerate(masks):
         allowed = allowed_matrix(m, tables[i][0], True)
         full = [t[:, i : i + 1].transpose(0, 1).double().requires_grad_(True) for t in (q, k, v)]
-        out, _ = masked_reference(*full, allowed, scale, True)
+        out, _ = naive_attention(*full, False, scale, True, allowed)
         (out * dout[:, i : i + 1].transpose(0, 1).double()).sum().backward()
         refs.append(out.detach().transpose(0, 1))
         grads.append([t.grad.transpose(0, 1) for t in full])
