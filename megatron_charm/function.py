@@ -6,6 +6,7 @@ from functools import lru_cache
 
 import torch
 
+from megatron_charm.auto import AUTO, choose_method
 from megatron_charm.comm.agreement import CallKey, check_agreement
 from megatron_charm.comm.buffers import TensorSpace, final_tensors
 from megatron_charm.comm.executor import ProgramRunner, RunTrace
@@ -25,6 +26,7 @@ from megatron_charm.plan.docmask import DocMask, MaskModel
 from megatron_charm.plan.layout import ZIGZAG
 from megatron_charm.plan.types import Kind, Part, Program
 from megatron_charm.plan.validate import validate
+from megatron_charm.sim.profile import Profile
 
 Tensor = torch.Tensor
 FORMATS = ("bshd", "sbhd")
@@ -237,6 +239,7 @@ def cp_attention(
     kernel: str | None = None,
     trace: list[RunTrace] | None = None,
     mask: DocMask | None = None,
+    profile: Profile | str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Context-parallel attention over ``topo``'s CP group.
 
@@ -247,7 +250,9 @@ def cp_attention(
         method: shorthand for ``options.method``: ``"charm"`` | ``"rm+"`` | ``"merge"`` |
             ``"ring"`` | ``"all_gather"`` | ``"a2a"`` | ``"a2a+p2p"`` | ``"ring-contig"``;
             overrides the method of ``options`` when both are given. ``"a2a"`` needs ``h`` and
-            ``h_kv`` divisible by the CP size.
+            ``h_kv`` divisible by the CP size. ``"auto"`` picks, per new shape, the method the
+            simulator predicts fastest on ``profile`` (Note [Choosing a method] in
+            :mod:`megatron_charm.auto`).
         options: every scheduling option (:class:`megatron_charm.PlanOptions`); defaults to
             ``PlanOptions()`` (charm with the default settings). All ranks must pass equal options.
         causal: causal attention over the global sequence; the local sequence must then be in the
@@ -264,17 +269,33 @@ def cp_attention(
             block the mask empties: no compute, no transfer, no merge (Note [Pruning to a mask]).
             With ``layout="thd"`` the local tokens are in Transformer Engine's THD order (every
             sequence's two chunks in turn); with ``"bshd"`` in the zigzag layout.
+        profile: with ``method="auto"``: a profile JSON path from ``megatron-charm-sim
+            calibrate``, a preset name (``H100``, ``H20``, ``L20``) or a
+            :class:`megatron_charm.sim.profile.Profile`.
 
     Returns:
         ``out`` shaped like ``q`` in q's dtype, or ``(out, lse)``.
     """
     options = options if options is not None else PlanOptions()
-    if method is not None and method != options.method:
+    auto = method == AUTO
+    if (profile is None) == auto:
+        raise ValueError(
+            f"method={method!r} with profile={profile!r}: method='auto' needs a profile (a JSON "
+            "from `megatron-charm-sim calibrate`, or H100/H20/L20) and no other method takes one"
+        )
+    if method is not None and not auto and method != options.method:
         options = options.replace(method=method)
     _check_inputs(q, k, v, qkv_format, causal)
     topo.check_device(q.device)
     if qkv_format == "bshd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    if auto:
+        dense = AttnShape(
+            q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size()
+        )
+        options = options.replace(
+            method=choose_method(profile, topo.layout, dense, causal, options).method
+        )
     model = _mask_model(mask, options, topo, q.shape[0], causal)
     order = model.local_order(q.shape[0]) if model is not None else None
     if order is not None:
@@ -283,13 +304,19 @@ def cp_attention(
     q, k, v = (t.contiguous() for t in (q, k, v))
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     fingerprint = mask.fingerprint() if mask is not None else ""
-    check_agreement(
-        topo,
-        CallKey(
-            tuple(q.shape), k.shape[2], str(q.dtype), causal, float(scale), options, fingerprint
-        ),
-        device=q.device,
+    key = CallKey(
+        tuple(q.shape), k.shape[2], str(q.dtype), causal, float(scale), options, fingerprint
     )
+    try:
+        check_agreement(topo, key, device=q.device)
+    except ValueError as err:
+        if not auto:
+            raise
+        name = profile if isinstance(profile, str) else profile.name
+        raise ValueError(
+            f"{err}. method='auto' picked {options.method!r} from profile {name!r} on this rank: "
+            "give every rank the same profile (and the same shapes)"
+        ) from None
     shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
     check_shape(options, topo.layout, shape)
     if model is None:

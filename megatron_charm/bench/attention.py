@@ -147,8 +147,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
     }
 
 
-def _worker_cmd(cfg_path: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_charm.bench", "worker", cfg_path]
+def _worker_cmd(cfg_path: str, module: str = "megatron_charm.bench") -> list[str]:
+    return [sys.executable, "-m", module, "worker", cfg_path]
 
 
 def _env() -> dict[str, str]:
@@ -156,12 +156,17 @@ def _env() -> dict[str, str]:
     return {"PYTHONPATH": REPO_ROOT + (os.pathsep + path if path else "")}
 
 
-def _run_loopback(cfg: dict, cfg_path: str) -> None:
+def run_loopback(cfg: dict, cfg_path: str, module: str = "megatron_charm.bench") -> None:
+    """Run ``python -m <module> worker CFG`` as ``nodes x ranks_per_node`` local gloo ranks whose
+    node identities give that layout (every link is loopback)."""
     from megatron_charm.launch import LaunchError, LaunchSpec, run
 
     p = cfg["ranks_per_node"]
+    cfg["cross_bps"] = 0
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     spec = LaunchSpec(
-        cmd=_worker_cmd(cfg_path),
+        cmd=_worker_cmd(cfg_path, module),
         nproc=cfg["nodes"] * p,
         timeout_s=cfg["timeout_s"],
         env=_env(),
@@ -172,10 +177,15 @@ def _run_loopback(cfg: dict, cfg_path: str) -> None:
     )
     why = run(spec).error()
     if why is not None:
-        raise LaunchError(f"benchmark {why}")
+        raise LaunchError(f"{module} worker {why}")
 
 
-def _run_testbed(cfg: dict, cfg_path: str, args: argparse.Namespace) -> dict:
+def run_testbed(
+    cfg: dict, cfg_path: str, args: argparse.Namespace, module: str = "megatron_charm.bench"
+) -> dict:
+    """Run ``python -m <module> worker CFG`` on an emulated testbed built from ``args``
+    (``nodes``, ``ranks_per_node``, ``topology``, ``cross_rate`` or ``preset``); returns the
+    testbed's description."""
     from megatron_charm.testbed import Testbed
 
     kw = {"preset": args.preset} if args.preset else {"cross_rate": args.cross_rate}
@@ -185,8 +195,9 @@ def _run_testbed(cfg: dict, cfg_path: str, args: argparse.Namespace) -> dict:
         cfg["cross_bps"] = tb.cross_rate_bps
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
-        res = tb.run(_worker_cmd(cfg_path), timeout_s=cfg["timeout_s"], env=_env(), capture=True)
-        if not args.quiet:
+        cmd = _worker_cmd(cfg_path, module)
+        res = tb.run(cmd, timeout_s=cfg["timeout_s"], env=_env(), capture=True)
+        if not getattr(args, "quiet", False):
             for r in res.ranks:
                 if r.returncode != 0 and r.stderr:
                     sys.stderr.write(f"--- rank {r.rank} stderr ---\n{r.stderr[-4000:]}\n")
@@ -226,12 +237,9 @@ def run_attention(args: argparse.Namespace) -> dict:
             return {}
     else:
         if args.launcher == "testbed":
-            testbed = _run_testbed(cfg, cfg_path, args)
+            testbed = run_testbed(cfg, cfg_path, args)
         else:
-            cfg["cross_bps"] = 0
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f)
-            _run_loopback(cfg, cfg_path)
+            run_loopback(cfg, cfg_path)
         with open(cfg["raw_out"]) as f:
             raw = json.load(f)
     res = summarise(raw, cfg)

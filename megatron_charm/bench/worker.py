@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from megatron_charm.bench.methods import (
     make_contender,
     plan_options,
 )
+
+if TYPE_CHECKING:
+    from megatron_charm.comm.topology import CPTopology
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -145,10 +149,10 @@ def _timed(contender, backward: bool, device: torch.device) -> dict:
     return rec
 
 
-def run(cfg: dict) -> dict | None:
-    """Benchmark on this rank; returns the result dict on rank 0, ``None`` elsewhere."""
+def start_rank(cfg: dict) -> tuple[torch.device, CPTopology]:
+    """Threads, device (``cfg["device"]``: cpu with gloo, cuda with NCCL on ``LOCAL_RANK``'s
+    GPU), the default process group (``cfg["timeout_s"]``) and the job's CP topology."""
     from megatron_charm import CPTopology
-    from megatron_charm.bench.sequential import NULL_KERNEL, run_sequential_ring
 
     torch.set_num_threads(cfg.get("threads", 1))
     device = torch.device(cfg.get("device", "cpu"))
@@ -160,7 +164,14 @@ def run(cfg: dict) -> dict | None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.get("timeout_s", 600)))
-    topo = CPTopology.build(None, ranks_per_node=cfg.get("ranks_per_node"))
+    return device, CPTopology.build(None, ranks_per_node=cfg.get("ranks_per_node"))
+
+
+def run(cfg: dict) -> dict | None:
+    """Benchmark on this rank; returns the result dict on rank 0, ``None`` elsewhere."""
+    from megatron_charm.bench.sequential import NULL_KERNEL, run_sequential_ring
+
+    device, topo = start_rank(cfg)
     cp_rank, cp_size = topo.cp_rank, topo.cp_size
     causal, d = cfg["causal"], cfg["head_dim"]
     scale = d**-0.5
@@ -237,7 +248,7 @@ def run(cfg: dict) -> dict | None:
         return None
     return {
         "layout": [layout.num_nodes, layout.ranks_per_node],
-        "backend": backend,
+        "backend": topo.backend,
         "device": str(device),
         "shim_max_diff": shim_err,
         "ranks": everyone,

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_charm.kernels import torch_kernel
 from megatron_charm.kernels.backends import BlockKernel
 from megatron_charm.kernels.math_kernel import explicit_backward, explicit_forward
 from megatron_charm.kernels.merge import merge_partial
-from megatron_charm.kernels.torch_kernel import cpu_backward, cpu_compute_dtype, cpu_forward
 from megatron_charm.kernels.varlen import varlen_backward, varlen_forward
 from megatron_charm.plan.docmask import Span
 
@@ -55,7 +55,8 @@ def _band_keep(span: Span, device: torch.device) -> Tensor:
 def _cpu_bias(span: Span, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The additive mask of a span for the CPU flash op, and which rows have no key."""
     keep = _band_keep(span, torch.device("cpu"))
-    bias = torch.zeros(keep.shape, dtype=cpu_compute_dtype(dtype)).masked_fill_(~keep, -torch.inf)
+    work = torch_kernel.cpu_compute_dtype(dtype)
+    bias = torch.zeros(keep.shape, dtype=work).masked_fill_(~keep, -torch.inf)
     return bias, ~keep.any(dim=1)
 
 
@@ -67,7 +68,7 @@ def band_forward(
     float64) an explicit softmax."""
     if q.device.type == "cpu" and q.dtype != torch.float64:
         bias, empty = _cpu_bias(span, q.dtype)
-        out, lse = cpu_forward(q, k, v, False, scale, bias)
+        out, lse = torch_kernel.cpu_forward(q, k, v, False, scale, bias)
         lse = lse.float().masked_fill(empty[:, None, None], -torch.inf)
         return out.masked_fill(empty[:, None, None, None], 0.0), lse
     return explicit_forward(q, k, v, _band_keep(span, q.device), scale, _work_dtype(q.dtype))
@@ -87,7 +88,7 @@ def band_backward(
     op, or an explicit softmax, as :func:`band_forward`)."""
     if q.device.type == "cpu" and q.dtype != torch.float64:
         bias, _ = _cpu_bias(span, q.dtype)
-        return cpu_backward(dout, q, k, v, out, lse, False, scale, bias)
+        return torch_kernel.cpu_backward(dout, q, k, v, out, lse, False, scale, bias)
     keep = _band_keep(span, q.device)
     return explicit_backward(dout, q, k, v, out, lse, keep, scale, _work_dtype(q.dtype))
 

@@ -25,6 +25,7 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_charm.auto import AUTO
 from megatron_charm.nodes import NODE_SPLITS
 from megatron_charm.plan.options import (
     MEGATRON_METHODS,
@@ -36,7 +37,7 @@ from megatron_charm.plan.options import (
 )
 
 #: ``--cp-comm-type`` values served by megatron-charm.
-CHARM_CP_COMM_TYPES: tuple[str, ...] = MEGATRON_METHODS
+CHARM_CP_COMM_TYPES: tuple[str, ...] = (*MEGATRON_METHODS, AUTO)
 #: The only Megatron-LM model builder the patch puts CHARM+ into; ``pretrain_gpt.py`` names it
 #: through ``args_defaults={"charm_model_builder": "gpt"}``.
 PATCHED_BUILDER = "gpt"
@@ -61,6 +62,12 @@ def add_megatron_arguments(group: argparse._ArgumentGroup) -> None:
         default="host",
         help="what a detected node is: the host, or each NUMA domain of GPUs without NVLink.",
     )
+    group.add_argument(
+        "--charm-profile",
+        default=None,
+        help="with --cp-comm-type auto: the profile the method is chosen from, a JSON written "
+        "by `megatron-charm-sim calibrate` on this cluster or a preset (H100, H20, L20).",
+    )
     add_plan_arguments(group, prefix="charm-")
 
 
@@ -83,6 +90,8 @@ def plan_options_from_args(args: argparse.Namespace) -> PlanOptions:
     values = plan_values_from_args(args, prefix="charm-")
     flags = {key: flag_name(key, "charm-") for key in values}
     method = _comm_types(args)[0] if uses_charm(args) else _DEFAULTS.method
+    if method == AUTO:
+        method = _DEFAULTS.method  # the module picks per layer shape (megatron_charm.auto)
     try:
         return PlanOptions(method=method, **values)  # type: ignore[arg-type]
     except ValueError as exc:
@@ -131,6 +140,17 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
     options = plan_options_from_args(args)
     _check_split_flags(args, options)
     timeout_s_from_args(args)
+    profile = getattr(args, "charm_profile", None)
+    if (method == AUTO) != (profile is not None):
+        raise ValueError(
+            f"--cp-comm-type {method} with --charm-profile {profile}: auto chooses the method "
+            "from a profile, so it needs --charm-profile (write one with `megatron-charm-sim "
+            "calibrate`, or pass H100/H20/L20); the other methods take none"
+        )
+    if profile is not None:
+        from megatron_charm.sim.profile import load_profile
+
+        load_profile(profile)  # refuse a missing or malformed profile before the model is built
 
 
 def _refuse_charm_flags_without_charm(args: argparse.Namespace) -> None:
@@ -139,6 +159,7 @@ def _refuse_charm_flags_without_charm(args: argparse.Namespace) -> None:
         for flag, default in (
             ("--charm-ranks-per-node", None),
             ("--charm-node-split", "host"),
+            ("--charm-profile", None),
             ("--charm-window", _DEFAULTS.window),
             ("--charm-cross-return", _DEFAULTS.cross_return),
             ("--charm-cross-level", _DEFAULTS.cross_level),
@@ -343,6 +364,7 @@ def apply_charm_from_args(spec: Any, args: argparse.Namespace) -> Any:
         options=plan_options_from_args(args),
         node_split=args.charm_node_split,
         timeout_s=timeout_s_from_args(args),
+        profile=getattr(args, "charm_profile", None),
     )
 
 
@@ -378,6 +400,7 @@ def megatron_defaults(names: Sequence[str] | None = None) -> dict[str, Any]:
         "deterministic_mode": False,
         "charm_ranks_per_node": None,
         "charm_node_split": "host",
+        "charm_profile": None,
         "charm_window": _DEFAULTS.window,
         "charm_cross_return": _DEFAULTS.cross_return,
         "charm_cross_level": _DEFAULTS.cross_level,

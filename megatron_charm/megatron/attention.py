@@ -18,6 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_charm.auto import AUTO
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.megatron.groups import get_charm_topology
 from megatron_charm.megatron.masks import documents_from_attention_mask, thd_mask
@@ -25,8 +26,9 @@ from megatron_charm.plan import PlanOptions
 from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.options import MEGATRON_METHODS, SEQ_LAYOUT_OF
 
-#: Values of ``cp_comm_type`` served by this module: the methods on Megatron's zigzag layout.
-CHARM_METHODS: tuple[str, ...] = MEGATRON_METHODS
+#: Values of ``cp_comm_type`` served by this module: the methods on Megatron's zigzag layout, and
+#: ``auto`` (one of every method of ours, picked per layer shape by the simulator on a profile).
+CHARM_METHODS: tuple[str, ...] = (*MEGATRON_METHODS, AUTO)
 
 
 def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | None) -> str:
@@ -71,8 +73,9 @@ class CharmDotProductAttention(MegatronModule):
     0.19.x); ``k_channels`` and ``v_channels`` are accepted for MLA. ``method``,
     ``ranks_per_node``, ``node_split`` and ``options`` (the :class:`megatron_charm.PlanOptions`;
     its method is replaced by the resolved ``cp_comm_type``) and ``timeout_s`` (seconds before a
-    blocked exchange fails: Megatron-LM's ``--distributed-timeout-minutes``) are extra keywords
-    that spec helpers set through ``ModuleSpec.params``.
+    blocked exchange fails: Megatron-LM's ``--distributed-timeout-minutes``) and ``profile``
+    (what ``cp_comm_type="auto"`` chooses from: Megatron-LM's ``--charm-profile``) are extra
+    keywords that spec helpers set through ``ModuleSpec.params``.
 
     Checkpoints: like Transformer Engine's attention, the module saves an ``_extra_state`` entry
     and accepts TE's on load, so state dicts move between a TE-spec run and a CHARM+ run in both
@@ -105,13 +108,23 @@ class CharmDotProductAttention(MegatronModule):
         options: PlanOptions | None = None,
         node_split: str = "host",
         timeout_s: float | None = None,
+        profile: str | None = None,
     ) -> None:
         super().__init__(config=config)
         check_megatron_compat()
         self.config: TransformerConfig = config
         self.layer_number = max(1, layer_number)
         self.method = resolve_method(cp_comm_type, getattr(config, "cp_comm_type", None), method)
-        self.options = (options or PlanOptions()).replace(method=self.method)
+        if (self.method == AUTO) != (profile is not None):
+            raise ValueError(
+                f"cp_comm_type={self.method!r} with profile={profile!r}: --cp-comm-type auto needs "
+                "--charm-profile (a `megatron-charm-sim calibrate` JSON, or H100/H20/L20), and "
+                "the other methods take none"
+            )
+        self.profile = profile
+        self.options = options or PlanOptions()
+        if self.method != AUTO:
+            self.options = self.options.replace(method=self.method)
         _check_config(config, attention_type, attn_mask_type, attention_dropout)
 
         head_dim_k = k_channels if k_channels is not None else config.kv_channels
@@ -204,11 +217,13 @@ class CharmDotProductAttention(MegatronModule):
                 k,
                 v,
                 self.topology,
+                method=self.method,
                 options=self.options,
                 causal=causal,
                 softmax_scale=self.softmax_scale,
                 qkv_format="sbhd",
                 mask=mask,
+                profile=self.profile,
             )
 
         masks = self._masks(query, attention_mask, causal, packed_seq_params)

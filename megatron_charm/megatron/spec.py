@@ -26,6 +26,7 @@ def charm_core_attention_spec(
     options: PlanOptions | None = None,
     node_split: str = "host",
     timeout_s: float | None = None,
+    profile: str | None = None,
 ) -> ModuleSpec:
     """A ``core_attention`` ModuleSpec for :class:`CharmDotProductAttention`.
 
@@ -39,6 +40,8 @@ def charm_core_attention_spec(
             split] in :mod:`megatron_charm.nodes`).
         timeout_s: seconds before a blocked exchange on CHARM+'s channel groups fails (Megatron-LM:
             ``--distributed-timeout-minutes`` x 60); ``None``: ``MEGATRON_CHARM_TIMEOUT_S`` or 600.
+        profile: with method ``auto``: the profile it chooses from (a ``megatron-charm-sim
+            calibrate`` JSON or a preset name; Megatron-LM's ``--charm-profile``).
     """
     if method is not None and method not in CHARM_METHODS:
         raise ValueError(
@@ -55,6 +58,8 @@ def charm_core_attention_spec(
         params["node_split"] = node_split
     if timeout_s is not None:
         params["timeout_s"] = timeout_s
+    if profile is not None:
+        params["profile"] = profile
     return ModuleSpec(module=CharmDotProductAttention, params=params)
 
 
@@ -75,13 +80,14 @@ def apply_charm(
     options: PlanOptions | None = None,
     node_split: str = "host",
     timeout_s: float | None = None,
+    profile: str | None = None,
 ) -> Any:
     """Return a copy of ``spec`` whose self-attention layers use CHARM+ core attention.
 
     Args:
         spec: a TransformerLayer ``ModuleSpec``, a list of them, a ``TransformerBlockSubmodules``
             (``layer_specs``), or a ``ModuleSpec`` wrapping one (``TransformerBlock``).
-        method, ranks_per_node, options, node_split, timeout_s: see
+        method, ranks_per_node, options, node_split, timeout_s, profile: see
             :func:`charm_core_attention_spec`.
 
     Raises:
@@ -90,7 +96,7 @@ def apply_charm(
     """
     check_megatron_compat()
     core_attention = charm_core_attention_spec(
-        method, ranks_per_node, options, node_split, timeout_s
+        method, ranks_per_node, options, node_split, timeout_s, profile
     )
     new_spec = copy.deepcopy(spec)
     if isinstance(new_spec, (list, tuple)):
@@ -118,6 +124,7 @@ def get_gpt_layer_charm_spec(
     options: PlanOptions | None = None,
     node_split: str = "host",
     timeout_s: float | None = None,
+    profile: str | None = None,
     **kwargs: Any,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec (local or Transformer Engine) with CHARM+ core attention.
@@ -125,7 +132,7 @@ def get_gpt_layer_charm_spec(
     Args:
         use_transformer_engine: start from ``get_gpt_layer_with_transformer_engine_spec`` (fused
             TE linears and norms, GPU) instead of ``get_gpt_layer_local_spec`` (runs on CPU).
-        method, ranks_per_node, options, node_split, timeout_s: see
+        method, ranks_per_node, options, node_split, timeout_s, profile: see
             :func:`charm_core_attention_spec`.
         **kwargs: forwarded to the megatron-core spec function (``qk_layernorm``,
             ``normalization`` for the local spec, ...). ``multi_latent_attention`` is refused.
@@ -141,7 +148,7 @@ def get_gpt_layer_charm_spec(
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
-    return apply_charm(base, method, ranks_per_node, options, node_split, timeout_s)
+    return apply_charm(base, method, ranks_per_node, options, node_split, timeout_s, profile)
 
 
 def get_gpt_decoder_block_charm_spec(
@@ -152,6 +159,7 @@ def get_gpt_decoder_block_charm_spec(
     options: PlanOptions | None = None,
     node_split: str = "host",
     timeout_s: float | None = None,
+    profile: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """megatron-core's GPT decoder block spec (MoE layer patterns included) with CHARM+ attention.
@@ -161,4 +169,4 @@ def get_gpt_decoder_block_charm_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    return apply_charm(block, method, ranks_per_node, options, node_split, timeout_s)
+    return apply_charm(block, method, ranks_per_node, options, node_split, timeout_s, profile)

@@ -6,6 +6,8 @@ Examples::
         --batch 16 --seq 26880 --heads 12 --head-dim 192
     megatron-charm-sim advise --preset H100 --gpus 16x8 --batch 1 --seq 131072 --heads 16 \\
         --head-dim 128 --causal
+    megatron-charm-sim calibrate --launcher loopback --out mine.json
+    megatron-charm-sim advise --profile mine.json --gpus 4x2 --seq 65536 --heads 8 --head-dim 64
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
-from megatron_charm.sim.compute import FlopsCompute
+from megatron_charm.sim.compute import ComputeModel, FlopsCompute
 from megatron_charm.sim.predict import Prediction, Problem, advise, predict
+from megatron_charm.sim.profile import load_profile
 from megatron_charm.sim.programs import MODES
 from megatron_charm.sim.topology import CROSS_LINKS, FABRICS, PRESETS, Topology, parse_gpus
 
@@ -31,8 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay the CP attention schedules of every method on a cluster model. "
         "Start the arguments with 'advise' to get a recommended --cp-comm-type.",
     )
-    hw = ap.add_argument_group("cluster (a --preset fills these; flags override it)")
+    hw = ap.add_argument_group("cluster (a --preset or --profile fills these; flags override it)")
     hw.add_argument("--preset", choices=sorted(PRESETS), help="hardware of the paper's Table 2")
+    hw.add_argument(
+        "--profile", help="a profile JSON from 'megatron-charm-sim calibrate' (or a preset name)"
+    )
     hw.add_argument("--gpus", help="NODESxGPUS_PER_NODE of the CP group, e.g. 2x8")
     hw.add_argument("--intra-bw", type=float, help="intra-node P2P bandwidth, GB/s")
     hw.add_argument("--cross-bw", type=float, help="cross-node P2P bandwidth, GB/s")
@@ -45,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument(
         "--nics-per-node", type=int, help="cross links per node (overrides --cross-links)"
     )
-    hw.add_argument("--intra-lat-us", type=float, default=5.0, help="intra-node latency, us")
-    hw.add_argument("--cross-lat-us", type=float, default=10.0, help="cross-node latency, us")
+    hw.add_argument("--intra-lat-us", type=float, help="intra-node latency, us (default 5)")
+    hw.add_argument("--cross-lat-us", type=float, help="cross-node latency, us (default 10)")
     hw.add_argument("--mem-bw", type=float, help="GPU memory bandwidth for merges, GB/s")
     pb = ap.add_argument_group("problem")
     pb.add_argument("--batch", type=int, default=1, help="micro-batch size")
@@ -70,41 +77,64 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve(
     args: argparse.Namespace,
-) -> tuple[Topology, Problem, FlopsCompute, list[str] | None]:
-    preset = PRESETS[args.preset] if args.preset else None
+) -> tuple[Topology, Problem, ComputeModel, list[str] | None]:
+    if args.preset and args.profile:
+        raise ValueError("--preset and --profile both describe the cluster; pass one of them")
+    profile = load_profile(args.profile or args.preset) if (args.profile or args.preset) else None
+    hw = PRESETS[args.preset] if args.preset else None
 
     def pick(value, attr: str, default=None):
         if value is not None:
             return value
-        if preset is not None:
-            return getattr(preset, attr)
+        if profile is not None and hasattr(profile, attr):
+            return getattr(profile, attr)
+        if hw is not None and hasattr(hw, attr):
+            return getattr(hw, attr)
         if default is None:
             flag = "--" + attr.replace("_", "-")
             raise ValueError(
-                f"{flag} is missing: without --preset the cluster must be given in full; "
-                f"pass {flag} or --preset {{{','.join(sorted(PRESETS))}}}"
+                f"{flag} is missing: without --preset or --profile the cluster must be given in "
+                f"full; pass {flag}, --profile PROFILE.json or --preset "
+                f"{{{','.join(sorted(PRESETS))}}}"
             )
         return default
 
     m, p = parse_gpus(pick(args.gpus, "gpus"))
+    base = profile.topology(m, p) if profile is not None else None
+    if base is not None and args.cross_links is None and args.nics_per_node is None:
+        links = {"cross_links": base.cross_links, "nics_per_node": base.nics_per_node}
+    else:
+        links = {
+            "cross_links": args.cross_links or (hw.cross_links if hw else "rails"),
+            "nics_per_node": args.nics_per_node
+            if args.nics_per_node is not None
+            else (hw.nics_per_node if hw and args.cross_links is None else 0),
+        }
     topo = Topology(
         m,
         p,
         pick(args.intra_bw, "intra_bw"),
         pick(args.cross_bw, "cross_bw"),
-        intra_lat=args.intra_lat_us * 1e-6,
-        cross_lat=args.cross_lat_us * 1e-6,
+        intra_lat=args.intra_lat_us * 1e-6
+        if args.intra_lat_us is not None
+        else (base.intra_lat if base else 5e-6),
+        cross_lat=args.cross_lat_us * 1e-6
+        if args.cross_lat_us is not None
+        else (base.cross_lat if base else 10e-6),
         fabric=pick(args.fabric, "fabric", "nvlink"),
-        cross_links=pick(args.cross_links, "cross_links", "rails"),
-        nics_per_node=pick(args.nics_per_node, "nics_per_node", 0)
-        if args.cross_links is None or args.nics_per_node is not None
-        else 0,
+        **links,
     )
-    compute = FlopsCompute(
-        pick(args.tflops, "tflops"),
-        pick(args.efficiency, "efficiency", 0.5),
-        mem_bw=pick(args.mem_bw, "mem_bw", 2000.0),
-    )
+    compute: ComputeModel
+    if profile is not None and args.tflops is None and args.efficiency is None:
+        compute = profile.compute_model()
+        if args.mem_bw is not None:
+            compute = replace(compute, mem_bw=args.mem_bw)
+    else:
+        compute = FlopsCompute(
+            pick(args.tflops, "tflops"),
+            pick(args.efficiency, "efficiency", 0.5),
+            mem_bw=pick(args.mem_bw, "mem_bw", 2000.0),
+        )
     problem = Problem(
         args.batch,
         args.seq,
@@ -126,6 +156,37 @@ def _resolve(
     if "ring" not in methods:
         methods.insert(0, "ring")  # speedups are relative to ring
     return topo, problem, compute, methods
+
+
+#: How far the preset model is known to miss: 18 of 30 rows of the paper's Tables 4 and 5 within
+#: +-25% (docs/results/sim_validation_paper.md).
+PRESET_ERROR = 0.25
+
+
+def uncertainty(pred: Prediction, choice: str, args: argparse.Namespace) -> str:
+    """Where the hardware numbers come from, and the choice's margin as a range from the model's
+    known error (Note [Fitting a profile] for a measured profile)."""
+    others = [mp.total for m, mp in pred.methods.items() if m != choice and m != "ring-contig"]
+    margin = min(others) / pred.methods[choice].total if others else 1.0
+    if args.profile or args.preset:
+        prof = load_profile(args.profile or args.preset)
+        err = prof.known_error if prof.measured else PRESET_ERROR
+        source = (
+            f"profile {prof.name!r}, whose fits miss their own samples by up to {err:.0%}"
+            if prof.measured
+            else f"{prof.name}, known to miss the paper's own tables by up to +-{err:.0%}"
+        )
+    else:
+        return (
+            "hardware numbers: the flags given, not measured here; run `megatron-charm-sim "
+            "calibrate` on the cluster and pass --profile for predictions you can check"
+        )
+    err = min(err or 0.0, 0.9)
+    lo, hi = margin * (1 - err) / (1 + err), margin * (1 + err) / (1 - err)
+    return (
+        f"uncertainty: {source}; margin over the next method {margin:.2f}x, "
+        f"{lo:.2f}x-{hi:.2f}x within that error"
+    )
 
 
 def format_table(pred: Prediction) -> str:
@@ -162,6 +223,10 @@ def format_table(pred: Prediction) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        from megatron_charm.sim.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     command = "predict"
     if argv and argv[0] in ("advise", "predict"):
         command = argv.pop(0)
@@ -181,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if command == "advise":
         adv = advise(pred)
+        adv.reasons.append(uncertainty(pred, adv.method, args))
         if args.json:
             print(json.dumps({"cp_comm_type": adv.method, "reasons": adv.reasons}, indent=2))
         else:
@@ -191,5 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(pred.to_dict(), indent=2, default=str))
     else:
+        fastest = min(
+            (m for m in pred.methods if m != "ring-contig"), key=lambda m: pred.methods[m].total
+        )
         print(format_table(pred))
+        note = uncertainty(pred, fastest, args)
+        print(note.replace("margin over", f"{fastest}'s margin over"))
     return 0

@@ -9,6 +9,10 @@ Two sources:
   forward's two: 2.5).
 * :class:`CalibratedCompute`: measured seconds of one full ``s_local x s_local`` block, forward and
   backward (e.g. from the attention benchmark), scaled by the block's area.
+* :class:`FittedCompute`: a fixed cost per block plus FLOPs at a rate, forward and backward each
+  fitted by least squares to kernel timings over block shapes (``megatron-charm-sim calibrate``),
+  so small blocks cost more per FLOP than large ones; times a measured slowdown while
+  communication runs next to the kernel.
 
 A merge (``Reduce``) reads the accumulator and the partial and writes the accumulator: three times
 the payload's bytes at memory bandwidth.
@@ -66,6 +70,10 @@ class FlopsCompute:
     def reduce_time(self, nbytes: int) -> float:
         return 3.0 * nbytes / (self.mem_bw * 1e9)
 
+    def slowdown(self, backward: bool) -> float:
+        """Compute under communication is not slowed (not modelled for this source)."""
+        return 1.0
+
 
 @dataclass(frozen=True)
 class CalibratedCompute:
@@ -87,5 +95,56 @@ class CalibratedCompute:
     def reduce_time(self, nbytes: int) -> float:
         return 3.0 * nbytes / (self.mem_bw * 1e9)
 
+    def slowdown(self, backward: bool) -> float:
+        """Measured block times already include whatever communication took from them."""
+        return 1.0
 
-ComputeModel = FlopsCompute | CalibratedCompute
+
+@dataclass(frozen=True)
+class FittedCompute:
+    """Block time ``overhead + flops / rate``, fitted separately for forward and backward."""
+
+    fwd_flops_per_s: float
+    """Achieved forward FLOP/s of the block kernel on large blocks."""
+    bwd_flops_per_s: float
+    """Achieved backward FLOP/s, counting a backward block as 2.5 x its forward FLOPs."""
+    fwd_overhead: float = 0.0
+    """Fixed seconds per forward block (launch, small-block inefficiency)."""
+    bwd_overhead: float = 0.0
+    """Fixed seconds per backward block."""
+    mem_bw: float = 10.0
+    """Memory bandwidth of a merge, GB/s."""
+    fwd_slowdown: float = 1.0
+    """Forward block time under concurrent communication over its time alone (>= 1): the CPU
+    cores or GPU SMs that transfers take. The engine applies it to a block that starts while
+    its rank has an exchange in flight (:meth:`slowdown`)."""
+    bwd_slowdown: float = 1.0
+    """The same for backward blocks."""
+
+    def __post_init__(self) -> None:
+        rates = (self.fwd_flops_per_s, self.bwd_flops_per_s, self.mem_bw)
+        if not all(math.isfinite(x) and x > 0 for x in rates):
+            raise ValueError(
+                f"fitted rates must be > 0 (forward {self.fwd_flops_per_s}, backward "
+                f"{self.bwd_flops_per_s} FLOP/s, merges {self.mem_bw} GB/s); rerun "
+                "megatron-charm-sim calibrate or fix the profile"
+            )
+        if min(self.fwd_overhead, self.bwd_overhead) < 0:
+            raise ValueError("per-block overheads must be >= 0 seconds; fix the profile")
+        if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
+            raise ValueError("slowdowns under communication must be >= 1; fix the profile")
+
+    def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
+        flops = block_flops(ins, shape, backward)
+        if backward:
+            return self.bwd_overhead + flops / self.bwd_flops_per_s
+        return self.fwd_overhead + flops / self.fwd_flops_per_s
+
+    def slowdown(self, backward: bool) -> float:
+        return self.bwd_slowdown if backward else self.fwd_slowdown
+
+    def reduce_time(self, nbytes: int) -> float:
+        return 3.0 * nbytes / (self.mem_bw * 1e9)
+
+
+ComputeModel = FlopsCompute | CalibratedCompute | FittedCompute

@@ -8,7 +8,9 @@ Every rank is one compute stream that runs its program in order:
   before it), never blocks the stream;
 * ``Wait``: blocks the stream until the exchange has completed; the blocked time is the rank's
   *exposed communication* (the paper's ``O``);
-* ``Compute`` / ``Merge``: occupy the stream for the modelled block / merge time.
+* ``Compute`` / ``Merge``: occupy the stream for the modelled block / merge time; a block that
+  starts while the rank has an exchange in flight takes the compute model's ``slowdown`` times
+  as long (transfers take CPU cores or GPU SMs; 1 unless a calibrated profile measured it).
 
 Communication follows the rule that :func:`megatron_charm.plan.validate.replay` checks
 symbolically (NCCL's strict ordering), with time: the exchanges of one rank on one channel run one
@@ -146,6 +148,7 @@ class Engine:
         self.compute = compute
         self.backward = backward
         self.record = record
+        self.slowdown = compute.slowdown(backward)
         programs = progs.backward if backward else progs.forward
         self.cp_ranks = [p.cp_rank for p in programs]
         self.index = {r: i for i, r in enumerate(self.cp_ranks)}
@@ -282,6 +285,8 @@ class Engine:
                 return
             else:
                 dur = costs[pc]
+                if self.slowdown != 1.0 and any(self.active[i].values()):
+                    dur *= self.slowdown  # the rank's transfers share its cores / SMs
                 rr.busy += dur
                 if self.record:
                     rr.timeline.append((now, now + dur, _label(ins)))

@@ -16,6 +16,10 @@ simulator is calibrated from that JSON and the testbed's link probe only:
 Latencies and the merge bandwidth are fixed assumptions (``--intra-lat-us``, ``--cross-lat-us``,
 ``--merge-gbps``), not fitted.
 
+With ``--profile PROFILE.json`` (from ``megatron-charm-sim calibrate`` on the same testbed) none of
+that is read from the results: links and compute come from the profile alone, so every row is
+predicted without looking at its own measurements.
+
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
 """
@@ -27,14 +31,16 @@ import datetime
 import json
 from dataclasses import dataclass
 
-from megatron_charm.plan import METHODS
+from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
-from megatron_charm.plan.types import Kind, Part, Payload, Wire
-from megatron_charm.sim.compute import CalibratedCompute
+from megatron_charm.plan.types import Kind, Layout, Part, Payload, Wire
+from megatron_charm.sim.compute import CalibratedCompute, ComputeModel
 from megatron_charm.sim.predict import Problem, predict
+from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.topology import Topology
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+PLAN_KEYS = ("window", "combine_two_nodes", "cross_return", "cross_level")
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class Calibration:
 
     topo: Topology
     problem: Problem
-    compute: CalibratedCompute
+    compute: ComputeModel
     source: str
     """Where the link rates came from."""
 
@@ -66,11 +72,24 @@ def calibrate(
     intra_lat_us: float = 50.0,
     cross_lat_us: float = 200.0,
     merge_gbps: float = 5.0,
+    profile: Profile | None = None,
 ) -> Calibration:
     """Topology, problem and compute model of one benchmark result (see module docstring)."""
     cfg = result["config"]
     m, p = result["layout"]
     n = m * p
+    causal = bool(cfg.get("causal", True))
+    problem = Problem(
+        cfg["batch"],
+        cfg["seq_local"] * n,
+        cfg["heads"],
+        cfg["head_dim"],
+        cfg.get("kv_heads") or cfg["heads"],
+        causal,
+        ITEMSIZE[cfg.get("dtype", "bf16")],
+    )
+    if profile is not None:
+        return Calibration(profile.topology(m, p), problem, profile.compute_model(), "profile")
     intra, cross = _probe_rates(probe) if probe else (None, None)
     source = "probe"
     alone = (result.get("ring_comm_alone_s") or {}).get("fwd")
@@ -109,21 +128,11 @@ def calibrate(
         fabric="nvlink",  # loopback TCP: concurrent streams of a rank do not split a fixed rate
         cross_links=result.get("topology", "shared"),
     )
-    causal = bool(cfg.get("causal", True))
     area = 0.5 if causal else 1.0
     pure = result["pure_compute_s"]
     fwd_block = pure["fwd"] / (n * area)
     bwd_block = (pure["fwdbwd"] - pure["fwd"]) / (n * area)
     compute = CalibratedCompute(fwd_block, bwd_block, mem_bw=merge_gbps)
-    problem = Problem(
-        cfg["batch"],
-        cfg["seq_local"] * n,
-        cfg["heads"],
-        cfg["head_dim"],
-        cfg.get("kv_heads") or cfg["heads"],
-        causal,
-        ITEMSIZE[cfg.get("dtype", "bf16")],
-    )
     return Calibration(topo, problem, compute, source)
 
 
@@ -131,7 +140,8 @@ def compare(result: dict, probe: dict | None = None, **kw) -> list[dict]:
     """Rows of predicted vs measured median seconds per method and pass (fwd, fwd+bwd)."""
     cal = calibrate(result, probe, **kw)
     methods = [m for m in METHODS if m in result["methods"]]
-    pred = predict(cal.topo, cal.problem, cal.compute, tuple(methods))
+    plan = {k: result["config"][k] for k in PLAN_KEYS if k in result["config"]}
+    pred = predict(cal.topo, cal.problem, cal.compute, tuple(methods), options=PlanOptions(**plan))
     rows = []
     for method in methods:
         mp = pred.methods[method]
@@ -149,15 +159,36 @@ def compare(result: dict, probe: dict | None = None, **kw) -> list[dict]:
     return rows
 
 
+def auto_verdict(result: dict, cal: Calibration, profile: Profile) -> dict:
+    """What ``method="auto"`` picks on ``profile`` for this result's shape, and how far its
+    measured fwd+bwd time is from the measured fastest of the methods in the result."""
+    from megatron_charm.auto import choose_method
+
+    m, p = result["layout"]
+    plan = {k: result["config"][k] for k in PLAN_KEYS if k in result["config"]}
+    picked = choose_method(
+        profile, Layout(m, p), cal.problem.shape(m * p), cal.problem.causal, PlanOptions(**plan)
+    ).method
+    measured = {
+        name: res["fwdbwd"]["median"] for name, res in result["methods"].items() if name in METHODS
+    }
+    fastest = min(measured, key=measured.__getitem__)
+    over = measured[picked] / measured[fastest] - 1.0 if picked in measured else None
+    return {"picked": picked, "fastest": fastest, "over_fastest": over}
+
+
 def markdown(name: str, result: dict, rows: list[dict], cal: Calibration) -> str:
-    t = cal.topo
+    t, c = cal.topo, cal.compute
+    if isinstance(c, CalibratedCompute):
+        blocks = f"block fwd {c.fwd_block * 1e3:.1f} ms, bwd {c.bwd_block * 1e3:.1f} ms"
+    else:
+        blocks = "compute from the profile"
     lines = [
         f"### {name}",
         "",
         f"{t.num_nodes}x{t.ranks_per_node} {t.cross_links}; intra {t.intra_bw:.3g} GB/s, cross "
         f"{t.cross_bw * 1e3:.3g} MB/s ({cal.source}; configured "
-        f"{float(result.get('cross_bps') or 0) / 8e6:.3g} MB/s); block fwd "
-        f"{cal.compute.fwd_block * 1e3:.1f} ms, bwd {cal.compute.bwd_block * 1e3:.1f} ms.",
+        f"{float(result.get('cross_bps') or 0) / 8e6:.3g} MB/s); {blocks}.",
         "",
         "| method | pass | measured ms | predicted ms | error |",
         "|---|---|---|---|---|",
@@ -179,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intra-lat-us", type=float, default=50.0)
     ap.add_argument("--cross-lat-us", type=float, default=200.0)
     ap.add_argument("--merge-gbps", type=float, default=5.0)
+    ap.add_argument("--profile", help="predict from this calibrate profile alone (no per-row data)")
     ap.add_argument("--out", help="write the Markdown here")
     args = ap.parse_args(argv)
     probe = None
@@ -190,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         intra_lat_us=args.intra_lat_us,
         cross_lat_us=args.cross_lat_us,
         merge_gbps=args.merge_gbps,
+        profile=load_profile(args.profile) if args.profile else None,
     )
-    parts, n_ok, n = [], 0, 0
+    parts, n_ok, n_20, n = [], 0, 0, 0
+    n_auto = 0
     for path in args.results:
         with open(path) as fh:
             result = json.load(fh)
@@ -199,11 +233,27 @@ def main(argv: list[str] | None = None) -> int:
         cal = calibrate(result, probe, **kw)
         n += len(rows)
         n_ok += sum(abs(r["error"]) <= 0.25 for r in rows)
-        parts.append(markdown(path.rsplit("/", 1)[-1], result, rows, cal))
+        n_20 += sum(abs(r["error"]) <= 0.20 for r in rows)
+        part = markdown(path.rsplit("/", 1)[-1], result, rows, cal)
+        if kw["profile"] is not None:
+            v = auto_verdict(result, cal, kw["profile"])
+            over = "not measured" if v["over_fastest"] is None else f"{v['over_fastest']:+.1%}"
+            n_auto += v["over_fastest"] is not None and v["over_fastest"] <= 0.05
+            part += (
+                f"\n\nauto picks **{v['picked']}**; measured fastest fwd+bwd: {v['fastest']}; "
+                f"auto's pick against it: {over}."
+            )
+        parts.append(part)
     head = (
         f"Generated {datetime.date.today().isoformat()}: {len(args.results)} configurations, "
-        f"{n_ok} of {n} predicted times within +-25% of the measured medians."
+        f"{n_ok} of {n} predicted times within +-25% of the measured medians ({n_20} within "
+        "+-20%)."
     )
+    if kw["profile"] is not None:
+        head += (
+            f" Profile: {kw['profile'].name} (nothing taken from the results). auto's pick is "
+            f"within 5% of the measured fastest at {n_auto} of {len(args.results)} points."
+        )
     text = "\n\n".join([head, *parts]) + "\n"
     print(text)
     if args.out:

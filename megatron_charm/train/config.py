@@ -47,7 +47,11 @@ class ParallelConfig:
     context_parallel_size: int = 4
     """CP ranks per sequence. The data-parallel size is world size / context_parallel_size."""
     cp_comm_type: str = "charm"
-    """charm | rm+ | merge | ring; on GPU with Transformer Engine also p2p | a2a | all_gather."""
+    """charm | rm+ | merge | ring | a2a+p2p | auto; on GPU with Transformer Engine also p2p |
+    a2a | all_gather. ``auto`` picks one of ours per layer shape from ``profile``."""
+    profile: str | None = None
+    """With ``cp_comm_type: auto``: a ``megatron-charm-sim calibrate`` JSON or a preset (H100,
+    H20, L20) that the simulator predicts every method on."""
     ranks_per_node: int | None = None
     """Explicit CHARM+ node split (CP ranks per node); overrides everything else."""
     node_split: str = "host"

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from megatron_charm.auto import AUTO
 from megatron_charm.train.config import CHARM_COMM_TYPES, Config
 
 
@@ -61,8 +62,11 @@ def build_layer_spec(cfg: Config) -> Any:
             method=cfg.parallel.cp_comm_type,
             ranks_per_node=cfg.parallel.ranks_per_node,
             node_split=cfg.parallel.node_split,
-            options=cfg.plan.replace(method=cfg.parallel.cp_comm_type),
+            options=cfg.plan
+            if cfg.parallel.cp_comm_type == AUTO
+            else cfg.plan.replace(method=cfg.parallel.cp_comm_type),
             timeout_s=cfg.parallel.timeout_s,
+            profile=cfg.parallel.profile,
         )
     # TE baselines: p2p / a2a / all_gather run inside TEDotProductAttention.
     if not (torch.cuda.is_available() and transformer_engine_available()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from megatron_charm.auto import AUTO
 from megatron_charm.nodes import NODE_SPLITS
 from megatron_charm.plan.options import MEGATRON_METHODS, SEQ_LAYOUT_OF
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 #: cp_comm_type values served by Transformer Engine (GPU baselines) in the trainer.
 TE_COMM_TYPES = ("p2p", "a2a", "all_gather")
 #: cp_comm_type values served by megatron-charm's own attention (as in Megatron-LM).
-CHARM_COMM_TYPES = MEGATRON_METHODS
+CHARM_COMM_TYPES = (*MEGATRON_METHODS, AUTO)
 
 
 def _positive(name: str, value: int | float | None, optional: bool = False) -> None:
@@ -97,6 +98,16 @@ def _check_choices(cfg: Config) -> None:
             f"{', '.join(CHARM_COMM_TYPES)} (or, on GPU with Transformer Engine, "
             f"{', '.join(TE_COMM_TYPES)})."
         )
+    if (p.cp_comm_type == AUTO) != (p.profile is not None):
+        raise ValueError(
+            f"parallel.cp_comm_type={p.cp_comm_type!r} with parallel.profile={p.profile!r}: auto "
+            "needs a profile (write one with `megatron-charm-sim calibrate`, or set H100/H20/L20) "
+            "and the other methods take none; set both or neither"
+        )
+    if p.profile is not None:
+        from megatron_charm.sim.profile import load_profile
+
+        load_profile(p.profile)
     if p.cp_comm_type in CHARM_COMM_TYPES and m.attention_dropout != 0:
         raise ValueError(
             f"model.attention_dropout={m.attention_dropout}: CHARM+ methods do not implement "

@@ -144,6 +144,48 @@ def bytes_moved(
     return [dict(tr.stats.bytes_sent) for tr in traces]
 
 
+def link_profile(slow: bool):
+    """A 2 x 2 profile on which ``auto`` picks charm (``slow`` cross links) or all_gather (fast
+    ones) for 4 query heads over 2 kv heads (tests/sim/test_profile.py checks the choices)."""
+    from megatron_charm.sim.profile import Profile
+
+    return Profile(
+        name="slow" if slow else "fast",
+        measured=False,
+        gpus="2x2",
+        intra_bw=1.0,
+        cross_bw=1e-6 if slow else 1e3,
+        intra_lat=0.0,
+        cross_lat=0.0,
+        nics_per_node=1,
+        fabric="nvlink",
+        compute={"kind": "fitted", "fwd_flops_per_s": 1e9, "bwd_flops_per_s": 1e9},
+    )
+
+
+def auto_matches_its_choice(ctx):
+    """``method="auto"`` runs exactly the method it picks: out and grads are bitwise those of
+    that method called by name. Returns the picked method."""
+    import megatron_charm as mc
+    from megatron_charm.auto import choose_method
+    from megatron_charm.plan.payloads import AttnShape
+
+    topo = ctx.topology(2)
+    g = torch.Generator().manual_seed(ctx.rank)
+    q, k, v, dout = (torch.randn(1, 8, hh, 8, generator=g) for hh in (4, 2, 2, 4))
+    prof = link_profile(slow=True)
+    picked = choose_method(prof, topo.layout, AttnShape(1, 8, 4, 2, 8, 4), True).method
+
+    def run(**kw):
+        return _grads_of(
+            lambda a, b, c: mc.cp_attention(a, b, c, topo, return_lse=True, **kw), q, k, v, dout
+        )
+
+    auto, named = run(method="auto", profile=prof), run(method=picked)
+    assert all(torch.equal(a, b) for a, b in zip(auto, named, strict=True))
+    return picked
+
+
 def expect_value_error(ctx, case: str):
     """Trigger a bad-input case on every rank; return the ValueError message (or None)."""
     import megatron_charm as mc
@@ -199,6 +241,13 @@ def expect_value_error(ctx, case: str):
             mc.cp_attention(q, k, v, topo, mask=mc.DocMask((12, 20), "thd"))
         elif case == "mask_window":
             mc.cp_attention(q, k, v, topo, mask=mc.DocMask((32,), window=(-3, 0)))
+        elif case == "auto_no_profile":
+            mc.cp_attention(q, k, v, topo, method="auto")
+        elif case == "profile_not_auto":
+            mc.cp_attention(q, k, v, topo, method="charm", profile="H100")
+        elif case == "auto_profiles_differ":  # each rank predicts on its own (different) profile
+            slow = r != 0
+            mc.cp_attention(q, k, v, ctx.topology(2), method="auto", profile=link_profile(slow))
         elif case == "format":
             mc.cp_attention(q, k, v, topo, qkv_format="thd")
         elif case == "device":

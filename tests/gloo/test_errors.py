@@ -23,6 +23,9 @@ CASES = {
     "a2a_heads": "h=4 and kv heads h_kv=2 must both be divisible by cp_size=4",
     "a2a_p2p_heads": "h_kv=2 must both be divisible by ranks_per_node=4",
     "format": "unknown qkv_format 'thd'",
+    "auto_no_profile": "method='auto' with profile=None",
+    "profile_not_auto": "method='charm' with profile='H100'",
+    "auto_profiles_differ": "give every rank the same profile",
     "masks_differ": "mask=",
     "mask_total": "DocMask lengths sum to 10 tokens, but the CP group holds 8 x 4 = 32",
     "mask_ring_contig": "document masks describe the zigzag layout",
@@ -41,6 +44,11 @@ def test_value_errors(pools, case):
     for msg in messages:
         assert msg is not None, f"{case}: no ValueError"
         assert CASES[case] in msg, msg
+
+
+@pytest.mark.gloo
+def test_auto_runs_the_method_it_picks(pools):
+    assert pools(4).run(tasks.auto_matches_its_choice) == ["charm"] * 4
 
 
 @pytest.mark.gloo

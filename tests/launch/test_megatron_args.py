@@ -38,6 +38,16 @@ def test_documented_charm_run_passes():
     margs.validate_megatron_args(_args())
 
 
+def test_auto_needs_a_loadable_profile():
+    assert "needs --charm-profile" in _refusal(cp_comm_type=["auto"])
+    assert "neither a preset" in _refusal(cp_comm_type=["auto"], charm_profile="missing.json")
+    assert "--charm-profile" in _refusal(charm_profile="H100")  # charm takes none
+    margs.validate_megatron_args(_args(cp_comm_type=["auto"], charm_profile="H100"))
+    assert margs.plan_options_from_args(_args(cp_comm_type=["auto"])).method == "charm"
+    with pytest.raises(ValueError, match="only apply to --cp-comm-type"):
+        margs.validate_megatron_args(_args(cp_comm_type=["p2p"], charm_profile="H100"))
+
+
 def test_megatron_default_attention_dropout_is_refused_with_advice():
     message = _refusal(attention_dropout=0.1)
     assert "--attention-dropout 0.1" in message and "pass --attention-dropout 0" in message

@@ -90,6 +90,10 @@ CASES: dict[str, dict] = {
     "charm_flag_with_p2p": _case([*BASE, "--cp-comm-type", "p2p", "--charm-window", "4"]),
     "unknown_comm_type": _case([*BASE, "--cp-comm-type", "charmm", "--attention-dropout", "0"]),
     "p2p_baseline": _case([*BASE, "--cp-comm-type", "p2p"]),
+    "auto": _case(
+        [*BASE, "--cp-comm-type", "auto", "--attention-dropout", "0.0", "--charm-profile", "H100"]
+    ),  # fmt: skip
+    "auto_without_profile": _case([*BASE, "--cp-comm-type", "auto", "--attention-dropout", "0"]),
 }
 #: docs/megatron-lm.md's pretrain_gpt.py commands, megatron-args expanded, with their variables.
 DOCS = {
@@ -178,6 +182,7 @@ def test_charm_run_passes_and_needs_cuda_device_max_connections(probe):
         ("bad_window", "--charm-window:"),
         ("charm_flag_with_p2p", "--charm-window only apply"),
         ("unknown_comm_type", "'charmm' is unknown"),
+        ("auto_without_profile", "needs --charm-profile"),
     ],
 )
 def test_refused_at_argument_time(probe, name, fragment):
@@ -239,6 +244,10 @@ def test_patched_builder_swaps_in_charm_with_the_flags(probe):
     assert probe["timeout"]["core_attention"]["params"]["timeout_s"] == 180
     _ok(probe, "p2p_baseline")
     assert probe["p2p_baseline"]["core_attention"]["module"] != "CharmDotProductAttention"
+    _ok(probe, "auto")
+    auto = probe["auto"]["core_attention"]
+    assert auto["module"] == "CharmDotProductAttention"
+    assert auto["params"]["profile"] == "H100" and auto["params"]["options"]["method"] == "charm"
 
 
 def test_plan_flags_reach_the_args(probe):

@@ -173,3 +173,17 @@ def test_channel_group_timeout_is_parallel_timeout_s():
     cfg = load_config(None, ["parallel.timeout_s=90"])
     params = build_layer_spec(cfg).submodules.self_attention.submodules.core_attention.params
     assert params["timeout_s"] == 90.0
+
+
+def test_auto_needs_a_profile_and_reaches_the_attention_spec():
+    from megatron_charm.train.model import build_layer_spec
+
+    with pytest.raises(ValueError, match=r"parallel.cp_comm_type='auto' with parallel.profile"):
+        load_config(None, ["parallel.cp_comm_type=auto"])
+    with pytest.raises(ValueError, match=r"neither a preset"):
+        load_config(None, ["parallel.cp_comm_type=auto", "parallel.profile=missing.json"])
+    with pytest.raises(ValueError, match=r"set both or neither"):
+        load_config(None, ["parallel.profile=H100"])
+    cfg = load_config(None, ["parallel.cp_comm_type=auto", "parallel.profile=H100"])
+    params = build_layer_spec(cfg).submodules.self_attention.submodules.core_attention.params
+    assert params["method"] == "auto" and params["profile"] == "H100"

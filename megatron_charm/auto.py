@@ -1,0 +1,102 @@
+"""``method="auto"`` / ``--cp-comm-type auto``: the CP method per layer shape, from the simulator.
+
+Note [Choosing a method]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The choice is a pure function of data that every rank holds alike::
+
+    profile (links, compute)  --+
+    layout (m nodes x p ranks) -+-> simulate every candidate's    --> fastest fwd+bwd;
+    shape (b, s_local, h, h_kv, d, dtype), causal      real plans      ties (2%) go to
+    plan options (window, cross_return, ...)                           the simpler method
+
+The candidates are the zigzag methods that can split the shape (``a2a`` only when the heads
+divide over the CP group); masks are not simulated, so the choice is made for the dense shape.
+It runs once per new shape and is cached; on CP groups of 64+ ranks the replay takes seconds
+(``bench planning``). Every rank computes it, so a rank whose profile differs may pick another
+method: the plan-option agreement that every call runs then stops the job with both values,
+instead of letting ranks run different schedules.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from megatron_charm.plan.options import PlanOptions
+from megatron_charm.plan.payloads import AttnShape
+from megatron_charm.plan.types import Layout
+from megatron_charm.sim.profile import Profile
+
+log = logging.getLogger("megatron_charm")
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The method ``auto`` picked for one shape, and why."""
+
+    method: str
+    predicted_s: dict[str, float]
+    """Predicted forward + backward seconds of every candidate."""
+    profile: str
+    """The profile's name."""
+    reasons: tuple[str, ...]
+
+    @property
+    def margin(self) -> float:
+        """Predicted time of the fastest other candidate over the chosen one's (``inf`` if none)."""
+        others = [t for m, t in self.predicted_s.items() if m != self.method]
+        return min(others) / self.predicted_s[self.method] if others else float("inf")
+
+    def describe(self) -> str:
+        times = ", ".join(f"{m} {t * 1e3:.3g} ms" for m, t in sorted(self.predicted_s.items()))
+        if self.margin >= 1.0:
+            why = f"predicted {self.margin:.2f}x faster than the next method"
+        else:  # a tie within advise's 2% goes to the simpler method
+            why = f"within {1 / self.margin - 1:.1%} of the fastest and simpler"
+        return f"cp method auto -> {self.method} ({why}; profile {self.profile}; fwd+bwd {times})"
+
+
+_CACHE: dict[tuple, AutoChoice] = {}
+
+
+def choose_method(
+    profile: Profile | str,
+    layout: Layout,
+    shape: AttnShape,
+    causal: bool,
+    options: PlanOptions | None = None,
+) -> AutoChoice:
+    """The method with the lowest predicted forward + backward time for this layer shape.
+
+    Args:
+        profile: a :class:`megatron_charm.sim.profile.Profile`, a preset name or a profile path
+            (read once: a path's choices are cached by the path).
+        layout: the CP group's ``m x p`` layout.
+        shape: the per-rank shape: ``b``, ``s_local``, ``h``, ``h_kv``, ``d``, input ``itemsize``.
+        causal: causal attention (zigzag layout).
+        options: the other plan options (their method is replaced per candidate).
+    """
+    from megatron_charm.sim.predict import Problem, advise, predict
+    from megatron_charm.sim.profile import load_profile
+
+    options = options or PlanOptions()
+    spec = profile if isinstance(profile, str) else json.dumps(profile.to_json(), sort_keys=True)
+    key = (spec, layout, shape, causal, options)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    prof = load_profile(profile)
+    m, p = layout.num_nodes, layout.ranks_per_node
+    problem = Problem(
+        shape.b, shape.s_local * m * p, shape.h, shape.d, shape.h_kv, causal, shape.itemsize
+    )
+    pred = predict(prof.topology(m, p), problem, prof.compute_model(), options=options)
+    adv = advise(pred)
+    totals = {name: mp.total for name, mp in pred.methods.items() if name != "ring-contig"}
+    choice = AutoChoice(adv.method, totals, prof.name, tuple(adv.reasons))
+    _CACHE[key] = choice
+    log.info("megatron-charm: %s", choice.describe())
+    return choice

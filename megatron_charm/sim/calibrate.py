@@ -1,0 +1,186 @@
+"""``megatron-charm-sim calibrate``: measure this cluster's kernels and links, write a profile.
+
+Examples::
+
+    # on a GPU cluster, as one job of the CP group's shape (NCCL):
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m megatron_charm.sim calibrate \\
+        --launcher env --device cuda --out h100-2x8.json
+    # on the emulated CPU testbed (root), or on plain local processes:
+    python -m megatron_charm.sim calibrate --nodes 2 --ranks-per-node 2 --cross-rate 100mbit \\
+        --out testbed.json
+    python -m megatron_charm.sim calibrate --launcher loopback --out loopback.json
+
+Then ``megatron-charm-sim --profile testbed.json ...``, ``advise --profile ...`` and
+``--cp-comm-type auto`` use the profile. What is measured and how it is fitted:
+Note [Fitting a profile] in :mod:`megatron_charm.sim.profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from datetime import datetime, timezone
+
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
+from megatron_charm.sim.profile import Profile, fit_profile
+from megatron_charm.sim.topology import FABRICS
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} {text!r} must be a comma-separated list of positive integers")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="megatron-charm-sim calibrate",
+        description="Time block kernels, merges and P2P transfers on real ranks and fit a "
+        "profile for --profile and --cp-comm-type auto.",
+    )
+    ap.add_argument("--out", required=True, help="where to write the profile JSON")
+    ap.add_argument("--launcher", choices=("testbed", "loopback", "env"), default="testbed")
+    ap.add_argument("--nodes", type=int, default=2, help="nodes (testbed, loopback)")
+    ap.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node")
+    ap.add_argument("--topology", choices=("shared", "rails"), default="shared", help="testbed")
+    ap.add_argument("--cross-rate", default="100mbit", help="testbed cross link rate")
+    ap.add_argument("--preset", default=None, help="testbed: l20|h20|h100 instead of --cross-rate")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ap.add_argument("--kernel", default=None, help="block kernel (default by device and dtype)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8, help="heads of the timed blocks")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--tokens", default="256,512,1024,2048", help="block sizes (tokens)")
+    ap.add_argument(
+        "--sizes", default="65536,262144,1048576,4194304", help="P2P message sizes (bytes)"
+    )
+    ap.add_argument("--reps", type=int, default=5, help="timings per point (median counts)")
+    ap.add_argument(
+        "--fabric",
+        choices=FABRICS,
+        default="nvlink",
+        help="intra-node fabric to assume (not measured): nvlink or pcie",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
+    ap.add_argument("--timeout", type=float, default=2 * DEFAULT_TIMEOUT_S, help="seconds")
+    ap.add_argument("--raw", default=None, help="also keep the raw samples here")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> dict:
+    if args.reps < 1:
+        raise ValueError(f"--reps {args.reps} must be >= 1")
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "kernel": args.kernel,
+        "batch": args.batch,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "tokens": _ints(args.tokens, "--tokens"),
+        "sizes": _ints(args.sizes, "--sizes"),
+        "reps": args.reps,
+        "threads": args.threads,
+        "nodes": args.nodes,
+        "ranks_per_node": None if args.launcher == "env" else args.ranks_per_node,
+        "timeout_s": args.timeout,
+    }
+
+
+def measure(args: argparse.Namespace, cfg: dict) -> dict | None:
+    """Launch the ranks (or be one, ``--launcher env``); the raw samples on rank 0."""
+    from megatron_charm.bench.attention import run_loopback, run_testbed
+    from megatron_charm.sim.calibrate_worker import run
+
+    if args.launcher == "env":
+        return run(cfg)
+    tmp = tempfile.mkdtemp(prefix="mc-calibrate-")
+    cfg["raw_out"] = os.path.join(tmp, "raw.json")
+    cfg_path = os.path.join(tmp, "config.json")
+    if args.launcher == "testbed":
+        run_testbed(cfg, cfg_path, args, module="megatron_charm.sim.calibrate")
+    else:
+        run_loopback(cfg, cfg_path, module="megatron_charm.sim.calibrate")
+    with open(cfg["raw_out"]) as f:
+        return json.load(f)
+
+
+def describe(profile: Profile) -> str:
+    c = profile.compute
+    err = ", ".join(f"{k} {v:.0%}" for k, v in profile.fit_error.items())
+    links = profile.nics_per_node or "one per rank"
+    return "\n".join(
+        [
+            f"profile: {profile.name}",
+            f"  intra {profile.intra_bw:.4g} GB/s + {profile.intra_lat * 1e6:.0f} us; cross "
+            f"{profile.cross_bw:.4g} GB/s + {profile.cross_lat * 1e6:.0f} us; cross links per "
+            f"node: {links}",
+            f"  kernel forward {c['fwd_flops_per_s'] / 1e12:.4g} TFLOP/s + "
+            f"{c['fwd_overhead'] * 1e6:.0f} us per block, backward "
+            f"{c['bwd_flops_per_s'] / 1e12:.4g} TFLOP/s + {c['bwd_overhead'] * 1e6:.0f} us; "
+            f"merges {c['mem_bw']:.3g} GB/s",
+            f"  blocks under communication: forward x{c['fwd_slowdown']:.2f}, backward "
+            f"x{c['bwd_slowdown']:.2f}",
+            f"  largest fit residuals: {err}",
+        ]
+    )
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["worker"]:  # internal: one rank launched by this command
+        from megatron_charm.sim.calibrate_worker import run
+
+        with open(argv[1]) as f:
+            cfg = json.load(f)
+        raw = run(cfg)
+        if raw is not None:
+            with open(cfg["raw_out"], "w") as f:
+                json.dump(raw, f)
+        return 0
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as err:
+        print(f"megatron-charm-sim calibrate: error: {err}", file=sys.stderr)
+        return 2
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    raw = measure(args, cfg)
+    if raw is None:  # not rank 0 under --launcher env
+        return 0
+    raw["date"] = started
+    if args.raw:
+        with open(args.raw, "w") as f:
+            json.dump(raw, f, indent=1)
+    profile = fit_profile(raw, fabric=args.fabric)
+    command = "megatron-charm-sim calibrate " + shlex.join(argv)
+    profile = Profile(
+        **{
+            **profile.__dict__,
+            "provenance": {
+                **profile.provenance,
+                "command": command,
+                "launcher": args.launcher,
+                "samples": {
+                    k: raw.get(k)
+                    for k in ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
+                },
+            },
+        }
+    )
+    profile.save(args.out)
+    print(describe(profile))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

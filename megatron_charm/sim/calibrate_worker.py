@@ -1,0 +1,240 @@
+"""One rank of ``megatron-charm-sim calibrate``: time kernels, merges and P2P transfers.
+
+Every rank runs the kernel and merge timings at once, as they do in training (on a shared CPU
+they contend for cores, on GPUs they do not), and the slowest rank's median counts. P2P timings
+are ping-pongs (half the round trip) between CP rank 0 and a rank on its own node (intra) and
+on the next node (cross), while the other ranks wait. The concurrent timing runs every local
+index of node 0 against its counterpart on node 1 at once (Note [Fitting a profile] in
+:mod:`megatron_charm.sim.profile`). Last, every rank times the largest block again while a
+thread of its own streams messages to a partner on another process group, as the CP schedules
+overlap them: the ratio is the compute slowdown under communication (CPU cores or GPU SMs that
+the transfers take). Rank 0 returns the samples; the others return ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, reps: int, device: torch.device) -> float:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _slowest(value: float) -> float:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return max(out)
+
+
+def time_kernels(cfg: dict, device: torch.device) -> list[dict]:
+    """Forward and backward seconds of one unmasked ``tokens x tokens`` block per size."""
+    from megatron_charm.kernels.backends import select_kernel
+
+    dtype = DTYPES[cfg["dtype"]]
+    kernel = select_kernel(device, dtype, cfg.get("kernel"))
+    b, h, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for tokens in cfg["tokens"]:
+        q, k, v, dout = (
+            torch.randn(tokens, b, h, d, generator=gen).to(device=device, dtype=dtype)
+            for _ in range(4)
+        )
+        scale = d**-0.5
+        out, lse = kernel.forward(q, k, v, False, scale)
+        kernel.backward(dout, q, k, v, out, lse, False, scale)  # warm-up
+        dist.barrier()
+        fwd = _median_time(partial(kernel.forward, q, k, v, False, scale), cfg["reps"], device)
+        dist.barrier()
+        bwd_call = partial(kernel.backward, dout, q, k, v, out, lse, False, scale)
+        bwd = _median_time(bwd_call, cfg["reps"], device)
+        samples.append(
+            {
+                "batch": b,
+                "heads": h,
+                "head_dim": d,
+                "tokens": tokens,
+                "fwd_s": _slowest(fwd),
+                "bwd_s": _slowest(bwd),
+            }
+        )
+    return samples
+
+
+def time_merges(cfg: dict, device: torch.device) -> list[dict]:
+    """Seconds of one float32 partial merge per size (out ``[tokens, b, h, d]``)."""
+    from megatron_charm.kernels.merge import merge_partial
+
+    b, h, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
+    samples = []
+    for tokens in cfg["tokens"]:
+        out, out_b = (torch.randn(tokens, b, h, d, device=device) for _ in range(2))
+        lse, lse_b = (torch.randn(tokens, b, h, device=device) for _ in range(2))
+        merge_partial(out, lse, out_b, lse_b)
+        dist.barrier()
+        t = _median_time(partial(merge_partial, out, lse, out_b, lse_b), cfg["reps"], device)
+        samples.append({"bytes": out_b.nbytes + lse_b.nbytes, "s": _slowest(t)})
+    return samples
+
+
+def _ping_pong(pairs: list[tuple[int, int]], nbytes: int, reps: int, device) -> float:
+    """Median half round trip of ``nbytes`` over every ``(a, b)`` global-rank pair at once; the
+    slowest pair counts. Ranks in no pair only join the barriers."""
+    me = dist.get_rank()
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for a, b in pairs:
+            if me == a:
+                dist.send(buf, b)
+                dist.recv(buf, b)
+            elif me == b:
+                dist.recv(buf, a)
+                dist.send(buf, a)
+        _sync(device)
+        times.append((time.perf_counter() - t0) / 2)
+    mine = statistics.median(times) if any(me in pair for pair in pairs) else 0.0
+    return _slowest(mine)
+
+
+def time_p2p(cfg: dict, ranks: list[int], m: int, p: int, device) -> tuple[dict, dict | None]:
+    """Ping-pong samples per link class, and the concurrent cross-node timing."""
+    classes = {}
+    if p > 1:
+        classes["intra"] = (ranks[0], ranks[1])
+    if m > 1:
+        classes["cross"] = (ranks[0], ranks[p])
+    out: dict[str, list[dict]] = {}
+    for cls, pair in classes.items():
+        _ping_pong([pair], 4, 1, device)  # connect
+        out[cls] = [
+            {"bytes": n, "s": _ping_pong([pair], n, cfg["reps"], device)} for n in cfg["sizes"]
+        ]
+    conc = None
+    if m > 1 and p > 1:
+        n = max(cfg["sizes"])
+        pairs = [(ranks[i], ranks[p + i]) for i in range(p)]
+        _ping_pong(pairs, 4, 1, device)
+        conc = {"flows": p, "bytes": n, "s": _ping_pong(pairs, n, cfg["reps"], device)}
+    return out, conc
+
+
+def _partner(cp_rank: int, m: int, p: int) -> int | None:
+    """The traffic partner: the same local index on the paired node (nodes 2k and 2k+1), else a
+    neighbour inside the node; ``None`` when there is nobody."""
+    node, local = divmod(cp_rank, p)
+    if node ^ 1 < m:
+        return (node ^ 1) * p + local
+    if local ^ 1 < p:
+        return node * p + (local ^ 1)
+    return None
+
+
+def time_kernels_under_traffic(
+    cfg: dict, device: torch.device, ranks: list[int], m: int, p: int, solo: dict, raw: dict
+) -> dict:
+    """Forward and backward seconds of the largest block while this rank exchanges 1 MiB
+    messages with its partner in a background thread, next to the same blocks timed alone."""
+    from megatron_charm.kernels.backends import select_kernel
+
+    me = dist.get_rank()
+    cp_rank = ranks.index(me)
+    partner = _partner(cp_rank, m, p)
+    traffic = dist.new_group(ranks, backend=dist.get_backend())
+    nbytes = 1 << 20
+    link = raw["p2p"].get("cross" if m > 1 else "intra") or [{"bytes": 1, "s": 1e-3}]
+    one_way = max(s["s"] * nbytes / s["bytes"] for s in link)  # pessimistic for 1 MiB
+    busy = cfg["reps"] * (solo["fwd_s"] + solo["bwd_s"]) + 1.0
+    # Both sides of a pair must run the same number of ping-pongs (each two one-way times, 1.5x
+    # the kernel timings): agree on the largest estimate.
+    counts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, min(math.ceil(0.75 * busy / one_way) + 1, 100_000))
+    count = max(counts)
+    buf = torch.zeros(nbytes // 4, device=device)
+
+    def stream(count: int) -> None:
+        if partner is None:
+            return
+        peer = ranks[partner]
+        for _ in range(count):
+            if cp_rank < partner:
+                dist.send(buf, peer, group=traffic)
+                dist.recv(buf, peer, group=traffic)
+            else:
+                dist.recv(buf, peer, group=traffic)
+                dist.send(buf, peer, group=traffic)
+        _sync(device)
+
+    dtype = DTYPES[cfg["dtype"]]
+    kernel = select_kernel(device, dtype, cfg.get("kernel"))
+    b, h, d, tokens = cfg["batch"], cfg["heads"], cfg["head_dim"], solo["tokens"]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (
+        torch.randn(tokens, b, h, d, generator=gen).to(device=device, dtype=dtype) for _ in range(4)
+    )
+    scale = d**-0.5
+    out, lse = kernel.forward(q, k, v, False, scale)
+    stream(1)  # connect the pair before anything is timed
+    dist.barrier()
+    worker = threading.Thread(target=stream, args=(count,), daemon=True)
+    worker.start()
+    fwd = _median_time(partial(kernel.forward, q, k, v, False, scale), cfg["reps"], device)
+    bwd_call = partial(kernel.backward, dout, q, k, v, out, lse, False, scale)
+    bwd = _median_time(bwd_call, cfg["reps"], device)
+    worker.join()
+    dist.barrier()
+    return {
+        "tokens": tokens,
+        "messages": count,
+        "fwd_s": _slowest(fwd),
+        "bwd_s": _slowest(bwd),
+        "fwd_alone_s": solo["fwd_s"],
+        "bwd_alone_s": solo["bwd_s"],
+    }
+
+
+def run(cfg: dict) -> dict | None:
+    """Measure on this rank; returns the raw samples on rank 0, ``None`` elsewhere."""
+    from megatron_charm.bench.worker import start_rank
+
+    device, topo = start_rank(cfg)
+    m, p = topo.num_nodes, topo.ranks_per_node
+    raw = {
+        "nodes": m,
+        "ranks_per_node": p,
+        "device": device.type,
+        "dtype": cfg["dtype"],
+        "backend": topo.backend,
+        "kernel": time_kernels(cfg, device),
+        "merge": time_merges(cfg, device),
+    }
+    raw["p2p"], raw["concurrent_cross"] = time_p2p(cfg, topo.global_ranks, m, p, device)
+    if m * p > 1:
+        largest = max(raw["kernel"], key=lambda k: k["tokens"])
+        raw["kernel_under_traffic"] = time_kernels_under_traffic(
+            cfg, device, topo.global_ranks, m, p, largest, raw
+        )
+    return raw if topo.cp_rank == 0 else None

@@ -1,0 +1,279 @@
+"""Hardware profiles: what the simulator assumes about a cluster, measured or taken from the paper.
+
+A profile holds the link model (intra/cross bandwidth and latency, cross links per node, fabric)
+and the compute model (a fitted :class:`~megatron_charm.sim.compute.FittedCompute`, or the
+paper's TFLOPS x efficiency). ``megatron-charm-sim calibrate`` measures one on the user's own
+ranks (:mod:`megatron_charm.sim.calibrate`) and writes it as JSON; ``--profile`` loads it, and so
+does ``--cp-comm-type auto``. The paper's Table 2 systems are profiles too (``H100``, ``H20``,
+``L20``), marked as not measured on the user's hardware.
+
+Note [Fitting a profile]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Every measured quantity is a straight line through timings over sizes, fitted by least squares on
+the relative residuals::
+
+    block kernel   t = overhead + flops / rate          (forward; backward at 2.5 x the FLOPs)
+    P2P transfer   t = latency  + bytes / bandwidth     (intra-node pair, cross-node pair)
+    merge          t = 3 * bytes / memory bandwidth
+
+A negative intercept (noise on a machine whose overhead is small) is refitted through the origin.
+The compute slowdown under communication is the largest block's time while the rank streams
+messages to a partner in a background thread, over its time alone (at least 1).
+Cross links per node come from one more timing: every rank of node 0 sends to its counterpart
+on node 1 at once. If ``k`` flows share a link, each gets ``1/k`` of it, so the links per node are
+``p / k``, rounded to a divisor of ``p`` (1: ``shared``, ``p``: ``rails``). The largest relative
+residual of each fit is kept in the profile (``fit_error``): it is how far the model is known to
+miss its own measurements, and predictions made with the profile quote it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_charm.sim.compute import ComputeModel, FittedCompute, FlopsCompute
+from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
+
+FORMAT = "megatron-charm-profile/1"
+BWD_FLOPS_RATIO = 2.5
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A cluster's links and compute, as the simulator uses them."""
+
+    name: str
+    """What it describes (``"H100 (paper Table 2)"``, ``"measured 2x2 gloo cpu bf16"``)."""
+    measured: bool
+    """True when ``megatron-charm-sim calibrate`` measured it on real ranks."""
+    gpus: str
+    """``m x p`` it was measured on (or the paper's default split); predictions may use others."""
+    intra_bw: float
+    """Intra-node P2P bandwidth, GB/s."""
+    cross_bw: float
+    """Bandwidth of one cross-node link, GB/s."""
+    intra_lat: float
+    """Intra-node latency, seconds."""
+    cross_lat: float
+    """Cross-node latency, seconds."""
+    nics_per_node: int
+    """Cross links per node; 0 means one per rank (rails)."""
+    fabric: str
+    """``nvlink`` or ``pcie`` (assumed unless given to ``calibrate``)."""
+    compute: dict
+    """``{"kind": "fitted", ...FittedCompute fields}`` or ``{"kind": "flops", ...}``."""
+    fit_error: dict = field(default_factory=dict)
+    """Largest relative residual of each fit (``kernel_fwd``, ``kernel_bwd``, ``intra``,
+    ``cross``), Note [Fitting a profile]."""
+    provenance: dict = field(default_factory=dict)
+    """Date, command, device, dtype, backend and the raw samples' summary."""
+
+    def __post_init__(self) -> None:
+        if self.fabric not in FABRICS:
+            raise ValueError(f"profile {self.name!r}: fabric {self.fabric!r} not in {FABRICS}")
+        self.compute_model()  # validates the numbers
+        self.topology(*parse_gpus(self.gpus))
+
+    def topology(self, num_nodes: int, ranks_per_node: int) -> Topology:
+        """The profile's links for an ``num_nodes x ranks_per_node`` CP group. A measured link
+        count per node that does not divide ``ranks_per_node`` falls back to one per rank."""
+        k = self.nics_per_node
+        if k and (ranks_per_node % k or k > ranks_per_node):
+            k = 0
+        return Topology(
+            num_nodes,
+            ranks_per_node,
+            self.intra_bw,
+            self.cross_bw,
+            intra_lat=self.intra_lat,
+            cross_lat=self.cross_lat,
+            fabric=self.fabric,
+            cross_links="shared" if k == 1 else "rails",
+            nics_per_node=0 if k == 1 else k,
+        )
+
+    def compute_model(self) -> ComputeModel:
+        c = dict(self.compute)
+        kind = c.pop("kind", None)
+        if kind == "fitted":
+            return FittedCompute(**c)
+        if kind == "flops":
+            return FlopsCompute(**c)
+        raise ValueError(
+            f"profile {self.name!r}: compute kind {kind!r} is not 'fitted' or 'flops'; rerun "
+            "megatron-charm-sim calibrate"
+        )
+
+    @property
+    def known_error(self) -> float | None:
+        """The largest relative residual of the profile's fits; ``None`` for an unmeasured one."""
+        return max(self.fit_error.values()) if self.fit_error else None
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def preset_profile(name: str) -> Profile:
+    """The paper's Table 2 system ``name`` (``H100``, ``H20``, ``L20``) as a profile."""
+    hw = PRESETS[name]
+    return Profile(
+        name=f"{hw.name} (paper Table 2; not measured on this cluster)",
+        measured=False,
+        gpus=hw.gpus,
+        intra_bw=hw.intra_bw,
+        cross_bw=hw.cross_bw,
+        intra_lat=5e-6,
+        cross_lat=10e-6,
+        nics_per_node=hw.nics_per_node or (1 if hw.cross_links == "shared" else 0),
+        fabric=hw.fabric,
+        compute={
+            "kind": "flops",
+            "tflops": hw.tflops,
+            "efficiency": hw.efficiency,
+            "mem_bw": hw.mem_bw,
+        },
+    )
+
+
+def load_profile(spec: str | Path | Profile) -> Profile:
+    """A profile from a preset name (``H100``, ``H20``, ``L20``, any case) or a JSON file that
+    ``megatron-charm-sim calibrate`` wrote."""
+    if isinstance(spec, Profile):
+        return spec
+    by_name = {k.lower(): k for k in PRESETS}
+    if str(spec).lower() in by_name:
+        return preset_profile(by_name[str(spec).lower()])
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"profile {str(spec)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+            "file; write one with `megatron-charm-sim calibrate --out PROFILE.json` and pass its "
+            "path (--profile / --charm-profile / attention.profile)"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"profile {str(path)!r} is not JSON ({err}); rerun calibrate") from err
+    found = data.get("format") if isinstance(data, dict) else None
+    if found != FORMAT:
+        raise ValueError(
+            f"profile {str(path)!r} has format {found!r}, expected {FORMAT!r}; rerun "
+            "megatron-charm-sim calibrate"
+        )
+    data.pop("format")
+    try:
+        return Profile(**data)
+    except TypeError as err:
+        raise ValueError(
+            f"profile {str(path)!r}: {err}; rerun megatron-charm-sim calibrate"
+        ) from err
+
+
+# -- fitting (Note [Fitting a profile]) ----------------------------------------------------------
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """``y = a + b x`` minimising the squared *relative* residuals (weights ``1 / y^2``: a small
+    block mispredicted by half matters as much as a large one), with ``a >= 0`` (refit through
+    the origin when the free fit gives ``a < 0``). Returns ``(a, b)``."""
+    if len(xs) != len(ys) or not xs or min(ys) <= 0:
+        raise ValueError(f"fit_line needs equal, non-empty, positive samples (got {xs}, {ys})")
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
+    if len(xs) >= 2 and sxx > 0:
+        b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True)) / sxx
+        a = my - b * mx
+        if a >= 0 and b > 0:
+            return a, b
+    num = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
+    return 0.0, num / sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+
+
+def max_rel_residual(xs: list[float], ys: list[float], a: float, b: float) -> float:
+    return max(abs(a + b * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0)
+
+
+def _divisor_near(p: int, x: float) -> int:
+    divisors = [k for k in range(1, p + 1) if p % k == 0]
+    return min(divisors, key=lambda k: (abs(math.log(k) - math.log(max(x, 1e-9))), k))
+
+
+def block_flops_full(batch: int, heads: int, head_dim: int, tokens: int) -> float:
+    """Forward FLOPs of one unmasked ``tokens x tokens`` block (``QK^T`` and ``PV``)."""
+    return 4.0 * batch * heads * head_dim * tokens * tokens
+
+
+def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
+    """Fit a profile to the samples of :mod:`megatron_charm.sim.calibrate_worker`.
+
+    ``raw``: ``{"nodes", "ranks_per_node", "device", "dtype", "backend", "kernel": [{"batch",
+    "heads", "head_dim", "tokens", "fwd_s", "bwd_s"}], "merge": [{"bytes", "s"}], "p2p":
+    {"intra": [{"bytes", "s"}], "cross": [...]}, "concurrent_cross": {"flows", "bytes", "s"}}``.
+    """
+    m, p = raw["nodes"], raw["ranks_per_node"]
+    ks = raw["kernel"]
+    fx = [block_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"]) for k in ks]
+    fy = [k["fwd_s"] for k in ks]
+    bx = [BWD_FLOPS_RATIO * x for x in fx]
+    by = [k["bwd_s"] for k in ks]
+    f0, f1 = fit_line(fx, fy)
+    b0, b1 = fit_line(bx, by)
+    merge = raw["merge"]
+    _, mslope = fit_line([3.0 * s["bytes"] for s in merge], [s["s"] for s in merge])
+    err = {
+        "kernel_fwd": max_rel_residual(fx, fy, f0, f1),
+        "kernel_bwd": max_rel_residual(bx, by, b0, b1),
+    }
+    links: dict[str, tuple[float, float]] = {}
+    for cls in ("intra", "cross"):
+        samples = raw["p2p"].get(cls) or []
+        if not samples:
+            continue
+        xs, ys = [s["bytes"] for s in samples], [s["s"] for s in samples]
+        lat, inv_bw = fit_line(xs, ys)
+        links[cls] = (lat, 1.0 / inv_bw / 1e9)
+        err[cls] = max_rel_residual(xs, ys, lat, inv_bw)
+    # A missing class (one node, or one rank per node) keeps the other's numbers: it is never
+    # used by a prediction on the measured shape.
+    intra = links.get("intra") or links.get("cross") or (0.0, 1.0)
+    cross = links.get("cross") or intra
+    nics = 0
+    conc = raw.get("concurrent_cross")
+    if m > 1 and conc and conc["flows"] > 1:
+        per_flow = conc["bytes"] / max(conc["s"] - cross[0], 1e-12) / 1e9
+        sharing = cross[1] / per_flow  # flows per link
+        links_per_node = _divisor_near(p, p / max(sharing, 1.0))
+        nics = 0 if links_per_node == p else links_per_node
+    elif m > 1 and p == 1:
+        nics = 1
+    slow = {"fwd": 1.0, "bwd": 1.0}
+    under = raw.get("kernel_under_traffic")
+    if under:
+        for tag in slow:
+            slow[tag] = max(1.0, under[f"{tag}_s"] / under[f"{tag}_alone_s"])
+    compute = FittedCompute(
+        1.0 / f1, 1.0 / b1, f0, b0, 1.0 / mslope / 1e9, slow["fwd"], slow["bwd"]
+    )
+    return Profile(
+        name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "
+        f"{raw.get('dtype', '?')}",
+        measured=True,
+        gpus=f"{m}x{p}",
+        intra_bw=intra[1],
+        cross_bw=cross[1],
+        intra_lat=intra[0],
+        cross_lat=cross[0],
+        nics_per_node=nics,
+        fabric=fabric,
+        compute={"kind": "fitted", **asdict(compute)},
+        fit_error=err,
+        provenance={k: raw[k] for k in ("device", "dtype", "backend", "date") if k in raw},
+    )

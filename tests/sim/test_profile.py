@@ -1,0 +1,202 @@
+"""Profiles: fitting (Note [Fitting a profile]), loading, the simulator CLI on a profile, and the
+``auto`` method choice (Note [Choosing a method])."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_charm.auto import choose_method
+from megatron_charm.plan.payloads import AttnShape
+from megatron_charm.plan.types import Layout
+from megatron_charm.sim.cli import main
+from megatron_charm.sim.compute import FittedCompute
+from megatron_charm.sim.profile import (
+    block_flops_full,
+    fit_line,
+    fit_profile,
+    load_profile,
+    preset_profile,
+)
+
+# The "true" machine the synthetic samples come from.
+FWD_RATE, BWD_RATE, FWD_OVER, BWD_OVER = 3e10, 2e10, 2e-4, 5e-4
+INTRA_BW, INTRA_LAT, CROSS_BW, CROSS_LAT = 2.0, 1e-4, 0.0125, 3e-4  # GB/s, s
+MEM_BW = 4.0
+
+
+def _raw(m: int = 2, p: int = 2, flows_per_link: int = 2) -> dict:
+    kernel = []
+    for tokens in (256, 512, 1024, 2048):
+        flops = block_flops_full(1, 8, 64, tokens)
+        kernel.append(
+            {
+                "batch": 1,
+                "heads": 8,
+                "head_dim": 64,
+                "tokens": tokens,
+                "fwd_s": FWD_OVER + flops / FWD_RATE,
+                "bwd_s": BWD_OVER + 2.5 * flops / BWD_RATE,
+            }
+        )
+    sizes = (65536, 262144, 1048576, 4194304)
+
+    def link(bw, lat):
+        return [{"bytes": n, "s": lat + n / (bw * 1e9)} for n in sizes]
+
+    big = max(sizes)
+    return {
+        "nodes": m,
+        "ranks_per_node": p,
+        "device": "cpu",
+        "dtype": "bf16",
+        "backend": "gloo",
+        "kernel": kernel,
+        "merge": [{"bytes": n, "s": 3 * n / (MEM_BW * 1e9)} for n in sizes],
+        "p2p": {"intra": link(INTRA_BW, INTRA_LAT), "cross": link(CROSS_BW, CROSS_LAT)},
+        "concurrent_cross": {
+            "flows": p,
+            "bytes": big,
+            "s": CROSS_LAT + big * flows_per_link / (CROSS_BW * 1e9),
+        },
+    }
+
+
+def test_fit_line_recovers_a_line_and_keeps_the_intercept_non_negative() -> None:
+    xs = [1.0, 2.0, 4.0, 8.0]
+    a, b = fit_line(xs, [3.0 + 2.0 * x for x in xs])
+    assert a == pytest.approx(3.0) and b == pytest.approx(2.0)
+    # noise that would give a negative intercept: refit through the origin
+    a, b = fit_line([1.0, 2.0, 3.0], [0.5, 2.0, 3.5])
+    assert a == 0.0 and b > 0
+    with pytest.raises(ValueError, match="positive samples"):
+        fit_line([1.0], [0.0])
+
+
+def test_fit_profile_recovers_the_machine_that_made_the_samples() -> None:
+    prof = fit_profile(_raw())
+    c = prof.compute_model()
+    assert isinstance(c, FittedCompute)
+    assert c.fwd_flops_per_s == pytest.approx(FWD_RATE, rel=1e-6)
+    assert c.bwd_flops_per_s == pytest.approx(BWD_RATE, rel=1e-6)
+    assert c.fwd_overhead == pytest.approx(FWD_OVER, rel=1e-6)
+    assert c.bwd_overhead == pytest.approx(BWD_OVER, rel=1e-6)
+    assert c.mem_bw == pytest.approx(MEM_BW, rel=1e-6)
+    assert prof.intra_bw == pytest.approx(INTRA_BW, rel=1e-6)
+    assert prof.cross_bw == pytest.approx(CROSS_BW, rel=1e-6)
+    assert prof.cross_lat == pytest.approx(CROSS_LAT, rel=1e-6)
+    assert max(prof.fit_error.values()) < 1e-6
+    # two flows at half the rate each: one link per node
+    assert prof.nics_per_node == 1 and prof.topology(2, 2).cross_links == "shared"
+
+
+@pytest.mark.parametrize(
+    ("p", "flows_per_link", "links"), [(2, 1, 0), (8, 4, 2), (8, 8, 1), (4, 1, 0)]
+)
+def test_links_per_node_come_from_the_concurrent_timing(p, flows_per_link, links) -> None:
+    prof = fit_profile(_raw(p=p, flows_per_link=flows_per_link))
+    assert prof.nics_per_node == links
+    topo = prof.topology(2, p)
+    assert topo.nics == (links or p)
+
+
+def test_profile_round_trips_and_bad_files_are_refused(tmp_path) -> None:
+    prof = fit_profile(_raw())
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = load_profile(str(path))
+    assert back == prof
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_profile(str(tmp_path / "missing.json"))
+    (tmp_path / "old.json").write_text(json.dumps({"format": "something/0"}))
+    with pytest.raises(ValueError, match="expected 'megatron-charm-profile/1'"):
+        load_profile(str(tmp_path / "old.json"))
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_profile(str(tmp_path / "broken.json"))
+    bad = prof.to_json() | {"compute": {"kind": "fitted", "fwd_flops_per_s": -1.0}}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError):
+        load_profile(str(tmp_path / "bad.json"))
+
+
+def test_presets_are_profiles_that_say_they_were_not_measured() -> None:
+    for name in ("H100", "h20", "L20"):
+        prof = load_profile(name)
+        assert not prof.measured and "not measured" in prof.name
+        assert prof.known_error is None
+    assert preset_profile("L20").topology(2, 4).cross_links == "shared"
+    assert preset_profile("H100").topology(4, 8).nics == 2
+
+
+def test_a_link_count_that_does_not_divide_falls_back_to_rails() -> None:
+    prof = fit_profile(_raw(p=8, flows_per_link=4))  # 2 links per node
+    assert prof.topology(2, 3).cross_links == "rails" and prof.topology(2, 3).nics == 3
+
+
+def test_the_cli_predicts_on_a_profile(tmp_path, capsys) -> None:
+    path = tmp_path / "p.json"
+    fit_profile(_raw()).save(path)
+    args = ["--seq", "8192", "--heads", "8", "--head-dim", "64", "--causal"]
+    assert main(["--profile", str(path), "--json", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == "2x2" and out["topology"]["cross_links"] == "shared"
+    assert out["topology"]["cross_bw"] == pytest.approx(CROSS_BW)
+    assert main(["advise", "--profile", str(path), "--gpus", "4x2", *args]) == 0
+    assert "recommended: --cp-comm-type" in capsys.readouterr().out
+    assert main(["--profile", str(path), "--preset", "H100", *args]) == 2
+    assert "pass one of them" in capsys.readouterr().err
+
+
+SHAPE = AttnShape(1, 2048, 8, 8, 64, 2)
+
+
+def test_auto_picks_charm_on_a_slow_shared_link_and_caches_it() -> None:
+    prof = fit_profile(_raw())
+    choice = choose_method(prof, Layout(2, 2), SHAPE, True)
+    assert choice.method == "charm", choice.describe()
+    assert choice.margin > 1.0 and "charm" in choice.describe()
+    assert set(choice.predicted_s) >= {"ring", "charm", "all_gather", "a2a"}
+    assert choose_method(prof, Layout(2, 2), SHAPE, True) is choice
+
+
+def test_the_gloo_tiers_profiles_pick_charm_and_all_gather() -> None:
+    """tests/gloo's auto tests rely on these two choices for 4 query heads over 2 kv heads."""
+    from tests.gloo.tasks import link_profile
+
+    tiny = AttnShape(1, 8, 4, 2, 8, 4)
+    assert choose_method(link_profile(slow=True), Layout(2, 2), tiny, True).method == "charm"
+    fast = choose_method(link_profile(slow=False), Layout(2, 2), tiny, True)
+    assert fast.method == "all_gather" and "simpler" in fast.describe()
+
+
+def test_auto_names_a_missing_profile() -> None:
+    with pytest.raises(ValueError, match="megatron-charm-sim calibrate"):
+        choose_method("no-such-profile.json", Layout(2, 2), SHAPE, True)
+
+
+def test_blocks_that_overlap_transfers_pay_the_measured_slowdown() -> None:
+    from dataclasses import replace
+
+    from megatron_charm.sim import Problem, Topology, predict
+
+    base = FittedCompute(1e10, 1e10, mem_bw=10.0)
+    slow = replace(base, fwd_slowdown=2.0, bwd_slowdown=2.0)
+    problem = Problem(1, 8192, 8, 64, causal=True)
+    topo = Topology(2, 2, 1.0, 0.01)
+    fast_pred = predict(topo, problem, base, ("ring", "charm"))
+    slow_pred = predict(topo, problem, slow, ("ring", "charm"))
+    for method in ("ring", "charm"):
+        for tag in ("forward", "backward"):
+            a = getattr(fast_pred.methods[method], tag)
+            b = getattr(slow_pred.methods[method], tag)
+            # slower, but the blocks computed with no exchange in flight are not slowed
+            assert a.makespan < b.makespan
+            assert b.busy_mean < 2 * a.busy_mean
+    one = Topology(1, 1, 1.0, 1.0)
+    alone = predict(one, Problem(1, 4096, 8, 64, causal=True), slow, ("ring",))
+    ref = predict(one, Problem(1, 4096, 8, 64, causal=True), base, ("ring",))
+    assert alone.methods["ring"].total == pytest.approx(ref.methods["ring"].total)
+    with pytest.raises(ValueError, match="slowdowns under communication must be >= 1"):
+        replace(base, fwd_slowdown=0.5)
