@@ -149,3 +149,38 @@ def test_cpu_pipeline_end_to_end(tmp_path):
             assert [json.loads(x)["iteration"] for x in lines] == [1, 2, 3]
             config = (run / "config.yaml").read_text()
             assert f"cp_comm_type: {method}" in config and "context_parallel_size: 4" in config
+
+
+def test_testbed_launcher_runs_the_trainer_as_the_testbeds_ranks(tmp_path):
+    """``--launcher testbed``: the trainer command runs as every rank of the testbed; rank 0's
+    output becomes the run's log, and a failing rank fails the run."""
+    from types import SimpleNamespace
+
+    from megatron_charm.bench.tables.plan import SCALES, plan_runs
+    from megatron_charm.bench.tables.runner import execute, launch_command
+
+    scale = SCALES["cpu"]
+    runs = plan_runs(
+        (6,), scale, ["ring", "charm"], tmp_path, models=["gpt-350m"], shapes=[(2, 16384)]
+    )
+    runs = [r for r in runs if r.run_id.endswith("-r1")]
+    cmd = launch_command(runs[0], "testbed", scale, [])
+    assert cmd[:3] == [sys.executable, "-m", "megatron_charm.train"]
+
+    class FakeTestbed:
+        def __init__(self, fail: str) -> None:
+            self.fail, self.calls = fail, []
+
+        def run(self, cmd, *, timeout_s, env, log_dir):
+            self.calls.append(cmd)
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(log_dir) / "rank0.out").write_text("iteration 1 of 16\n")
+            code = 1 if self.fail in " ".join(cmd) else 0
+            ranks = [SimpleNamespace(returncode=code if r == 3 else 0) for r in range(4)]
+            return SimpleNamespace(timed_out=False, ranks=ranks)
+
+    tb = FakeTestbed(fail="cp_comm_type=charm")
+    errors = execute(runs, "testbed", scale, [], 60.0, False, tb)
+    assert len(tb.calls) == 2 and list(errors) == [runs[1].run_id]
+    log = (runs[0].run_dir / "train.log").read_text()
+    assert log.startswith("$ ") and "iteration 1 of 16" in log

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -53,13 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--launcher",
-        choices=("fork", "local", "torchrun", "slurm"),
+        choices=("fork", "local", "torchrun", "slurm", "testbed"),
         default=None,
         help="fork (cpu default): ranks forked from this process, which imports the trainer "
         "once; local: one `python -m megatron_charm.train` per run, which starts its own ranks; "
         "torchrun: scripts/launch/torchrun_train.sh per run on this node; slurm (gpu default): "
-        "`sbatch --wait scripts/launch/slurm_train.sbatch` per run",
+        "`sbatch --wait scripts/launch/slurm_train.sbatch` per run; testbed (cpu, root): the "
+        "ranks in emulated nodes joined by a --cross-rate link (docs/testbed.md)",
     )
+    p.add_argument("--cross-rate", default="100mbit", help="testbed: cross link rate per direction")
+    p.add_argument("--topology", choices=("shared", "rails"), default="shared", help="testbed")
     p.add_argument(
         "--results-dir",
         type=Path,
@@ -112,6 +116,23 @@ def _parse_shapes(items: Sequence[str] | None) -> list[tuple[int, int]] | None:
         except ValueError:
             raise SystemExit(f"error: --shape {item!r} must look like 16x2048") from None
     return shapes
+
+
+@contextlib.contextmanager
+def _testbed(launcher: str, scale, args: argparse.Namespace):
+    """An up testbed of the scale's shape for ``--launcher testbed``, else ``None``."""
+    if launcher != "testbed":
+        yield None
+        return
+    from megatron_charm.testbed import Testbed
+
+    with Testbed(
+        nodes=scale.nodes,
+        ranks_per_node=scale.ranks_per_node,
+        topology=args.topology,
+        cross_rate=args.cross_rate,
+    ) as tb:
+        yield tb
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,14 +193,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         code += " at collection time (the runs may have used other code)"
     if not args.collect_only:
         timeout = args.timeout or (600.0 if scale.name == "cpu" else 4 * 3600.0)
-        errors = execute(runs, launcher, scale, args.sbatch_arg, timeout, args.skip_existing)
+        with _testbed(launcher, scale, args) as testbed:
+            errors = execute(
+                runs, launcher, scale, args.sbatch_arg, timeout, args.skip_existing, testbed
+            )
     rows = collect(runs, scale, errors)
 
     results_dir = args.results_dir or out
     results_dir.mkdir(parents=True, exist_ok=True)
     command = shlex.join([*COMMAND, *(argv or sys.argv[1:])])
-    machine = describe_machine(scale)
-    if launcher in ("fork", "local") and not args.collect_only:
+    link = None
+    if launcher == "testbed":
+        link = f"emulated nodes, {args.topology} cross links at {args.cross_rate} per direction"
+    machine = describe_machine(scale, link)
+    if launcher in ("fork", "local", "testbed") and not args.collect_only:
         # Other work on the machine shows in the timings; say how busy it was.
         machine += (
             f"; 1-minute load average {load_before:.1f} before and "

@@ -162,12 +162,11 @@ def describe_code() -> str:
     return f"commit {sha}" + (" with local changes to tracked files" if dirty else "")
 
 
-def describe_machine(scale: Scale) -> str:
+def describe_machine(scale: Scale, cross_link: str | None = None) -> str:
+    """The machine in words; ``cross_link`` describes an emulated link between nodes."""
     if scale.name == "cpu":
-        return (
-            f"{os.cpu_count()} CPU cores, {scale.world_size} gloo ranks on loopback, fp32 "
-            "(no real inter-node link)"
-        )
+        link = cross_link or "loopback, no real inter-node link"
+        return f"{os.cpu_count()} CPU cores, {scale.world_size} gloo ranks, fp32 ({link})"
     try:
         import torch
 

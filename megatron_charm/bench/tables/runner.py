@@ -2,7 +2,9 @@
 
 Launchers: ``fork`` (ranks forked from this process, which imported the trainer once),
 ``local`` (one ``python -m megatron_charm.train`` per run, which starts its own ranks),
-``torchrun`` and ``slurm`` (the scripts in ``scripts/launch/``).
+``torchrun`` and ``slurm`` (the scripts in ``scripts/launch/``), and ``testbed`` (every rank of
+``python -m megatron_charm.train`` in its emulated node, with a rate-shaped link between nodes:
+:mod:`megatron_charm.testbed`, root).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def trainer_argv(run: Run) -> list[str]:
 def launch_command(run: Run, launcher: str, scale: Scale, sbatch_args: Sequence[str]) -> list[str]:
     """The shell command that performs ``run`` with ``launcher``."""
     argv = trainer_argv(run)
-    if launcher in ("local", "fork"):
+    if launcher in ("local", "fork", "testbed"):
         return [sys.executable, "-m", TRAIN_MODULE, *argv]
     # At --scale cpu the nodes are emulated (parallel.ranks_per_node): every rank runs on one
     # machine. At --scale gpu each node runs ranks_per_node ranks, one per GPU.
@@ -163,6 +165,22 @@ def _kill(pids: set[int]) -> None:
             pass
 
 
+def _testbed_run(testbed, cmd: list[str], run: Run, log: Path, timeout_s: float) -> int:
+    """One run as the testbed's ranks; rank 0's output becomes the run's log."""
+    ranks = run.run_dir / "ranks"
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
+    res = testbed.run(cmd, timeout_s=timeout_s, env=env, log_dir=str(ranks))
+    with log.open("w") as out:
+        out.write("$ " + shlex.join(cmd) + "\n")
+        for name in ("rank0.out", "rank0.err"):
+            if (ranks / name).exists():
+                out.write((ranks / name).read_text())
+    if res.timed_out:
+        return 124
+    return next((r.returncode or 1 for r in res.ranks if r.returncode != 0), 0)
+
+
 def execute(
     runs: Sequence[Run],
     launcher: str,
@@ -170,8 +188,10 @@ def execute(
     sbatch_args: Sequence[str],
     timeout_s: float,
     skip_existing: bool,
+    testbed=None,
 ) -> dict[str, str]:
-    """Perform the runs one after another; returns run id -> error for the failed ones."""
+    """Perform the runs one after another; returns run id -> error for the failed ones.
+    ``testbed``: an up :class:`megatron_charm.testbed.Testbed` for ``launcher="testbed"``."""
     errors: dict[str, str] = {}
     runner = ForkRunner() if launcher == "fork" else None
     # Multi-node torchrun: this script runs on every node at once, and a node must not delete
@@ -190,6 +210,9 @@ def execute(
         print(f"[{i}/{len(runs)}] {run.run_id} ...", end="", flush=True)
         if runner is not None:
             code = runner.run(run, scale.world_size, log, timeout_s)
+        elif launcher == "testbed":
+            cmd = launch_command(run, launcher, scale, sbatch_args)
+            code = _testbed_run(testbed, cmd, run, log, timeout_s)
         else:
             cmd = launch_command(run, launcher, scale, sbatch_args)
             env = dict(os.environ)
