@@ -19,7 +19,6 @@ instead of letting ranks run different schedules.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
@@ -59,7 +58,7 @@ class AutoChoice:
         return f"cp method auto -> {self.method} ({why}; profile {self.profile}; fwd+bwd {times})"
 
 
-_CACHE: dict[tuple, AutoChoice] = {}
+_CACHE: dict[tuple, tuple[object, AutoChoice]] = {}
 
 
 def choose_method(
@@ -83,11 +82,13 @@ def choose_method(
     from megatron_charm.sim.profile import load_profile
 
     options = options or PlanOptions()
-    spec = profile if isinstance(profile, str) else json.dumps(profile.to_json(), sort_keys=True)
+    # A path or preset is its own key; a Profile object is keyed by identity (the cache holds
+    # it, so the id is not reused), which keeps the per-call lookup cheap.
+    spec = profile if isinstance(profile, str) else ("profile object", id(profile))
     key = (spec, layout, shape, causal, options)
     hit = _CACHE.get(key)
     if hit is not None:
-        return hit
+        return hit[1]
     prof = load_profile(profile)
     m, p = layout.num_nodes, layout.ranks_per_node
     problem = Problem(
@@ -97,6 +98,6 @@ def choose_method(
     adv = advise(pred)
     totals = {name: mp.total for name, mp in pred.methods.items() if name != "ring-contig"}
     choice = AutoChoice(adv.method, totals, prof.name, tuple(adv.reasons))
-    _CACHE[key] = choice
+    _CACHE[key] = (profile, choice)
     log.info("megatron-charm: %s", choice.describe())
     return choice

@@ -17,12 +17,14 @@ ERROR_TARGET = "tests.integration.integration_workloads:train_error"
 LOSS_RTOL = 1e-5
 
 
-def _assert_losses_match(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want) == 10
+def _assert_losses_match(
+    got: list[float], want: list[float], iters: int = 10, fall: float = 0.5
+) -> None:
+    assert len(got) == len(want) == iters
     for step, (a, b) in enumerate(zip(got, want, strict=True), start=1):
         assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: loss {a} vs reference {b}"
     # The comparison is only meaningful if training actually moved the model.
-    assert want[-1] < want[0] - 0.5, f"loss did not fall: {want}"
+    assert want[-1] < want[0] - fall, f"loss did not fall: {want}"
 
 
 def _assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -120,7 +122,8 @@ def test_mock_dataset_trains(pool4):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-DOCS = ["data.reset_attention_mask=true"]
+# Five iterations: every one packs other documents, so each plans and checks a new mask.
+DOCS = ["data.reset_attention_mask=true", "train.train_iters=5", "train.lr_warmup_iters=1"]
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +141,9 @@ def test_documents_cp4_match_cp1(pool4, reference_docs, reference_mha, extra):
     documents from each rank's rows of the mask and matches CP = 1; the documents change the
     losses, so the mask is not dropped."""
     results = pool4.run(TARGET, [*DOCS, *extra])
-    _assert_losses_match(results[0]["losses"], reference_docs["losses"])
+    _assert_losses_match(results[0]["losses"], reference_docs["losses"], iters=5, fall=0.2)
     _assert_grads_match(results[0]["grads"], reference_docs["grads"])
-    pairs = zip(reference_docs["losses"], reference_mha["losses"], strict=True)
+    docs = reference_docs["losses"]
+    pairs = zip(docs, reference_mha["losses"][: len(docs)], strict=True)
     differ = [abs(a - b) for a, b in pairs]
     assert max(differ) > 1e-3, differ
