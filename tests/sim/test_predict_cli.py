@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -124,21 +123,23 @@ def test_presets_hold_table_2() -> None:
     assert parse_gpus("16x8") == (16, 8)
 
 
-def _scale(method: str) -> float:
+def _scale(method: str):
     topo = Topology(128, 8, 365.1, 42.5)
-    start = time.process_time()
     pred = predict(topo, Problem(1, 4096 * 1024, 16, 128, causal=True), FlopsCompute(989.0, 0.5),
                    (method,))  # fmt: skip
-    assert pred.methods[method].forward.makespan > 0
-    return time.process_time() - start
+    return pred.methods[method]
 
 
-def test_128x8_charm_under_10_s() -> None:
-    # CPU time, so that a loaded machine does not fail it; build + forward + backward.
-    assert _scale("charm") < 10.0
+def test_128x8_replays_one_node() -> None:
+    """What keeps 1024 ranks tractable: node 0's 8 ranks are replayed under node symmetry (the
+    time it takes is a benchmark, docs/simulator.md, not a test)."""
+    mp = _scale("charm")
+    for res in (mp.forward, mp.backward):
+        assert res.makespan > 0 and len(res.ranks) == 8 and not res.exact
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ring", "merge", "rm+"])
-def test_128x8_other_methods_under_10_s(method: str) -> None:
-    assert _scale(method) < 10.0
+def test_128x8_other_methods_replay_one_node(method: str) -> None:
+    mp = _scale(method)
+    assert len(mp.forward.ranks) == len(mp.backward.ranks) == 8
