@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from megatron_charm.plan.options import PlanOptions
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Layout
-from megatron_charm.sim.profile import Profile
+from megatron_charm.sim.profile import Profile, load_profile
 
 log = logging.getLogger("megatron_charm")
 
@@ -79,7 +79,6 @@ def choose_method(
         options: the other plan options (their method is replaced per candidate).
     """
     from megatron_charm.sim.predict import Problem, advise, predict
-    from megatron_charm.sim.profile import load_profile
 
     options = options or PlanOptions()
     # A path or preset is its own key; a Profile object is keyed by identity (the cache holds

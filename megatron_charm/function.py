@@ -289,12 +289,11 @@ def cp_attention(
     topo.check_device(q.device)
     if qkv_format == "bshd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    # Reordering the tokens below for a mask keeps every dimension, so this is the call's shape.
+    shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
     if auto:
-        dense = AttnShape(
-            q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size()
-        )
         options = options.replace(
-            method=choose_method(profile, topo.layout, dense, causal, options).method
+            method=choose_method(profile, topo.layout, shape, causal, options).method
         )
     model = _mask_model(mask, options, topo, q.shape[0], causal)
     order = model.local_order(q.shape[0]) if model is not None else None
@@ -317,7 +316,6 @@ def cp_attention(
             f"{err}. method='auto' picked {options.method!r} from profile {name!r} on this rank: "
             "give every rank the same profile (and the same shapes)"
         ) from None
-    shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
     check_shape(options, topo.layout, shape)
     if model is None:
         plan = validated_plan(options, topo.layout, causal, shape)

@@ -152,8 +152,9 @@ def _worker_cmd(cfg_path: str, module: str = "megatron_charm.bench") -> list[str
 
 
 def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": REPO_ROOT + (os.pathsep + path if path else "")}
+    from megatron_charm.launch import package_pythonpath
+
+    return {"PYTHONPATH": package_pythonpath()}
 
 
 def run_loopback(cfg: dict, cfg_path: str, module: str = "megatron_charm.bench") -> None:

@@ -6,7 +6,7 @@ a Python function as the ranks. See :mod:`megatron_charm.launch.run` for what ha
 dies, the run times out or the launcher gets a signal.
 """
 
-from megatron_charm.launch.call import RankInfo, run_function
+from megatron_charm.launch.call import RankInfo, package_pythonpath, run_function
 from megatron_charm.launch.group import RankExit, RankGroup, describe_exit
 from megatron_charm.launch.run import LaunchError, LaunchResult, run
 from megatron_charm.launch.spec import ENV_INIT_METHOD, KILL_GRACE_S, LaunchSpec, free_port
@@ -22,6 +22,7 @@ __all__ = [
     "RankInfo",
     "describe_exit",
     "free_port",
+    "package_pythonpath",
     "run",
     "run_function",
 ]

@@ -26,6 +26,13 @@ from megatron_charm.launch.spec import ENV_INIT_METHOD, LaunchSpec
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
+def package_pythonpath(path: str | None = None) -> str:
+    """``PYTHONPATH`` for a child process that must import this checkout of megatron_charm:
+    its root first, then ``path`` (default: this process's ``PYTHONPATH``)."""
+    path = os.environ.get("PYTHONPATH", "") if path is None else path
+    return _PACKAGE_ROOT + (os.pathsep + path if path else "")
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """Where a function rank sits in its launch."""
@@ -67,8 +74,7 @@ def function_spec(fn: Callable[..., Any], args: tuple, workdir: str, **kw: Any) 
     if kw["rendezvous"] == "file":
         kw.setdefault("store_path", os.path.join(workdir, "store"))
     extra = dict(kw.pop("env", {}))
-    path = extra.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    extra["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+    extra["PYTHONPATH"] = package_pythonpath(extra.get("PYTHONPATH"))
     cmd = [sys.executable, "-m", "megatron_charm.launch", payload]
     return LaunchSpec(cmd=cmd, env=extra, **kw)
 

@@ -23,6 +23,7 @@ import os
 import shlex
 import sys
 import tempfile
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
@@ -161,20 +162,15 @@ def main(argv: list[str]) -> int:
         with open(args.raw, "w") as f:
             json.dump(raw, f, indent=1)
     profile = fit_profile(raw, fabric=args.fabric)
-    command = "megatron-charm-sim calibrate " + shlex.join(argv)
-    profile = Profile(
-        **{
-            **profile.__dict__,
-            "provenance": {
-                **profile.provenance,
-                "command": command,
-                "launcher": args.launcher,
-                "samples": {
-                    k: raw.get(k)
-                    for k in ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
-                },
-            },
-        }
+    samples = ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
+    profile = replace(
+        profile,
+        provenance={
+            **profile.provenance,
+            "command": "megatron-charm-sim calibrate " + shlex.join(argv),
+            "launcher": args.launcher,
+            "samples": {k: raw.get(k) for k in samples},
+        },
     )
     profile.save(args.out)
     print(describe(profile))

@@ -47,33 +47,41 @@ def _slowest(value: float) -> float:
     return max(out)
 
 
-def time_kernels(cfg: dict, device: torch.device) -> list[dict]:
-    """Forward and backward seconds of one unmasked ``tokens x tokens`` block per size."""
+def _block_calls(cfg: dict, device: torch.device, tokens: int, seed: int):
+    """Forward and backward of one unmasked ``tokens x tokens`` block of the configured shape,
+    run once to warm up: two calls without arguments."""
     from megatron_charm.kernels.backends import select_kernel
 
     dtype = DTYPES[cfg["dtype"]]
     kernel = select_kernel(device, dtype, cfg.get("kernel"))
     b, h, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (
+        torch.randn(tokens, b, h, d, generator=gen).to(device=device, dtype=dtype) for _ in range(4)
+    )
+    scale = d**-0.5
+    out, lse = kernel.forward(q, k, v, False, scale)
+    kernel.backward(dout, q, k, v, out, lse, False, scale)
+    return (
+        partial(kernel.forward, q, k, v, False, scale),
+        partial(kernel.backward, dout, q, k, v, out, lse, False, scale),
+    )
+
+
+def time_kernels(cfg: dict, device: torch.device) -> list[dict]:
+    """Forward and backward seconds of one unmasked ``tokens x tokens`` block per size."""
     samples = []
     for tokens in cfg["tokens"]:
-        q, k, v, dout = (
-            torch.randn(tokens, b, h, d, generator=gen).to(device=device, dtype=dtype)
-            for _ in range(4)
-        )
-        scale = d**-0.5
-        out, lse = kernel.forward(q, k, v, False, scale)
-        kernel.backward(dout, q, k, v, out, lse, False, scale)  # warm-up
+        fwd_call, bwd_call = _block_calls(cfg, device, tokens, seed=0)
         dist.barrier()
-        fwd = _median_time(partial(kernel.forward, q, k, v, False, scale), cfg["reps"], device)
+        fwd = _median_time(fwd_call, cfg["reps"], device)
         dist.barrier()
-        bwd_call = partial(kernel.backward, dout, q, k, v, out, lse, False, scale)
         bwd = _median_time(bwd_call, cfg["reps"], device)
         samples.append(
             {
-                "batch": b,
-                "heads": h,
-                "head_dim": d,
+                "batch": cfg["batch"],
+                "heads": cfg["heads"],
+                "head_dim": cfg["head_dim"],
                 "tokens": tokens,
                 "fwd_s": _slowest(fwd),
                 "bwd_s": _slowest(bwd),
@@ -158,8 +166,6 @@ def time_kernels_under_traffic(
 ) -> dict:
     """Forward and backward seconds of the largest block while this rank exchanges 1 MiB
     messages with its partner in a background thread, next to the same blocks timed alone."""
-    from megatron_charm.kernels.backends import select_kernel
-
     me = dist.get_rank()
     cp_rank = ranks.index(me)
     partner = _partner(cp_rank, m, p)
@@ -188,26 +194,17 @@ def time_kernels_under_traffic(
                 dist.send(buf, peer, group=traffic)
         _sync(device)
 
-    dtype = DTYPES[cfg["dtype"]]
-    kernel = select_kernel(device, dtype, cfg.get("kernel"))
-    b, h, d, tokens = cfg["batch"], cfg["heads"], cfg["head_dim"], solo["tokens"]
-    gen = torch.Generator().manual_seed(1)
-    q, k, v, dout = (
-        torch.randn(tokens, b, h, d, generator=gen).to(device=device, dtype=dtype) for _ in range(4)
-    )
-    scale = d**-0.5
-    out, lse = kernel.forward(q, k, v, False, scale)
+    fwd_call, bwd_call = _block_calls(cfg, device, solo["tokens"], seed=1)
     stream(1)  # connect the pair before anything is timed
     dist.barrier()
     worker = threading.Thread(target=stream, args=(count,), daemon=True)
     worker.start()
-    fwd = _median_time(partial(kernel.forward, q, k, v, False, scale), cfg["reps"], device)
-    bwd_call = partial(kernel.backward, dout, q, k, v, out, lse, False, scale)
+    fwd = _median_time(fwd_call, cfg["reps"], device)
     bwd = _median_time(bwd_call, cfg["reps"], device)
     worker.join()
     dist.barrier()
     return {
-        "tokens": tokens,
+        "tokens": solo["tokens"],
         "messages": count,
         "fwd_s": _slowest(fwd),
         "bwd_s": _slowest(bwd),

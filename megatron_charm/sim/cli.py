@@ -21,7 +21,7 @@ from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, FlopsCompute
 from megatron_charm.sim.predict import Prediction, Problem, advise, predict
-from megatron_charm.sim.profile import load_profile
+from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
 from megatron_charm.sim.topology import CROSS_LINKS, FABRICS, PRESETS, Topology, parse_gpus
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve(
     args: argparse.Namespace,
-) -> tuple[Topology, Problem, ComputeModel, list[str] | None]:
+) -> tuple[Topology, Problem, ComputeModel, list[str] | None, Profile | None]:
     if args.preset and args.profile:
         raise ValueError("--preset and --profile both describe the cluster; pass one of them")
     profile = load_profile(args.profile or args.preset) if (args.profile or args.preset) else None
@@ -145,7 +145,7 @@ def _resolve(
         args.dtype_bytes,
     )
     if args.methods is None:
-        return topo, problem, compute, None  # every method that fits (predict decides)
+        return topo, problem, compute, None, profile  # every method that fits (predict decides)
     methods = [x.strip() for x in args.methods.split(",") if x.strip()]
     bad = [x for x in methods if x not in METHODS]
     if bad or not methods:
@@ -155,7 +155,7 @@ def _resolve(
         )
     if "ring" not in methods:
         methods.insert(0, "ring")  # speedups are relative to ring
-    return topo, problem, compute, methods
+    return topo, problem, compute, methods, profile
 
 
 #: How far the preset model is known to miss: 18 of 30 rows of the paper's Tables 4 and 5 within
@@ -163,28 +163,27 @@ def _resolve(
 PRESET_ERROR = 0.25
 
 
-def uncertainty(pred: Prediction, choice: str, args: argparse.Namespace) -> str:
-    """Where the hardware numbers come from, and the choice's margin as a range from the model's
-    known error (Note [Fitting a profile] for a measured profile)."""
-    others = [mp.total for m, mp in pred.methods.items() if m != choice and m != "ring-contig"]
-    margin = min(others) / pred.methods[choice].total if others else 1.0
-    if args.profile or args.preset:
-        prof = load_profile(args.profile or args.preset)
-        err = prof.known_error if prof.measured else PRESET_ERROR
-        source = (
-            f"profile {prof.name!r}, whose fits miss their own samples by up to {err:.0%}"
-            if prof.measured
-            else f"{prof.name}, known to miss the paper's own tables by up to +-{err:.0%}"
-        )
-    else:
+def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
+    """Where the hardware numbers come from (``profile``: the --profile or --preset in use), and
+    ``choice``'s margin over the next method as a range from the model's known error (Note
+    [Fitting a profile] for a measured profile)."""
+    if profile is None:
         return (
             "hardware numbers: the flags given, not measured here; run `megatron-charm-sim "
             "calibrate` on the cluster and pass --profile for predictions you can check"
         )
-    err = min(err or 0.0, 0.9)
+    others = [mp.total for m, mp in pred.methods.items() if m != choice and m != "ring-contig"]
+    margin = min(others) / pred.methods[choice].total if others else 1.0
+    if profile.measured:
+        err = profile.known_error or 0.0
+        source = f"profile {profile.name!r}, whose fits miss their own samples by up to {err:.0%}"
+    else:
+        err = PRESET_ERROR
+        source = f"{profile.name}, known to miss the paper's own tables by up to +-{err:.0%}"
+    err = min(err, 0.9)
     lo, hi = margin * (1 - err) / (1 + err), margin * (1 + err) / (1 - err)
     return (
-        f"uncertainty: {source}; margin over the next method {margin:.2f}x, "
+        f"uncertainty: {source}; {choice}'s margin over the next method {margin:.2f}x, "
         f"{lo:.2f}x-{hi:.2f}x within that error"
     )
 
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         command = argv.pop(0)
     args = build_parser().parse_args(argv)
     try:
-        topo, problem, compute, methods = _resolve(args)
+        topo, problem, compute, methods, profile = _resolve(args)
         pred = predict(
             topo,
             problem,
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if command == "advise":
         adv = advise(pred)
-        adv.reasons.append(uncertainty(pred, adv.method, args))
+        adv.reasons.append(uncertainty(pred, adv.method, profile))
         if args.json:
             print(json.dumps({"cp_comm_type": adv.method, "reasons": adv.reasons}, indent=2))
         else:
@@ -261,6 +260,5 @@ def main(argv: list[str] | None = None) -> int:
             (m for m in pred.methods if m != "ring-contig"), key=lambda m: pred.methods[m].total
         )
         print(format_table(pred))
-        note = uncertainty(pred, fastest, args)
-        print(note.replace("margin over", f"{fastest}'s margin over"))
+        print(uncertainty(pred, fastest, profile))
     return 0

@@ -41,8 +41,21 @@ def block_flops(ins: Compute, shape: AttnShape, backward: bool, bwd_ratio: float
     return flops * bwd_ratio if backward else flops
 
 
+class _MergeCost:
+    """What every compute model shares: the time of a merge from its ``mem_bw`` (GB/s), and no
+    slowdown under communication unless the model measured one."""
+
+    mem_bw: float
+
+    def reduce_time(self, nbytes: int) -> float:
+        return 3.0 * nbytes / (self.mem_bw * 1e9)
+
+    def slowdown(self, backward: bool) -> float:
+        return 1.0
+
+
 @dataclass(frozen=True)
-class FlopsCompute:
+class FlopsCompute(_MergeCost):
     """Block time from FLOPs and an achieved rate."""
 
     tflops: float
@@ -67,16 +80,9 @@ class FlopsCompute:
         rate = self.tflops * 1e12 * self.efficiency
         return block_flops(ins, shape, backward, self.bwd_ratio) / rate + self.block_overhead
 
-    def reduce_time(self, nbytes: int) -> float:
-        return 3.0 * nbytes / (self.mem_bw * 1e9)
-
-    def slowdown(self, backward: bool) -> float:
-        """Compute under communication is not slowed (not modelled for this source)."""
-        return 1.0
-
 
 @dataclass(frozen=True)
-class CalibratedCompute:
+class CalibratedCompute(_MergeCost):
     """Block time from a measured full-block time (seconds), scaled by block area."""
 
     fwd_block: float
@@ -92,16 +98,9 @@ class CalibratedCompute:
         full = self.bwd_block if backward else self.fwd_block
         return full * block_area(ins, shape) + self.block_overhead
 
-    def reduce_time(self, nbytes: int) -> float:
-        return 3.0 * nbytes / (self.mem_bw * 1e9)
-
-    def slowdown(self, backward: bool) -> float:
-        """Measured block times already include whatever communication took from them."""
-        return 1.0
-
 
 @dataclass(frozen=True)
-class FittedCompute:
+class FittedCompute(_MergeCost):
     """Block time ``overhead + flops / rate``, fitted separately for forward and backward."""
 
     fwd_flops_per_s: float
@@ -142,9 +141,6 @@ class FittedCompute:
 
     def slowdown(self, backward: bool) -> float:
         return self.bwd_slowdown if backward else self.fwd_slowdown
-
-    def reduce_time(self, nbytes: int) -> float:
-        return 3.0 * nbytes / (self.mem_bw * 1e9)
 
 
 ComputeModel = FlopsCompute | CalibratedCompute | FittedCompute

@@ -80,7 +80,7 @@ class Profile:
         """The profile's links for an ``num_nodes x ranks_per_node`` CP group. A measured link
         count per node that does not divide ``ranks_per_node`` falls back to one per rank."""
         k = self.nics_per_node
-        if k and (ranks_per_node % k or k > ranks_per_node):
+        if k and ranks_per_node % k:  # (also true for k > ranks_per_node)
             k = 0
         return Topology(
             num_nodes,

@@ -136,12 +136,22 @@ def calibrate(
     return Calibration(topo, problem, compute, source)
 
 
-def compare(result: dict, probe: dict | None = None, **kw) -> list[dict]:
-    """Rows of predicted vs measured median seconds per method and pass (fwd, fwd+bwd)."""
-    cal = calibrate(result, probe, **kw)
+def _plan_options(result: dict) -> PlanOptions:
+    """The plan options the benchmark ran with (its method aside)."""
+    return PlanOptions(**{k: result["config"][k] for k in PLAN_KEYS if k in result["config"]})
+
+
+def compare(
+    result: dict, probe: dict | None = None, cal: Calibration | None = None, **kw
+) -> list[dict]:
+    """Rows of predicted vs measured median seconds per method and pass (fwd, fwd+bwd);
+    ``cal``: an already computed :func:`calibrate` of ``result`` (else made from ``probe``,
+    ``kw``)."""
+    cal = cal if cal is not None else calibrate(result, probe, **kw)
     methods = [m for m in METHODS if m in result["methods"]]
-    plan = {k: result["config"][k] for k in PLAN_KEYS if k in result["config"]}
-    pred = predict(cal.topo, cal.problem, cal.compute, tuple(methods), options=PlanOptions(**plan))
+    pred = predict(
+        cal.topo, cal.problem, cal.compute, tuple(methods), options=_plan_options(result)
+    )
     rows = []
     for method in methods:
         mp = pred.methods[method]
@@ -165,9 +175,9 @@ def auto_verdict(result: dict, cal: Calibration, profile: Profile) -> dict:
     from megatron_charm.auto import choose_method
 
     m, p = result["layout"]
-    plan = {k: result["config"][k] for k in PLAN_KEYS if k in result["config"]}
+    shape = cal.problem.shape(m * p)
     picked = choose_method(
-        profile, Layout(m, p), cal.problem.shape(m * p), cal.problem.causal, PlanOptions(**plan)
+        profile, Layout(m, p), shape, cal.problem.causal, _plan_options(result)
     ).method
     measured = {
         name: res["fwdbwd"]["median"] for name, res in result["methods"].items() if name in METHODS
@@ -229,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.results:
         with open(path) as fh:
             result = json.load(fh)
-        rows = compare(result, probe, **kw)
         cal = calibrate(result, probe, **kw)
+        rows = compare(result, cal=cal)
         n += len(rows)
         n_ok += sum(abs(r["error"]) <= 0.25 for r in rows)
         n_20 += sum(abs(r["error"]) <= 0.20 for r in rows)

@@ -168,8 +168,9 @@ def _kill(pids: set[int]) -> None:
 def _testbed_run(testbed, cmd: list[str], run: Run, log: Path, timeout_s: float) -> int:
     """One run as the testbed's ranks; rank 0's output becomes the run's log."""
     ranks = run.run_dir / "ranks"
-    path = os.environ.get("PYTHONPATH", "")
-    env = {"PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
+    from megatron_charm.launch import package_pythonpath
+
+    env = {"PYTHONPATH": package_pythonpath()}
     res = testbed.run(cmd, timeout_s=timeout_s, env=env, log_dir=str(ranks))
     with log.open("w") as out:
         out.write("$ " + shlex.join(cmd) + "\n")
