@@ -200,3 +200,40 @@ def test_blocks_that_overlap_transfers_pay_the_measured_slowdown() -> None:
     assert alone.methods["ring"].total == pytest.approx(ref.methods["ring"].total)
     with pytest.raises(ValueError, match="slowdowns under communication must be >= 1"):
         replace(base, fwd_slowdown=0.5)
+
+
+def test_advise_says_where_its_numbers_come_from_and_how_far_to_trust_them(
+    tmp_path, capsys
+) -> None:
+    import re
+
+    problem = ["--seq", "8192", "--heads", "8", "--head-dim", "64", "--causal", "--json"]
+
+    def reasons(*cluster: str) -> str:
+        assert main(["advise", *cluster, *problem]) == 0
+        return json.loads(capsys.readouterr().out)["reasons"][-1]
+
+    def margin_range(line: str) -> tuple[float, float, float]:
+        got = re.search(r"margin over the next method ([\d.]+)x, ([\d.]+)x-([\d.]+)x", line)
+        assert got, line
+        return tuple(float(x) for x in got.groups())
+
+    preset = reasons("--preset", "H100", "--gpus", "2x2")
+    assert "not measured on this cluster" in preset and "+-25%" in preset
+    margin, lo, hi = margin_range(preset)
+    assert lo == pytest.approx(margin * 0.75 / 1.25, abs=0.01)
+    assert hi == pytest.approx(margin * 1.25 / 0.75, abs=0.01)
+
+    path = tmp_path / "p.json"
+    raw = _raw()
+    raw["kernel"][0]["fwd_s"] *= 1.5  # one sample off the line: the fit's residual is known
+    prof = fit_profile(raw)
+    prof.save(path)
+    measured = reasons("--profile", str(path))
+    err = prof.known_error
+    assert 0.05 < err < 0.9 and f"up to {err:.0%}" in measured
+    margin, lo, hi = margin_range(measured)
+    assert lo == pytest.approx(margin * (1 - err) / (1 + err), abs=0.01)
+
+    flags = ["--gpus", "2x2", "--intra-bw", "100", "--cross-bw", "10", "--tflops", "100"]
+    assert "the flags given, not measured here" in reasons(*flags)
