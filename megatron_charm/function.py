@@ -19,9 +19,12 @@ from megatron_charm.plan import (
     Plan,
     PlanOptions,
     check_shape,
+    compact_channels,
     cross_levels,
     plan_with_levels,
+    rank_plan,
 )
+from megatron_charm.plan.check_rank import check_rank_program
 from megatron_charm.plan.docmask import DocMask, MaskModel
 from megatron_charm.plan.layout import ZIGZAG
 from megatron_charm.plan.types import Kind, Part, Program
@@ -45,6 +48,42 @@ def validated_plan(
     use."""
     cross = cross_levels(options, layout, causal, shape)
     return _validated(options, layout, causal, cross, pattern)
+
+
+# Note [Checking one rank] in megatron_charm.plan.check_rank: up to this CP size every rank
+# builds and replays the whole plan at its first call (0.7 s at 32 ranks, 2.8 s at 64 on one
+# CPU core, growing with cp_size^2); above it, each rank plans and checks only itself.
+FULL_CHECK_MAX_CP = 32
+
+
+def checked_programs(
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cp_rank: int,
+    shape: AttnShape | None = None,
+    pattern: frozenset | None = None,
+) -> tuple[Program, Program]:
+    """The forward and backward program of ``cp_rank``, checked before their first use: by the
+    full replay of the group's plan (:func:`validated_plan`) up to :data:`FULL_CHECK_MAX_CP`
+    ranks and for plans pruned to a mask; above, planned and checked for this rank alone (Note
+    [Planning one rank] in :mod:`megatron_charm.plan`)."""
+    cross = cross_levels(options, layout, causal, shape)
+    if layout.cp_size <= FULL_CHECK_MAX_CP or pattern is not None:
+        plan = _validated(options, layout, causal, cross, pattern)
+        return plan.forward[cp_rank], plan.backward[cp_rank]
+    return _checked_rank(options, layout, causal, cross, cp_rank)
+
+
+@lru_cache(maxsize=128)
+def _checked_rank(
+    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str], cp_rank: int
+) -> tuple[Program, Program]:
+    fwd, bwd = rank_plan(options, layout, causal, cross, cp_rank)
+    compact = compact_channels(options)
+    check_rank_program(fwd, False, causal, options.seq_layout, compact)
+    check_rank_program(bwd, True, causal, options.seq_layout, compact)
+    return fwd, bwd
 
 
 @lru_cache(maxsize=128)
@@ -205,11 +244,11 @@ def backward_pass(
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, topo, plan, kernel, scale, trace, mask):  # q: [s, b, h, d]
-        program = plan.forward[topo.cp_rank]
-        out, lse = forward_pass(topo, program, q, k, v, kernel, scale, trace, mask)
+    def forward(ctx, q, k, v, topo, programs, kernel, scale, trace, mask):  # q: [s, b, h, d]
+        out, lse = forward_pass(topo, programs[0], q, k, v, kernel, scale, trace, mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.plan, ctx.kernel, ctx.scale, ctx.trace = topo, plan, kernel, scale, trace
+        ctx.topo, ctx.backward_program = topo, programs[1]
+        ctx.kernel, ctx.scale, ctx.trace = kernel, scale, trace
         ctx.mask = mask
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -217,9 +256,19 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        program = ctx.plan.backward[ctx.topo.cp_rank]
         dq, dk, dv = backward_pass(
-            ctx.topo, program, q, k, v, out, lse, dout, ctx.kernel, ctx.scale, ctx.trace, ctx.mask
+            ctx.topo,
+            ctx.backward_program,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            ctx.kernel,
+            ctx.scale,
+            ctx.trace,
+            ctx.mask,
         )
         return dq, dk, dv, None, None, None, None, None, None
 
@@ -317,13 +366,16 @@ def cp_attention(
             "give every rank the same profile (and the same shapes)"
         ) from None
     check_shape(options, topo.layout, shape)
+    x = topo.cp_rank
     if model is None:
-        plan = validated_plan(options, topo.layout, causal, shape)
+        programs = checked_programs(options, topo.layout, causal, x, shape)
     else:
-        plan = validated_plan(options, topo.layout, model.dense_causal, shape, model.pattern)
+        programs = checked_programs(
+            options, topo.layout, model.dense_causal, x, shape, model.pattern
+        )
     blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
     with topo.exclusive():
-        out, lse = _CPAttention.apply(q, k, v, topo, plan, blk, scale, trace, model)
+        out, lse = _CPAttention.apply(q, k, v, topo, programs, blk, scale, trace, model)
     if order is not None:
         inverse = torch.empty_like(index)
         inverse[index] = torch.arange(len(order), device=q.device)

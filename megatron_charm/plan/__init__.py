@@ -28,7 +28,7 @@ from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
 from megatron_charm.plan.prune import prune_programs
 from megatron_charm.plan.ring import ring_backward, ring_forward
 from megatron_charm.plan.types import Exchange, Layout, Part, Plan, Program
-from megatron_charm.plan.wire import assign_wires
+from megatron_charm.plan.wire import assign_wires, own_wires
 
 CHANNELS = {
     "full.kv": "full",
@@ -169,13 +169,45 @@ def plan_with_levels(
     to a mask] in :mod:`megatron_charm.plan.prune`); masks that empty the same blocks share a
     plan, whatever their documents."""
     fwd, bwd = _dense_programs(options, layout, causal, cross)
+    compact = compact_channels(options)
     if pattern is not None:
         fwd, bwd = prune_programs(fwd, False, pattern), prune_programs(bwd, True, pattern)
-    compact = compact_channels(options)
-    fwd_t, bwd_t = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
+        fwd_t, bwd_t = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
+    else:
+        fwd_t = tuple(own_wires(prog, False, compact) for prog in fwd)
+        bwd_t = tuple(own_wires(prog, True, compact) for prog in bwd)
     used = sorted({i.channel for p in fwd_t + bwd_t for i in p.instrs if isinstance(i, Exchange)})
     channels = tuple((c, CHANNELS[c]) for c in used)
     return Plan(options, layout, causal, fwd_t, bwd_t, channels, cross, pattern)
+
+
+@lru_cache(maxsize=64)
+def rank_plan(
+    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str], cp_rank: int
+) -> tuple[Program, Program]:
+    """Forward and backward program of ``cp_rank`` alone, with wire precisions (dense plans).
+
+    Note [Planning one rank]
+    ~~~~~~~~~~~~~~~~~~~~~~~~
+    A rank runs only its own programs, and every generator builds one rank's program without
+    building the others', so a rank's plan costs O(its instructions), linear in the CP size,
+    where :func:`build_plan` costs O(cp_size^2)::
+
+        charm, causal, p = 8          32       128      1024
+        build_plan + full replay    0.4 s    17.7 s   (~100 s build alone)
+        rank_plan + its own check   -        0.06 s   0.84 s
+        (docs/results/plan-scale.md; one CPU core)
+
+    The wire precision of a receive depends on what the sender holds, which each generator
+    knows and puts on the op (``Op.held``, Note [Wire precision]). It equals the program that
+    :func:`build_plan` gives the rank; the tests check this on every method and a grid of
+    layouts. Plans pruned to a mask need every program (pruning is a fixpoint over all ranks)
+    and go through :func:`plan_with_levels`.
+    """
+    _check_layout(options, layout)
+    (fwd,), (bwd,) = rank_programs(options, layout, causal, [cp_rank], cross)
+    compact = compact_channels(options)
+    return own_wires(fwd, False, compact), own_wires(bwd, True, compact)
 
 
 def cross_levels(
@@ -249,6 +281,7 @@ __all__ = [
     "methods_for",
     "cross_levels",
     "plan_with_levels",
+    "rank_plan",
     "rank_programs",
     "schedule_layout",
     "sequence_positions",

@@ -80,7 +80,7 @@ def allgather_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
             GRAD,
             [
                 send(src, Kind.DKV, src, _kv_part(x, src, causal)),
-                recv(dst, Kind.DKV, x, _kv_part(dst, x, causal)),
+                recv(dst, Kind.DKV, x, _kv_part(dst, x, causal), held=1),  # dst's one block
             ],
         )
         # one offset behind: the partial of o - 1 has had a block's time to arrive

@@ -100,5 +100,9 @@ def send(peer: int, kind: Kind, owner: int, part: Part, heads: Heads | None = No
     return Op(True, peer, Payload(kind, owner, part, heads))
 
 
-def recv(peer: int, kind: Kind, owner: int, part: Part, heads: Heads | None = None) -> Op:
-    return Op(False, peer, Payload(kind, owner, part, heads))
+def recv(
+    peer: int, kind: Kind, owner: int, part: Part, heads: Heads | None = None, held: int = 0
+) -> Op:
+    """A receive; ``held``: for a partial, the blocks in the sender's accumulator (see
+    :attr:`megatron_charm.plan.types.Op.held`)."""
+    return Op(False, peer, Payload(kind, owner, part, heads), held=held)

@@ -79,8 +79,10 @@ class _Rank:
             send(self.peer(1), kind, y, Part.FULL, self.heads)
             for y in self.members(self.node - step)
         ]
+        # a partial dk/dv holds the sending node's p blocks at step 0, merged ones after
+        held = (self.p if step == 0 else 2) if kind.is_partial else 0
         ops += [
-            recv(self.peer(-1), kind, y, Part.FULL, self.heads)
+            recv(self.peer(-1), kind, y, Part.FULL, self.heads, held=held)
             for y in self.members(self.node - step - 1)
         ]
         self.b.exchange(channel, ops)

@@ -39,6 +39,8 @@ the data is the caller's, so a method tells which one it expects.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from megatron_charm.plan.types import Part
 
 ZIGZAG = "zigzag"
@@ -51,6 +53,7 @@ def block_empty(q_owner: int, kv_owner: int, causal: bool, seq_layout: str = ZIG
     return causal and seq_layout == CONTIGUOUS and kv_owner > q_owner
 
 
+@lru_cache(maxsize=1 << 16)
 def block_parts(
     q_owner: int, kv_owner: int, causal: bool, seq_layout: str = ZIGZAG
 ) -> tuple[Part, Part, bool]:

@@ -18,6 +18,7 @@ both sides of a pair always choose the same exchange. We use the bit form for ev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ def num_levels(p: int) -> int:
     return max(0, (p - 1).bit_length())
 
 
-def partner_tasks(local: int, p: int, split: bool) -> list[PartnerTask]:
+@lru_cache(maxsize=4096)
+def partner_tasks(local: int, p: int, split: bool) -> tuple[PartnerTask, ...]:
     """Partners of local index ``local`` in a group of ``p``, in (level, j) order.
 
     ``split=False`` gives the plain merge mechanism (every exchange moves kv); ``split=True``
@@ -52,4 +54,4 @@ def partner_tasks(local: int, p: int, split: bool) -> list[PartnerTask]:
                 bit = 1 << (level - 1)
                 kv = (local & bit) == (peer & bit)
             tasks.append(PartnerTask(level, j, peer, kv))
-    return tasks
+    return tuple(tasks)

@@ -34,7 +34,7 @@ their outputs start travelling back early (paper Appendix A).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,9 +55,9 @@ class CrossRoute(NamedTuple):
     """The rank that computes this rank's q (same local index, ``offset`` nodes ahead)."""
     src: int
     """The rank whose q this rank computes (``offset`` nodes behind)."""
-    mine: list[Part]
+    mine: tuple[Part, ...]
     """Pieces in which this rank's q travels to ``dst``."""
-    theirs: list[Part]
+    theirs: tuple[Part, ...]
     """Pieces in which ``src``'s q arrives here."""
 
 
@@ -141,12 +141,22 @@ class _Pass:
         self.cross_queue: dict[int, list[list]] = {}
         self.cross_handle: dict[int, int] = {}
         self.ahead_cache: dict[tuple, list[Part | None]] = {}
+        # Pure lookups that every round repeats for every partner (hundreds of thousands of
+        # calls per program at CP 128): memoised per pass.
+        self._memo: dict[tuple, object] = {}
 
     # --- query sets, kv sets and rounds (identical for all ranks of a node) --------------------
 
-    def pieces(self, owner: int, node: int) -> list[Part]:
+    def pieces(self, owner: int, node: int) -> tuple[Part, ...]:
         """How the crossing input (q, or kv) of ``owner`` travels to ``node``: one part, or two
         halves (a foreign q needed whole)."""
+        key = ("pieces", owner, node)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._pieces(owner, node)
+        return got  # type: ignore[return-value]
+
+    def _pieces(self, owner: int, node: int) -> tuple[Part, ...]:
         if self.kv_cross:
             part = foreign_kv_part(owner, node, self.layout, self.causal)
         else:
@@ -154,8 +164,8 @@ class _Pass:
         if part == Part.FULL and self.cfg.split_foreign and not self.combined:
             # whole foreign blocks are unmasked, so they may be computed in halves (of q, or of
             # kv): the first half's results travel back while the second half still crosses
-            return [Part.FIRST, Part.SECOND]
-        return [part]
+            return (Part.FIRST, Part.SECOND)
+        return (part,)
 
     def source(self, cp_rank: int, offset: int) -> int:
         layout = self.layout
@@ -177,8 +187,15 @@ class _Pass:
             return foreign + [[(0, 0)]]
         return [[(0, 0)], *foreign]
 
-    def qsets(self, cp_rank: int, rnd: list[Slot]) -> list[QSet]:
+    def qsets(self, cp_rank: int, rnd: list[Slot]) -> tuple[QSet, ...]:
         """The query sets ``cp_rank`` hosts in round ``rnd``."""
+        key = ("qsets", cp_rank, tuple(rnd))
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = tuple(self._qsets(cp_rank, rnd))
+        return got  # type: ignore[return-value]
+
+    def _qsets(self, cp_rank: int, rnd: list[Slot]) -> Sequence[QSet]:
         if self.kv_cross:
             return [(cp_rank, Part.FULL)]
         node = self.layout.node(cp_rank)
@@ -194,24 +211,41 @@ class _Pass:
     def kvset(self, cp_rank: int, rnd: list[Slot]) -> KVSet:
         """The kv set ``cp_rank`` hosts in round ``rnd``."""
         o, i = rnd[-1]
-        if not self.kv_cross or o == 0:
+        if o == 0:
+            return (cp_rank, Part.FULL)
+        key = ("kvset", cp_rank, o, i)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._kvset(cp_rank, o, i)
+        return got  # type: ignore[return-value]
+
+    def _kvset(self, cp_rank: int, o: int, i: int) -> KVSet:
+        if not self.kv_cross:
             return (cp_rank, Part.FULL)
         g = self.source(cp_rank, o)
         return (g, self.pieces(g, self.layout.node(cp_rank))[i])
 
     def block(self, qs: QSet, ks: KVSet) -> tuple[Part, Part, bool] | None:
         """The block of a query set against a kv set: its parts, or ``None`` if empty."""
+        key = (qs, ks)
+        if key in self._memo:
+            return self._memo[key]  # type: ignore[return-value]
         qp, kp, masked = block_parts(qs[0], ks[0], self.causal)
         rq, rk = restrict(qp, qs[1]), restrict(kp, ks[1])
-        return None if rq is None or rk is None else (rq, rk, masked)
+        got = self._memo[key] = None if rq is None or rk is None else (rq, rk, masked)
+        return got
 
-    def kv_part(self, qsets: list[QSet], ks: KVSet) -> Part | None:
+    def kv_part(self, qsets: Sequence[QSet], ks: KVSet) -> Part | None:
         """The part of a kv set that the query sets' blocks use (``None``: no block)."""
+        key = ("kv_part", qsets, ks)
+        if key in self._memo:
+            return self._memo[key]  # type: ignore[return-value]
         part: Part | None = None
         for qs in qsets:
             blk = self.block(qs, ks)
             if blk is not None:
                 part = blk[1] if part is None else part.union(blk[1])
+        self._memo[key] = part
         return part
 
     def compute(self, qs: QSet, ks: KVSet) -> None:
@@ -219,9 +253,14 @@ class _Pass:
         if blk is not None:
             self.b.compute(qs[0], ks[0], *blk, q_kind=self.qkind)
 
-    def q_parts(self, qsets: list[QSet], ks: KVSet) -> list[tuple[int, Part]]:
+    def q_parts(self, qsets: Sequence[QSet], ks: KVSet) -> tuple[tuple[int, Part], ...]:
         """``(q owner, part)`` of every query set's block against a kv set."""
-        return [(g, blk[0]) for g, p in qsets if (blk := self.block((g, p), ks))]
+        key = ("q_parts", qsets, ks)
+        got = self._memo.get(key)
+        if got is None:
+            got = [(g, blk[0]) for g, p in qsets if (blk := self.block((g, p), ks))]
+            self._memo[key] = got = tuple(got)
+        return got  # type: ignore[return-value]
 
     # --- cross-node level -----------------------------------------------------------------------
 
@@ -305,8 +344,32 @@ class _Pass:
             if i < len(route.theirs):
                 ops.append(send(route.src, kind, route.src, route.theirs[i]))
             if i < len(route.mine):
-                ops.append(recv(route.dst, kind, self.x, route.mine[i]))
+                held = self.cross_held(route.dst, offset, i, route.mine[i])
+                ops.append(recv(route.dst, kind, self.x, route.mine[i], held=held))
             self.b.exchange("cross.o", ops)
+
+    def cross_held(self, host: int, offset: int, i: int, piece: Part) -> int:
+        """Blocks in ``host``'s result for piece ``i`` of this rank's crossing input when it
+        sends it back: the blocks its node computes against the piece, each computed at
+        ``host`` counting 1 and each merged from a partner counting 2 (Note [Wire
+        precision]). ``host`` runs the piece in the round ``[(offset, i)]`` of its own node."""
+        layout, mine = self.layout, (self.x, piece)
+        rnd = [(0, 0), (1, 0)] if self.combined else [(offset, i)]
+
+        def blocks(r: int) -> int:
+            if self.kv_cross:  # r's queries against this rank's kv piece
+                return len(self.q_parts(self.qsets(r, rnd), mine))
+            return 0 if self.block(mine, self.kvset(r, rnd)) is None else 1
+
+        held = blocks(host)
+        node = layout.node(host)
+        for task in partner_tasks(layout.local(host), layout.ranks_per_node, self.cfg.split):
+            n = blocks(layout.rank(node, task.peer_local))
+            # q crossing: host computes against a kv partner's kv itself, a q partner returns
+            # a partial; kv crossing: the reverse
+            at_host = task.exchange_kv != self.kv_cross
+            held += (n if at_host else 2) if n else 0
+        return held
 
     def return_round(self, rnd: list[Slot]) -> None:
         """After a round: its foreign results cross back (the last piece also posts the steps
@@ -379,7 +442,7 @@ class _Pass:
                 self.b.merge(p)
 
     def kv_partner_blocks(
-        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet], my_kv: int
+        self, task: PartnerTask, rnd: list[Slot], my_qs: Sequence[QSet], my_kv: KVSet
     ) -> list[Payload]:
         """My query sets against the partner's kv set; backward: swap the dk/dv partials."""
         y = self.layout.rank(self.layout.node(self.x), task.peer_local)
@@ -390,13 +453,15 @@ class _Pass:
             return []
         mine, theirs = self.kv_part(my_qs, their_kv), self.kv_part(self.qsets(y, rnd), my_kv)
         ops = [send(y, Kind.DKV, their_kv[0], mine)] if mine is not None else []
-        ops += [recv(y, Kind.DKV, my_kv[0], theirs)] if theirs is not None else []
+        if theirs is not None:  # y's query sets against my kv set, one block each
+            held = len(self.q_parts(self.qsets(y, rnd), my_kv))
+            ops.append(recv(y, Kind.DKV, my_kv[0], theirs, held=held))
         if ops:
             self.b.exchange(self.channel["o"], ops)
         return [op.payload for op in ops if not op.send]
 
     def q_partner_blocks(
-        self, task: PartnerTask, rnd: list[Slot], my_qs: list[QSet], my_kv: int
+        self, task: PartnerTask, rnd: list[Slot], my_qs: Sequence[QSet], my_kv: KVSet
     ) -> list[Payload]:
         """The partner's query sets against my kv set; their results go back, mine come in."""
         y = self.layout.rank(self.layout.node(self.x), task.peer_local)
@@ -405,7 +470,9 @@ class _Pass:
             self.compute(qs, my_kv)
         kind = self.result_kind
         ops = [send(y, kind, g, part) for g, part in self.q_parts(peer_qs, my_kv)]
-        ops += [recv(y, kind, g, part) for g, part in self.q_parts(my_qs, self.kvset(y, rnd))]
+        # y computes each of my query sets against its kv set once: one block per result
+        their_kv = self.kvset(y, rnd)
+        ops += [recv(y, kind, g, part, held=1) for g, part in self.q_parts(my_qs, their_kv)]
         if ops:
             self.b.exchange(self.channel["o"], ops)
         return [op.payload for op in ops if not op.send]
@@ -435,11 +502,11 @@ class _Pass:
 
     def own_q_use(self, q_rank: int, kv_host: int, rnd: list[Slot]) -> Part | None:
         """What ``kv_host``'s kv set uses of ``q_rank``'s own queries in ``rnd``."""
-        own = [qs for qs in self.qsets(q_rank, rnd) if qs[0] == q_rank]
+        own = tuple(qs for qs in self.qsets(q_rank, rnd) if qs[0] == q_rank)
         parts = [p for _, p in self.q_parts(own, self.kvset(kv_host, rnd))]
         return None if not parts else functools.reduce(Part.union, parts)
 
-    def post(self, task: PartnerTask, my_qs: list[QSet], rnd: list[Slot]) -> None:
+    def post(self, task: PartnerTask, my_qs: Sequence[QSet], rnd: list[Slot]) -> None:
         """Post the input exchange with a partner: kv (what is not held yet) or query sets."""
         x = self.x
         y = self.layout.rank(self.layout.node(x), task.peer_local)
@@ -502,7 +569,7 @@ class _Window:
     """The prefetch window of one round: up to ``window`` input exchanges in flight per channel
     (kv and q) ahead of the computation that consumes them."""
 
-    def __init__(self, owner: _Pass, rnd: list[Slot], my_qs: list[QSet]) -> None:
+    def __init__(self, owner: _Pass, rnd: list[Slot], my_qs: Sequence[QSet]) -> None:
         self.owner, self.rnd, self.my_qs = owner, rnd, my_qs
         layout = owner.layout
         self.tasks = partner_tasks(layout.local(owner.x), layout.ranks_per_node, owner.cfg.split)

@@ -7,11 +7,14 @@ one rank's program as a list of instructions.
 from __future__ import annotations
 
 import argparse
+import time
 
 from megatron_charm.plan import Layout, PlanOptions, build_plan
 from megatron_charm.plan.cost import cross_link_bytes, plan_bytes
+from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Compute, Exchange, Merge, Op, Plan, Wait, Wire
+from megatron_charm.plan.validate import validate
 
 
 def block_matrix(plan: Plan) -> str:
@@ -164,6 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cross-level", choices=("auto", "q", "kv"), default="auto")
     ap.add_argument("--heads", type=int, default=8, help="query heads (for cross-level auto)")
     ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
+    add_plan_arguments(ap, keys=("window", "combine_two_nodes", "cross_return"))
+    ap.add_argument(
+        "--validate",
+        action="store_true",
+        help="replay every rank's forward and backward program (the full check that groups "
+        "above FULL_CHECK_MAX_CP ranks skip at job start) and print the result",
+    )
     args = ap.parse_args(argv)
     if args.cross_bytes:
         shape = AttnShape(b=1, s_local=2048, h=args.heads, h_kv=args.heads, d=64, itemsize=2)
@@ -175,10 +185,21 @@ def main(argv: list[str] | None = None) -> None:
         n = args.nodes * args.ranks_per_node
         print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape, args.cross_level))
         return
-    options = PlanOptions(method=args.method, cross_level=args.cross_level)
+    extra = plan_values_from_args(args, keys=("window", "combine_two_nodes", "cross_return"))
+    options = PlanOptions(method=args.method, cross_level=args.cross_level, **extra)
     shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=args.kv_heads or args.heads, d=64)
     layout = Layout(args.nodes, args.ranks_per_node)
     plan = build_plan(options, layout, not args.non_causal, shape)
+    if args.validate:
+        start = time.perf_counter()
+        validate(plan)
+        count = sum(len(p.instrs) for p in plan.forward + plan.backward)
+        print(
+            f"valid: {options} on {layout.num_nodes}x{layout.ranks_per_node}, "
+            f"{'causal' if not args.non_causal else 'full'}, {count} instructions replayed in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
+        return
     if plan.method == "charm" and layout.num_nodes > 1:
         print(f"across nodes: {plan.cross[0]} (forward), {plan.cross[1]} (backward)")
     if not args.no_matrix:

@@ -32,14 +32,17 @@ KV = "full.kv"
 GRAD = "full.o"
 
 
-def _shift(b: ProgramBuilder, channel: str, kind: Kind, owner: int, cp_size: int) -> None:
-    """Send ``kind`` of ``owner`` to the next rank; receive the previous owner's from the last."""
+def _shift(
+    b: ProgramBuilder, channel: str, kind: Kind, owner: int, cp_size: int, held: int = 0
+) -> None:
+    """Send ``kind`` of ``owner`` to the next rank; receive the previous owner's from the last
+    (``held``: the blocks in the previous rank's partial, for a partial ``kind``)."""
     x = b.cp_rank
     b.exchange(
         channel,
         [
             send((x + 1) % cp_size, kind, owner, Part.FULL),
-            recv((x - 1) % cp_size, kind, (owner - 1) % cp_size, Part.FULL),
+            recv((x - 1) % cp_size, kind, (owner - 1) % cp_size, Part.FULL, held=held),
         ],
     )
 
@@ -70,7 +73,9 @@ def ring_backward(cp_rank: int, cp_size: int, causal: bool, seq_layout: str = ZI
             break
         if step > 0:
             b.merge(_dkv(owner))
-        _shift(b, GRAD, Kind.DKV, owner, cp_size)
+        # the previous rank's partial: its own block at step 0, merged with what came before
+        # at every later step
+        _shift(b, GRAD, Kind.DKV, owner, cp_size, held=1 if step == 0 else 2)
     if cp_size > 1:
         b.merge(_dkv(cp_rank))
     return b.finish()

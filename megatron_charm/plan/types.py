@@ -22,15 +22,17 @@ class Part(str, Enum):
     FIRST = "first"
     SECOND = "second"
 
+    # Members are singletons: identity tests keep these cheap (a plan at scale calls them
+    # millions of times).
     def union(self, other: Part) -> Part:
-        return self if self == other else Part.FULL
+        return self if self is other else Part.FULL
 
     def contains(self, other: Part) -> bool:
-        return self == Part.FULL or self == other
+        return self is Part.FULL or self is other
 
     @property
     def fraction(self) -> float:
-        return 1.0 if self == Part.FULL else 0.5
+        return 1.0 if self is Part.FULL else 0.5
 
 
 class Kind(str, Enum):
@@ -48,7 +50,7 @@ class Kind(str, Enum):
 
     @property
     def is_partial(self) -> bool:
-        return self in (Kind.O, Kind.DQ, Kind.DKV)
+        return self is Kind.O or self is Kind.DQ or self is Kind.DKV
 
 
 class Wire(str, Enum):
@@ -108,6 +110,10 @@ class Op:
     peer: int  # CP rank
     payload: Payload
     wire: Wire = Wire.INPUT
+    held: int = 0
+    """On the receive of a partial: how many blocks the sender's accumulator holds when it sends
+    (a merged partial counts 2), as the schedule generator knows it. It lets a rank decide its
+    receive's wire precision from its own program (Note [Wire precision]); 0 elsewhere."""
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,16 @@ owner (``a2a``, ``a2a+p2p``) is complete for its heads (the validator checks it)
 places it into its head slice and casts the result to the input dtype, so it travels in the input
 dtype at no cost in precision. Inputs (q, kv, the backward bundle) always travel in the input dtype.
 
-Programs are built without precisions; :func:`assign_wires` decides the sender's side of every op
-from the sender's own accumulator history and copies it to the matching receive (the ``i``-th
-send of a payload from ``x`` to ``y`` on a channel meets the ``i``-th such receive), so both sides
-allocate the same buffer.
+Programs are built without precisions. :func:`own_wires` decides them for one rank from its own
+program alone: a send from the rank's accumulator history, a receive from the sender's count
+that the schedule generator put on the op (``Op.held``). So a rank of a large group plans only
+itself (:func:`megatron_charm.plan.rank_plan`), and both sides still allocate the same buffer:
+the validator checks that every send meets a receive of the same precision, and the tests check
+that :func:`own_wires` equals :func:`assign_wires` on every rank. :func:`assign_wires` is the
+global rule: it decides each send from the sender's history and copies it to the matching receive
+(the ``i``-th send of a payload from ``x`` to ``y`` on a channel meets the ``i``-th such receive).
+It serves plans pruned to a mask, whose pruning changes what senders hold after the generators
+ran.
 """
 
 from __future__ import annotations
@@ -56,6 +62,28 @@ def sender_wires(
                     keep = single or placed or compact_here
                     out[(ins.handle, k)] = Wire.INPUT if keep else Wire.FP32
     return out
+
+
+def own_wires(prog: Program, backward: bool, compact: frozenset[str]) -> Program:
+    """``prog`` with the wire precision of every op decided from ``prog`` alone (sends from its
+    history, receives from ``Op.held``; Note [Wire precision])."""
+    wires = sender_wires(prog, backward, compact)
+    me, instrs = prog.cp_rank, []
+    for ins in prog.instrs:
+        if isinstance(ins, Exchange) and any(op.payload.kind.is_partial for op in ins.ops):
+            ops = []
+            for k, op in enumerate(ins.ops):
+                p = op.payload
+                if op.send and p.kind.is_partial:
+                    op = replace(op, wire=wires[(ins.handle, k)])
+                elif p.kind.is_partial:
+                    placed = p.heads is not None and p.owner == me
+                    keep = op.held == 1 or placed or ins.channel in compact
+                    op = replace(op, wire=Wire.INPUT if keep else Wire.FP32)
+                ops.append(op)
+            ins = replace(ins, ops=tuple(ops))
+        instrs.append(ins)
+    return replace(prog, instrs=tuple(instrs))
 
 
 def assign_wires(

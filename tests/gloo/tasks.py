@@ -186,6 +186,38 @@ def auto_matches_its_choice(ctx):
     return picked
 
 
+def one_rank_planning_matches(ctx):
+    """Above ``FULL_CHECK_MAX_CP`` every rank plans and checks only itself (Note [Planning one
+    rank]): causal GQA charm on 2 x 2 gives bitwise the outputs and gradients of the fully
+    replayed plan. Returns whether the one-rank path ran."""
+    import megatron_charm as mc
+    import megatron_charm.function as fn
+
+    topo = ctx.topology(2)
+    g = torch.Generator().manual_seed(ctx.rank)
+    q, k, v, dout = (torch.randn(1, 8, hh, 8, generator=g) for hh in (4, 2, 2, 4))
+
+    def run():
+        return _grads_of(
+            lambda a, b, c: mc.cp_attention(a, b, c, topo, method="charm", return_lse=True),
+            q,
+            k,
+            v,
+            dout,
+        )
+
+    full = run()
+    before, fn.FULL_CHECK_MAX_CP = fn.FULL_CHECK_MAX_CP, 1
+    try:
+        misses = fn._checked_rank.cache_info().misses
+        one = run()
+        used = fn._checked_rank.cache_info().misses > misses
+    finally:
+        fn.FULL_CHECK_MAX_CP = before
+    assert all(torch.equal(a, b) for a, b in zip(full, one, strict=True))
+    return used
+
+
 def expect_value_error(ctx, case: str):
     """Trigger a bad-input case on every rank; return the ValueError message (or None)."""
     import megatron_charm as mc

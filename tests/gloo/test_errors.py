@@ -52,6 +52,13 @@ def test_auto_runs_the_method_it_picks(pools):
 
 
 @pytest.mark.gloo
+def test_one_rank_planning_runs_the_same_programs(pools):
+    """Large groups plan one rank each (Note [Planning one rank]); the executor's results are
+    bitwise those of the fully replayed plan."""
+    assert pools(4).run(tasks.one_rank_planning_matches) == [True] * 4
+
+
+@pytest.mark.gloo
 def test_unequal_nodes(pools):
     messages = pools(3).run(tasks.expect_value_error, case="unequal_nodes")
     for msg in messages:

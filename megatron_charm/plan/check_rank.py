@@ -1,0 +1,133 @@
+"""What one rank can check of its own program, without anyone else's.
+
+Note [Checking one rank]
+~~~~~~~~~~~~~~~~~~~~~~~~
+:func:`megatron_charm.plan.validate.validate` replays every rank's program together: it proves
+that sends meet receives, that nothing hangs and that every block is computed once. That replay
+costs O(cp_size^2), like building every program, so a rank of a large CP group (above
+:data:`megatron_charm.function.FULL_CHECK_MAX_CP`) plans only itself (Note [Planning one rank]
+in :mod:`megatron_charm.plan`) and runs this check instead, in O(its instructions):
+
+* every wait names an exchange posted before and not waited yet; every exchange is waited;
+* every compute uses q and kv that the rank owns or has received (and waited for), with parts
+  its block allows;
+* every input it sends on, it holds; every partial it sends, it holds with the part it names, in
+  the precision its history decides (Note [Wire precision]);
+* every merge takes a partial that a waited exchange received, with the part it names;
+* at the end it holds no partial of another rank, and its own results cover its sequence.
+
+What needs other ranks (matching, deadlock freedom, every block exactly once) is proved by the
+full replay, which the tests run on a grid of layouts for every method, and which
+``python -m megatron_charm.plan.render --validate`` runs for any one group offline.
+"""
+
+from __future__ import annotations
+
+from megatron_charm.plan.layout import block_empty, block_parts
+from megatron_charm.plan.types import (
+    Compute,
+    Exchange,
+    Heads,
+    Kind,
+    Merge,
+    Part,
+    Payload,
+    Program,
+    Wait,
+    Wire,
+)
+from megatron_charm.plan.validate import ScheduleError
+
+Key = tuple[Kind, int, Heads | None]
+
+
+def check_rank_program(
+    prog: Program, backward: bool, causal: bool, seq_layout: str, compact: frozenset[str]
+) -> None:
+    """Check ``prog`` on its own (Note [Checking one rank]); raise :class:`ScheduleError`."""
+    x = prog.cp_rank
+    qk = Kind.QB if backward else Kind.Q
+    inputs: dict[Key, Part] = {(qk, x, None): Part.FULL, (Kind.KV, x, None): Part.FULL}
+    acc: dict[Key, tuple[Part, int]] = {}  # accumulator -> (part, blocks; a merge counts 2)
+    posted: dict[int, list[Payload]] = {}  # exchange -> payloads it receives
+    received: set[tuple[int, Payload]] = set()  # waited partials, by exchange
+
+    def err(pc: int, msg: str) -> ScheduleError:
+        return ScheduleError(f"cp_rank {x}, instr {pc}: {msg}")
+
+    def has(p: Payload) -> bool:
+        return p.owner == x or any(
+            (got := inputs.get((p.kind, p.owner, h))) is not None and got.contains(p.part)
+            for h in (None, p.heads)
+        )
+
+    def add(key: Key, part: Part, blocks: int) -> None:
+        have = acc.get(key)
+        acc[key] = (part, blocks) if have is None else (have[0].union(part), have[1] + blocks)
+
+    for pc, ins in enumerate(prog.instrs):
+        if isinstance(ins, Exchange):
+            if ins.handle in posted:
+                raise err(pc, f"posts exchange {ins.handle} twice")
+            posted[ins.handle] = []
+            for op in ins.ops:
+                p = op.payload
+                if op.peer == x:
+                    raise err(pc, f"exchanges {p} with itself")
+                if not op.send:
+                    posted[ins.handle].append(p)
+                elif not p.kind.is_partial:
+                    if not has(p):
+                        raise err(pc, f"sends {p} that it does not hold")
+                else:
+                    held = acc.pop((p.kind, p.owner, p.heads), None)
+                    if held is None or held[0] != p.part:
+                        raise err(pc, f"sends {p} but holds {held and held[0]}")
+                    placed = p.heads is not None and op.peer == p.owner
+                    keep = held[1] == 1 or placed or ins.channel in compact
+                    if op.wire != (Wire.INPUT if keep else Wire.FP32):
+                        raise err(pc, f"sends {p} ({held[1]} blocks) in {op.wire.value}")
+        elif isinstance(ins, Wait):
+            if ins.handle not in posted:
+                raise err(pc, f"waits for exchange {ins.handle}, never posted or waited twice")
+            for p in posted.pop(ins.handle):
+                if p.kind.is_partial:
+                    received.add((ins.handle, p))
+                else:
+                    inputs[(p.kind, p.owner, p.heads)] = p.part
+        elif isinstance(ins, Compute):
+            if block_empty(ins.q_owner, ins.kv_owner, causal, seq_layout):
+                raise err(pc, f"computes the empty block ({ins.q_owner},{ins.kv_owner})")
+            qp, kp, masked = block_parts(ins.q_owner, ins.kv_owner, causal, seq_layout)
+            if masked != ins.masked or not (qp.contains(ins.q_part) and kp.contains(ins.kv_part)):
+                raise err(pc, f"block ({ins.q_owner},{ins.kv_owner}) uses wrong parts")
+            for need in (
+                Payload(qk, ins.q_owner, ins.q_part, ins.heads),
+                Payload(Kind.KV, ins.kv_owner, ins.kv_part, ins.heads),
+            ):
+                if not has(need):
+                    raise err(pc, f"computes with {need} not received")
+            if backward:
+                add((Kind.DQ, ins.q_owner, ins.heads), ins.q_part, 1)
+                add((Kind.DKV, ins.kv_owner, ins.heads), ins.kv_part, 1)
+            else:
+                add((Kind.O, ins.q_owner, ins.heads), ins.q_part, 1)
+        elif isinstance(ins, Merge):
+            if (ins.handle, ins.payload) not in received:
+                raise err(pc, f"merges {ins.payload} that exchange {ins.handle} did not deliver")
+            received.discard((ins.handle, ins.payload))
+            p = ins.payload
+            add((p.kind, p.owner, p.heads), p.part, 2)
+    if posted:
+        raise ScheduleError(f"cp_rank {x} never waits for exchanges {sorted(posted)}")
+    if received:
+        raise ScheduleError(f"cp_rank {x} never merges {sorted(str(p) for _, p in received)}")
+    kinds = (Kind.DQ, Kind.DKV) if backward else (Kind.O,)
+    for key, (part, _) in acc.items():
+        if key[1] != x or key[0] not in kinds:
+            raise ScheduleError(f"cp_rank {x} ends holding the partial {key} of another rank")
+        if part != Part.FULL:
+            raise ScheduleError(f"cp_rank {x} ends with {key} covering only {part.value}")
+    for kind in kinds:
+        if not any(k[0] == kind for k in acc):
+            raise ScheduleError(f"cp_rank {x} ends without its {kind.value}")
