@@ -14,7 +14,8 @@ program order). Per method and rank it records:
 
 Shapes: ``tiny`` is ``configs/gpt-tiny-cpu.yaml`` (micro batch 4, seq 128, 4 heads of 16, CP 4 as
 2 x 2); ``gpt350m`` is GPT-3 350M's attention (16 heads of 64) at batch 1 and a 16K sequence on
-CP 8 (2 x 4), like the paper's 8-GPU setup. Both in bf16.
+CP 8 (2 x 4), like the paper's 8-GPU setup; ``gpt350m-gqa`` the same with 4 kv heads (GQA 4:1).
+All in bf16.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ import torch.distributed as dist
 from megatron_charm.launch import RankInfo, run_function
 
 SHAPES = {
-    # name: (nodes, ranks_per_node, batch, global seq, heads, head dim)
-    "tiny": (2, 2, 4, 128, 4, 16),
-    "gpt350m": (2, 4, 1, 16384, 16, 64),
+    # name: (nodes, ranks_per_node, batch, global seq, heads, head dim, kv heads)
+    "tiny": (2, 2, 4, 128, 4, 16, 4),
+    "gpt350m": (2, 4, 1, 16384, 16, 64, 16),
+    # GPT-350M's attention with grouped-query attention at Llama 3's ratio (4 query heads per
+    # kv head), where charm ships kv across nodes in the backward (Note [Cross level])
+    "gpt350m-gqa": (2, 4, 1, 16384, 16, 64, 4),
 }
 
 
@@ -49,7 +53,7 @@ def _rank_main(info: RankInfo, shape: tuple, methods: list[str], out_path: str) 
     from megatron_charm.plan import zigzag_positions
 
     torch.set_num_threads(1)
-    m, p, b, seq, h, d = shape
+    m, p, b, seq, h, d, h_kv = shape
     world = m * p
     cp_rank = info.rank
     info.init_process_group("gloo")
@@ -57,7 +61,8 @@ def _rank_main(info: RankInfo, shape: tuple, methods: list[str], out_path: str) 
     s_local = seq // world
     gen = torch.Generator().manual_seed(cp_rank)
     q, k, v, dout = (
-        torch.randn(s_local, b, h, d, generator=gen).to(torch.bfloat16) for _ in range(4)
+        torch.randn(s_local, b, heads, d, generator=gen).to(torch.bfloat16)
+        for heads in (h, h_kv, h_kv, h)
     )
     inputs_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, dout))
     del zigzag_positions  # random local data: memory does not depend on values
@@ -108,12 +113,13 @@ def markdown(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
-        m, p, b, seq, h, d = SHAPES[name]
+        m, p, b, seq, h, d, h_kv = SHAPES[name]
+        heads = str(h) if h == h_kv else f"{h} (kv {h_kv})"
         w = res["max_over_ranks"]
         if "ring" in w and "charm" in w:
             r, c = w["ring"], w["charm"]
             lines.append(
-                f"| {name} | {b} | {seq} | {h} | {d} | {m} x {p} | {_mib(r['peak'])} | "
+                f"| {name} | {b} | {seq} | {heads} | {d} | {m} x {p} | {_mib(r['peak'])} | "
                 f"{_mib(c['peak'])} | {c['peak'] / r['peak']:.3f} | "
                 f"{_mib(r['with_inputs'])} / {_mib(c['with_inputs'])} |"
             )

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from megatron_charm.plan.a2a import a2a_backward, a2a_forward, check_heads
 from megatron_charm.plan.allgather import allgather_backward, allgather_forward
+from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.cost import cross_link_bytes
 from megatron_charm.plan.hierarchical import hierarchical_backward, hierarchical_forward
 from megatron_charm.plan.layout import (
@@ -152,7 +153,8 @@ def build_plan(
 def _dense_programs(
     options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str]
 ) -> tuple[list[Program], list[Program]]:
-    return rank_programs(options, layout, causal, range(layout.cp_size), cross)
+    with collector_paused():
+        return rank_programs(options, layout, causal, range(layout.cp_size), cross)
 
 
 @lru_cache(maxsize=256)
@@ -170,12 +172,13 @@ def plan_with_levels(
     plan, whatever their documents."""
     fwd, bwd = _dense_programs(options, layout, causal, cross)
     compact = compact_channels(options)
-    if pattern is not None:
-        fwd, bwd = prune_programs(fwd, False, pattern), prune_programs(bwd, True, pattern)
-        fwd_t, bwd_t = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
-    else:
-        fwd_t = tuple(own_wires(prog, False, compact) for prog in fwd)
-        bwd_t = tuple(own_wires(prog, True, compact) for prog in bwd)
+    with collector_paused():
+        if pattern is not None:
+            fwd, bwd = prune_programs(fwd, False, pattern), prune_programs(bwd, True, pattern)
+            fwd_t, bwd_t = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
+        else:
+            fwd_t = tuple(own_wires(prog, False, compact) for prog in fwd)
+            bwd_t = tuple(own_wires(prog, True, compact) for prog in bwd)
     used = sorted({i.channel for p in fwd_t + bwd_t for i in p.instrs if isinstance(i, Exchange)})
     channels = tuple((c, CHANNELS[c]) for c in used)
     return Plan(options, layout, causal, fwd_t, bwd_t, channels, cross, pattern)

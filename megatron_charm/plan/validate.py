@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megatron_charm.plan import compact_channels
+from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.docmask import half_blocks
 from megatron_charm.plan.layout import balanced, block_cost, block_parts, computed_blocks
 from megatron_charm.plan.types import (
@@ -529,7 +530,8 @@ def validate(
 ) -> tuple[Report, Report]:
     """Replay forward and backward (options as :func:`replay`); return their reports."""
     pairs = tuple(connected)
-    return (
-        replay(plan, False, first_contact_blocks, pairs),
-        replay(plan, True, first_contact_blocks, pairs),
-    )
+    with collector_paused():  # Note [Pausing the cyclic collector]
+        return (
+            replay(plan, False, first_contact_blocks, pairs),
+            replay(plan, True, first_contact_blocks, pairs),
+        )

@@ -30,6 +30,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Merge, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
@@ -154,6 +155,8 @@ class Engine:
         self.index = {r: i for i, r in enumerate(self.cp_ranks)}
         self.results = [RankResult(r, 0.0, 0.0, 0.0) for r in self.cp_ranks]
         self.instrs = [p.instrs for p in programs]
+        self._sizes: dict[tuple, int] = {}
+        self._links: dict[tuple[int, int], tuple] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
 
     # -- compilation ----------------------------------------------------------------------------
@@ -181,6 +184,8 @@ class Engine:
         shape, topo, x = self.shape, self.topo, prog.cp_rank
         seq: dict[tuple, int] = defaultdict(int)
         costs: list[object] = []
+        # Sizes and link facts repeat across the program's ops: computed once per pass.
+        sizes, links = self._sizes, self._links
         for ins in prog.instrs:
             if isinstance(ins, Exchange):
                 transfers = []
@@ -188,19 +193,25 @@ class Engine:
                     src, dst = (x, op.peer) if op.send else (op.peer, x)
                     n = seq[(ins.channel, op.send, op.peer)]
                     seq[(ins.channel, op.send, op.peer)] = n + 1
-                    cls = topo.link_class(src, dst)
+                    link = links.get((src, dst))
+                    if link is None:
+                        c = topo.link_class(src, dst)
+                        res = self._canon_res(topo.resources(src, dst))
+                        link = links[(src, dst)] = (c, res, topo.bandwidth(c), topo.latency(c))
+                    cls, res, bw, lat = link
+                    if op.send or not self.progs.exact:
+                        size_key = (op.payload, op.wire)
+                        nbytes = sizes.get(size_key, -1)
+                        if nbytes < 0:
+                            nbytes = sizes[size_key] = payload_bytes(op.payload, shape, op.wire)
                     if op.send:
-                        nbytes = payload_bytes(op.payload, shape, op.wire)
                         rr.bytes_sent[ins.channel] = rr.bytes_sent.get(ins.channel, 0) + nbytes
                         rr.link_bytes[cls] = rr.link_bytes.get(cls, 0) + nbytes
                     elif self.progs.exact:
                         nbytes = 0  # the sender's side sets the size
-                    else:
-                        # Approximate symmetric replay: this side stands for a different copy of
-                        # the transfer class than the sender's side (parts differ between nodes
-                        # under causal attention); a matched class takes the larger size.
-                        nbytes = payload_bytes(op.payload, shape, op.wire)
-                    res = self._canon_res(topo.resources(src, dst))
+                    # else: approximate symmetric replay: this side stands for a different copy
+                    # of the transfer class than the sender's side (parts differ between nodes
+                    # under causal attention); a matched class takes the larger size.
                     key = self._key(ins.channel, src, dst, n)
                     if self.progs.unmatched_cross and not topo.same_node(src, dst):
                         # Approximate symmetric replay of causal charm: nodes differ in how
@@ -210,9 +221,7 @@ class Engine:
                         key = None
                         direction = "_out" if op.send else "_in"
                         res = tuple(r for r in res if r[0].endswith(direction))
-                    transfers.append(
-                        Transfer(key, op.send, nbytes, res, topo.bandwidth(cls), topo.latency(cls))
-                    )
+                    transfers.append(Transfer(key, op.send, nbytes, res, bw, lat))
                 costs.append(tuple(transfers))
             elif isinstance(ins, Compute):
                 costs.append(self.compute.block_time(ins, shape, self.backward))
@@ -397,4 +406,5 @@ def simulate_pass(
     record: bool = False,
 ) -> PassResult:
     """Replay the forward (or backward) pass of ``progs``; see Note [Replay semantics]."""
-    return Engine(progs, topo, shape, compute, backward, record).run()
+    with collector_paused():  # Note [Pausing the cyclic collector]
+        return Engine(progs, topo, shape, compute, backward, record).run()

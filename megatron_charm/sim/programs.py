@@ -39,13 +39,12 @@ from functools import lru_cache
 from megatron_charm.plan import (
     AttnShape,
     PlanOptions,
-    compact_channels,
     cross_levels,
     plan_with_levels,
-    rank_programs,
+    rank_plan,
 )
+from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.types import Layout, Program
-from megatron_charm.plan.wire import assign_wires
 
 MODES = ("auto", "full", "symmetric")
 
@@ -111,7 +110,8 @@ def node_programs(
 ) -> ProgramSet:
     """Programs of one node's ranks only (``"symmetric"`` mode, Note [Node symmetry]).
 
-    Wire precisions are decided as for a whole plan, among this node's programs."""
+    Each is the rank's own plan (:func:`megatron_charm.plan.rank_plan`), with the wire
+    precisions it has in the whole plan, receives from other nodes included."""
     method = options.method
     sym = symmetry_of(method, layout, causal)
     if sym is None:
@@ -124,11 +124,9 @@ def node_programs(
     ranks = range(node * p, (node + 1) * p)
     if cross is None:
         cross = cross_levels(options, layout, causal)
-    fwd, bwd = rank_programs(options, layout, causal, ranks, cross)
-    compact = compact_channels(options)
-    # receives from outside the node keep the default precision, the input dtype
-    fwd_w, bwd_w = assign_wires(fwd, False, compact), assign_wires(bwd, True, compact)
-    return ProgramSet(options, layout, causal, fwd_w, bwd_w, sym)
+    with collector_paused():  # Note [Pausing the cyclic collector]
+        fwd, bwd = zip(*(rank_plan(options, layout, causal, cross, x) for x in ranks), strict=True)
+    return ProgramSet(options, layout, causal, tuple(fwd), tuple(bwd), sym)
 
 
 def programs(
