@@ -51,7 +51,7 @@ def validated_plan(
 
 
 # Note [Checking one rank] in megatron_charm.plan.check_rank: up to this CP size every rank
-# builds and replays the whole plan at its first call (0.7 s at 32 ranks, 2.8 s at 64 on one
+# builds and replays the whole plan at its first call (0.5 s at 32 ranks, 2.5 s at 64 on one
 # CPU core, growing with cp_size^2); above it, each rank plans and checks only itself.
 FULL_CHECK_MAX_CP = 32
 

@@ -197,8 +197,8 @@ def rank_plan(
     where :func:`build_plan` costs O(cp_size^2)::
 
         charm, causal, p = 8          32       128      1024
-        build_plan + full replay    0.4 s    17.7 s   (~100 s build alone)
-        rank_plan + its own check   -        0.06 s   0.84 s
+        build_plan + full replay    0.5 s    11 s     (~100 s build alone)
+        rank_plan + its own check   -        0.04 s   0.8 s
         (docs/results/plan-scale.md; one CPU core)
 
     The wire precision of a receive depends on what the sender holds, which each generator

@@ -6,8 +6,8 @@ A whole plan of 256 ranks holds millions of instructions, payloads and ops: froz
 in tuples, which reference counting alone frees (they form no cycles). While they are being
 created, CPython's cyclic collector runs again and again, and each of its full passes walks every
 live object, so building and replaying large plans spent about a third of their time in it
-(128 ranks, charm, causal: 12.1 s with it, 8.6 s without; docs/results/plan-scale.md). The bulk
-work runs with the collector paused; it resumes afterwards, and collects any cycle made
+(128 ranks, charm, causal, building the plan and replaying it in the simulator). The bulk work
+runs with the collector paused; it resumes afterwards, and collects any cycle made
 meanwhile then. A caller that had disabled it keeps it disabled.
 """
 

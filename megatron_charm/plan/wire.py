@@ -66,24 +66,37 @@ def sender_wires(
 
 def own_wires(prog: Program, backward: bool, compact: frozenset[str]) -> Program:
     """``prog`` with the wire precision of every op decided from ``prog`` alone (sends from its
-    history, receives from ``Op.held``; Note [Wire precision])."""
-    wires = sender_wires(prog, backward, compact)
+    history, receives from ``Op.held``; Note [Wire precision]).
+
+    One pass in program order, as :func:`sender_wires` counts; only ops whose precision differs
+    from the default are rebuilt (a rank of a large group has thousands of them)."""
     me, instrs = prog.cp_rank, []
+    blocks: dict[AccKey, int] = defaultdict(int)  # blocks merged into each accumulator
     for ins in prog.instrs:
-        if isinstance(ins, Exchange) and any(op.payload.kind.is_partial for op in ins.ops):
-            ops = []
-            for k, op in enumerate(ins.ops):
+        if isinstance(ins, Compute):
+            for key in _compute_keys(ins, backward):
+                blocks[key] += 1
+        elif isinstance(ins, Merge):
+            blocks[(ins.payload.kind, ins.payload.owner, ins.payload.heads)] += 2
+        elif isinstance(ins, Exchange):
+            ops, changed = [], False
+            for op in ins.ops:
                 p = op.payload
-                if op.send and p.kind.is_partial:
-                    op = replace(op, wire=wires[(ins.handle, k)])
-                elif p.kind.is_partial:
-                    placed = p.heads is not None and p.owner == me
-                    keep = op.held == 1 or placed or ins.channel in compact
-                    op = replace(op, wire=Wire.INPUT if keep else Wire.FP32)
+                if p.kind.is_partial:
+                    placed = p.heads is not None and (op.peer if op.send else me) == p.owner
+                    if op.send:
+                        held = blocks.pop((p.kind, p.owner, p.heads), 0)
+                    else:
+                        held = op.held
+                    keep = held == 1 or placed or ins.channel in compact
+                    wire = Wire.INPUT if keep else Wire.FP32
+                    if wire is not op.wire:
+                        op, changed = Op(op.send, op.peer, p, wire, op.held), True
                 ops.append(op)
-            ins = replace(ins, ops=tuple(ops))
+            if changed:
+                ins = Exchange(ins.handle, ins.channel, tuple(ops))
         instrs.append(ins)
-    return replace(prog, instrs=tuple(instrs))
+    return Program(me, tuple(instrs))
 
 
 def assign_wires(

@@ -157,6 +157,7 @@ class Engine:
         self.instrs = [p.instrs for p in programs]
         self._sizes: dict[tuple, int] = {}
         self._links: dict[tuple[int, int], tuple] = {}
+        self._blocks: dict[tuple, float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
 
     # -- compilation ----------------------------------------------------------------------------
@@ -184,8 +185,10 @@ class Engine:
         shape, topo, x = self.shape, self.topo, prog.cp_rank
         seq: dict[tuple, int] = defaultdict(int)
         costs: list[object] = []
-        # Sizes and link facts repeat across the program's ops: computed once per pass.
-        sizes, links = self._sizes, self._links
+        # Sizes, link facts and block times repeat across the program: computed once per pass
+        # (a block's time depends on its parts, mask and heads only, in every compute model).
+        sizes, links, blocks = self._sizes, self._links, self._blocks
+        exact, unmatched_cross = self.progs.exact, self.progs.unmatched_cross
         for ins in prog.instrs:
             if isinstance(ins, Exchange):
                 transfers = []
@@ -199,7 +202,7 @@ class Engine:
                         res = self._canon_res(topo.resources(src, dst))
                         link = links[(src, dst)] = (c, res, topo.bandwidth(c), topo.latency(c))
                     cls, res, bw, lat = link
-                    if op.send or not self.progs.exact:
+                    if op.send or not exact:
                         size_key = (op.payload, op.wire)
                         nbytes = sizes.get(size_key, -1)
                         if nbytes < 0:
@@ -207,13 +210,13 @@ class Engine:
                     if op.send:
                         rr.bytes_sent[ins.channel] = rr.bytes_sent.get(ins.channel, 0) + nbytes
                         rr.link_bytes[cls] = rr.link_bytes.get(cls, 0) + nbytes
-                    elif self.progs.exact:
+                    elif exact:
                         nbytes = 0  # the sender's side sets the size
                     # else: approximate symmetric replay: this side stands for a different copy
                     # of the transfer class than the sender's side (parts differ between nodes
                     # under causal attention); a matched class takes the larger size.
                     key = self._key(ins.channel, src, dst, n)
-                    if self.progs.unmatched_cross and not topo.same_node(src, dst):
+                    if unmatched_cross and not topo.same_node(src, dst):
                         # Approximate symmetric replay of causal charm: nodes differ in how
                         # many transfers a class has, so a cross-node transfer is not matched;
                         # it runs from when this side's exchange starts (the peer node is in the
@@ -224,7 +227,11 @@ class Engine:
                     transfers.append(Transfer(key, op.send, nbytes, res, bw, lat))
                 costs.append(tuple(transfers))
             elif isinstance(ins, Compute):
-                costs.append(self.compute.block_time(ins, shape, self.backward))
+                block_key = (ins.q_part, ins.kv_part, ins.masked, ins.heads)
+                took = blocks.get(block_key)
+                if took is None:
+                    took = blocks[block_key] = self.compute.block_time(ins, shape, self.backward)
+                costs.append(took)
             elif isinstance(ins, Merge):
                 nbytes = payload_bytes(ins.payload, shape, Wire.FP32)
                 costs.append(self.compute.reduce_time(nbytes))

@@ -94,18 +94,30 @@ def main(argv: list[str] | None = None) -> None:
         f", {os.cpu_count()} CPUs",
         "",
         "Command: `python scripts/bench/plan_scale.py "
-        + " ".join(a for a in argv if not a.startswith("--md"))
+        + " ".join(
+            f"{k} {v or chr(34) * 2}"
+            for k, v in zip(argv[::2], argv[1::2], strict=False)
+            if k != "--md"
+        )
         + "` (causal, 8 ranks per node, default options; seconds of one process).",
-        "",
-        "| method | CP | whole plan: build | whole plan: full replay | total |",
-        "|---|---|---|---|---|",
     ]
+    if args.whole:
+        lines += [
+            "",
+            "| method | CP | whole plan: build | whole plan: full replay | total |",
+            "|---|---|---|---|---|",
+        ]
     for method in methods:
         for cp in (int(c) for c in args.whole.split(",") if c):
             b, v = whole(method, cp)
             lines.append(f"| {method} | {cp} | {b:.2f} | {v:.2f} | {b + v:.2f} |")
             print(lines[-1], flush=True)
-    lines += ["", "| method | CP | one rank: plan + check (slowest of 3 ranks) |", "|---|---|---|"]
+    if args.one:
+        lines += [
+            "",
+            "| method | CP | one rank: plan + check (slowest of 3 ranks) |",
+            "|---|---|---|",
+        ]
     for method in methods:
         for cp in (int(c) for c in args.one.split(",") if c):
             lines.append(f"| {method} | {cp} | {one_rank(method, cp):.3f} |")
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(lines[-1], flush=True)
     if args.md:
         with open(args.md, "a") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write("\n".join(lines) + "\n\n")
 
 
 if __name__ == "__main__":
