@@ -158,6 +158,7 @@ class Engine:
         self._sizes: dict[tuple, int] = {}
         self._links: dict[tuple[int, int], tuple] = {}
         self._blocks: dict[tuple, float] = {}
+        self._capacity: dict[tuple[str, int], float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
 
     # -- compilation ----------------------------------------------------------------------------
@@ -355,8 +356,12 @@ class Engine:
         f.remaining = max(0.0, f.remaining - f.rate * (now - f.last))
         f.last = now
         rate = f.bw
+        capacity = self._capacity
         for r in f.res:
-            share = self.topo.capacity(r) / len(self.res_flows[r])
+            cap = capacity.get(r)
+            if cap is None:
+                cap = capacity[r] = self.topo.capacity(r)
+            share = cap / len(self.res_flows[r])
             if share < rate:
                 rate = share
         f.rate = rate

@@ -1,0 +1,36 @@
+"""scripts/bench/winner_map.py: one cell of the map and its table, on a small topology."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location(
+        "winner_map", ROOT / "scripts" / "bench" / "winner_map.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cell_picks_the_fastest_runnable_method_and_the_table_marks_charm():
+    wm = _module()
+    slow = wm.cell("H100", 2, 2, 1, 1.0, 2)  # 2 heads: a2a (CP 4) cannot split them
+    fast = wm.cell("H100", 2, 2, 1, 400.0, 4)
+    for c in (slow, fast):
+        times = c["times_ms"]
+        assert c["winner"] == min(times, key=times.get)
+        assert c["charm_over_best"] == times["charm"] / times[c["winner"]] >= 1.0
+    assert "a2a" not in slow["times_ms"] and "a2a" in fast["times_ms"]
+    assert fast["ccr"] > slow["ccr"]  # more cross bandwidth, less communication time
+    table = wm.markdown("t", [slow, fast])
+    assert "| 4 |" in table and "| 2 |" in table
+    for c in (slow, fast):
+        if c["winner"] == "charm":
+            assert "**charm**" in table
+        else:
+            assert f"(charm {c['charm_over_best']:.2f}x)" in table
