@@ -57,6 +57,10 @@ def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert meg["trainer"]["gradients"]["missing"] == 0
 
+    cal = report["checks"]["calibrate"]
+    assert cal["ran"] and cal["auto_picks"] in METHODS and cal["forward_tflops"] > 0
+    assert {"compute", "fit_error", "provenance"} <= set(cal["profile_keys"])
+
     over = report["checks"]["overlap"]["breakdown"]
     assert over["transport"] == "gloo"
     for pass_ in ("forward", "backward"):
@@ -166,3 +170,28 @@ def test_masked_check_passes_and_catches_a_planted_bug(monkeypatch):
     monkeypatch.setattr(torch_kernel, "cpu_backward", bad_backward)
     _, bad = masked_check(torch.device("cpu"), 32)
     assert bad and all(b.startswith("masked ") for b in bad)
+
+
+def test_calibrate_check_fails_on_a_bad_profile(monkeypatch):
+    """The calibrate check can fail: a fit that misses its samples, and samples that do not fit
+    a profile at all (a rate that is not positive), each give a failure."""
+    from dataclasses import replace
+
+    from megatron_charm.bench.gpu_check import calibrate_check as cc
+    from megatron_charm.sim import profile as profiles
+
+    good = profiles.load_profile(
+        REPO / "docs" / "results" / "calibrate" / "profile-2x2-shared-100mbit.json"
+    )
+    assert cc._problems(good) == []
+    problems = cc._problems(replace(good, fit_error={"kernel_fwd": 1.5, "cross": 0.1}))
+    assert problems == ["fit of kernel_fwd misses its samples by 150% (> 100%)"]
+
+    def no_fit(raw, fabric="nvlink"):
+        raise ValueError("fitted rates must be > 0")
+
+    monkeypatch.setattr(profiles, "fit_profile", no_fit)
+    result, failures = cc.calibrate_check(torch.device("cpu"), None)
+    assert result["ran"] and failures == [
+        "the samples do not fit a profile: fitted rates must be > 0"
+    ]

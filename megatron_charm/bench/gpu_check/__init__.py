@@ -14,10 +14,13 @@ Checks, each written to the JSON report as soon as it ends (a partial run still 
    forward and backward, against SDPA.
 6. ``cp4``: ``cp_attention`` in 4 processes on one device, every method, causal and full, GQA,
    2 nodes x 2 and 1 x 4, forward and backward, against float64 SDPA (:mod:`.cp4`).
-7. ``megatron``: megatron-core ``GPTModel`` with ``CharmDotProductAttention`` (local and, when
+7. ``calibrate``: ``megatron-charm-sim calibrate``'s measurements in 2 processes on the device
+   (NCCL on CUDA, best effort), fitted into a profile that must be sane, load back and drive
+   ``auto`` (:mod:`.calibrate_check`).
+8. ``megatron``: megatron-core ``GPTModel`` with ``CharmDotProductAttention`` (local and, when
    Transformer Engine imports, TE layers), forward and backward against float64 attention per
    layer, then iterations of the trainer (:mod:`.megatron_check`).
-8. ``overlap``: one CP = 4 step's time breakdown from the executor trace; on CUDA also the step
+9. ``overlap``: one CP = 4 step's time breakdown from the executor trace; on CUDA also the step
    with ``CUDA_DEVICE_MAX_CONNECTIONS`` 1 and 8 (recorded, not asserted; :mod:`.overlap`).
 
 ``--plant merge|kernel`` installs a planted bug in every spawned rank (``cp4``, ``megatron``,
@@ -48,6 +51,7 @@ CHECKS = (
     "cp1",
     "masked",
     "cp4",
+    "calibrate",
     "megatron",
     "overlap",
 )
@@ -169,6 +173,10 @@ def _run_check(name: str, args: argparse.Namespace, device: torch.device, report
         transports = (args.cp4_transports or default).split(",")
         return cp4(device, transports, methods, cp_seq, args.plant,
                    lambda r: report.partial(name, r))  # fmt: skip
+    if name == "calibrate":
+        from megatron_charm.bench.gpu_check.calibrate_check import calibrate_check
+
+        return calibrate_check(device, args.plant)
     if name == "megatron":
         from megatron_charm.bench.gpu_check.megatron_check import megatron_check
 
