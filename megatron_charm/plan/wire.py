@@ -39,57 +39,61 @@ def _compute_keys(ins: Compute, backward: bool) -> list[AccKey]:
     return [(Kind.O, ins.q_owner, ins.heads)]
 
 
-def sender_wires(
-    prog: Program, backward: bool, compact: frozenset[str]
-) -> dict[tuple[int, int], Wire]:
-    """``(handle, op index) -> Wire`` for every partial that ``prog`` sends."""
-    blocks: dict[AccKey, int] = defaultdict(int)  # blocks merged into each accumulator
-    out: dict[tuple[int, int], Wire] = {}
+def _sent_counts(prog: Program, backward: bool) -> dict[tuple[int, int], int]:
+    """``(handle, op index) -> blocks`` that the accumulator of every partial ``prog`` sends
+    holds when it is sent (a merged partial counts 2, whatever it held)."""
+    blocks: dict[AccKey, int] = defaultdict(int)
+    out: dict[tuple[int, int], int] = {}
     for ins in prog.instrs:
         if isinstance(ins, Compute):
             for key in _compute_keys(ins, backward):
                 blocks[key] += 1
         elif isinstance(ins, Merge):
-            # a received partial counts as merged, whatever it held
             blocks[(ins.payload.kind, ins.payload.owner, ins.payload.heads)] += 2
         elif isinstance(ins, Exchange):
             for k, op in enumerate(ins.ops):
                 p = op.payload
                 if op.send and p.kind.is_partial:
-                    single = blocks.pop((p.kind, p.owner, p.heads), 0) == 1
-                    placed = p.heads is not None and op.peer == p.owner
-                    compact_here = ins.channel in compact
-                    keep = single or placed or compact_here
-                    out[(ins.handle, k)] = Wire.INPUT if keep else Wire.FP32
+                    out[(ins.handle, k)] = blocks.pop((p.kind, p.owner, p.heads), 0)
     return out
+
+
+def _wire(held: int, placed: bool, compact_here: bool) -> Wire:
+    """Note [Wire precision] for one partial: ``held`` blocks, ``placed`` (a head group going to
+    its owner), on a channel the options make compact or not."""
+    return Wire.INPUT if held == 1 or placed or compact_here else Wire.FP32
+
+
+def sender_wires(
+    prog: Program, backward: bool, compact: frozenset[str]
+) -> dict[tuple[int, int], Wire]:
+    """``(handle, op index) -> Wire`` for every partial that ``prog`` sends."""
+    counts, ops = _sent_counts(prog, backward), {}
+    for ins in prog.instrs:
+        if isinstance(ins, Exchange):
+            for k, op in enumerate(ins.ops):
+                if (ins.handle, k) in counts:
+                    placed = op.payload.heads is not None and op.peer == op.payload.owner
+                    ops[(ins.handle, k)] = _wire(
+                        counts[(ins.handle, k)], placed, ins.channel in compact
+                    )
+    return ops
 
 
 def own_wires(prog: Program, backward: bool, compact: frozenset[str]) -> Program:
     """``prog`` with the wire precision of every op decided from ``prog`` alone (sends from its
-    history, receives from ``Op.held``; Note [Wire precision]).
-
-    One pass in program order, as :func:`sender_wires` counts; only ops whose precision differs
-    from the default are rebuilt (a rank of a large group has thousands of them)."""
-    me, instrs = prog.cp_rank, []
-    blocks: dict[AccKey, int] = defaultdict(int)  # blocks merged into each accumulator
+    history, receives from ``Op.held``; Note [Wire precision]). Only ops whose precision differs
+    from the one they carry are rebuilt (a rank of a large group has thousands of them)."""
+    me, counts, instrs = prog.cp_rank, _sent_counts(prog, backward), []
     for ins in prog.instrs:
-        if isinstance(ins, Compute):
-            for key in _compute_keys(ins, backward):
-                blocks[key] += 1
-        elif isinstance(ins, Merge):
-            blocks[(ins.payload.kind, ins.payload.owner, ins.payload.heads)] += 2
-        elif isinstance(ins, Exchange):
+        if isinstance(ins, Exchange):
             ops, changed = [], False
-            for op in ins.ops:
+            for k, op in enumerate(ins.ops):
                 p = op.payload
                 if p.kind.is_partial:
+                    held = counts[(ins.handle, k)] if op.send else op.held
                     placed = p.heads is not None and (op.peer if op.send else me) == p.owner
-                    if op.send:
-                        held = blocks.pop((p.kind, p.owner, p.heads), 0)
-                    else:
-                        held = op.held
-                    keep = held == 1 or placed or ins.channel in compact
-                    wire = Wire.INPUT if keep else Wire.FP32
+                    wire = _wire(held, placed, ins.channel in compact)
                     if wire is not op.wire:
                         op, changed = Op(op.send, op.peer, p, wire, op.held), True
                 ops.append(op)
