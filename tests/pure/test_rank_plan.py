@@ -183,3 +183,11 @@ def test_small_groups_and_masks_replay_the_whole_plan(monkeypatch):
     model = DocMask((8, 24)).model(4, True)
     fn.checked_programs(PlanOptions(), Layout(2, 2), model.dense_causal, 0, None, model.pattern)
     assert calls, "a plan pruned to a mask must be replayed in full whatever the CP size"
+
+
+def test_render_validate_replays_a_group_offline(capsys):
+    from megatron_charm.plan import render
+
+    render.main(["--nodes", "2", "--ranks-per-node", "4", "--validate", "--window", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith("valid: PlanOptions(method='charm', window=1") and "on 2x4, causal" in out
