@@ -98,6 +98,9 @@ def _rank_main(info: RankInfo, shape: tuple, methods: list[str], out_path: str) 
         }
         with open(out_path, "w") as f:
             json.dump({"per_rank": everyone, "max_over_ranks": worst}, f)
+    # Leave together, as the attention benchmark's ranks do: a rank that tore its groups down
+    # while rank 0 was still writing could take a peer's gloo threads down with it (SIGABRT).
+    dist.barrier()
     dist.destroy_process_group()
 
 
