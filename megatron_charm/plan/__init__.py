@@ -207,7 +207,6 @@ def rank_plan(
     layouts. Plans pruned to a mask need every program (pruning is a fixpoint over all ranks)
     and go through :func:`plan_with_levels`.
     """
-    _check_layout(options, layout)
     (fwd,), (bwd,) = rank_programs(options, layout, causal, [cp_rank], cross)
     compact = compact_channels(options)
     return own_wires(fwd, False, compact), own_wires(bwd, True, compact)

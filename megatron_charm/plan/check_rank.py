@@ -34,9 +34,9 @@ from megatron_charm.plan.types import (
     Payload,
     Program,
     Wait,
-    Wire,
 )
 from megatron_charm.plan.validate import ScheduleError
+from megatron_charm.plan.wire import partial_wire, sent_counts
 
 Key = tuple[Kind, int, Heads | None]
 
@@ -48,7 +48,8 @@ def check_rank_program(
     x = prog.cp_rank
     qk = Kind.QB if backward else Kind.Q
     inputs: dict[Key, Part] = {(qk, x, None): Part.FULL, (Kind.KV, x, None): Part.FULL}
-    acc: dict[Key, tuple[Part, int]] = {}  # accumulator -> (part, blocks; a merge counts 2)
+    acc: dict[Key, Part] = {}  # accumulator -> the part it covers
+    held = sent_counts(prog, backward)  # what each sent partial holds (Note [Wire precision])
     posted: dict[int, list[Payload]] = {}  # exchange -> payloads it receives
     received: set[tuple[int, Payload]] = set()  # waited partials, by exchange
 
@@ -61,16 +62,16 @@ def check_rank_program(
             for h in (None, p.heads)
         )
 
-    def add(key: Key, part: Part, blocks: int) -> None:
+    def add(key: Key, part: Part) -> None:
         have = acc.get(key)
-        acc[key] = (part, blocks) if have is None else (have[0].union(part), have[1] + blocks)
+        acc[key] = part if have is None else have.union(part)
 
     for pc, ins in enumerate(prog.instrs):
         if isinstance(ins, Exchange):
             if ins.handle in posted:
                 raise err(pc, f"posts exchange {ins.handle} twice")
             posted[ins.handle] = []
-            for op in ins.ops:
+            for k, op in enumerate(ins.ops):
                 p = op.payload
                 if op.peer == x:
                     raise err(pc, f"exchanges {p} with itself")
@@ -80,13 +81,13 @@ def check_rank_program(
                     if not has(p):
                         raise err(pc, f"sends {p} that it does not hold")
                 else:
-                    held = acc.pop((p.kind, p.owner, p.heads), None)
-                    if held is None or held[0] != p.part:
-                        raise err(pc, f"sends {p} but holds {held and held[0]}")
+                    have = acc.pop((p.kind, p.owner, p.heads), None)
+                    if have != p.part:
+                        raise err(pc, f"sends {p} but holds {have}")
+                    blocks = held[(ins.handle, k)]
                     placed = p.heads is not None and op.peer == p.owner
-                    keep = held[1] == 1 or placed or ins.channel in compact
-                    if op.wire != (Wire.INPUT if keep else Wire.FP32):
-                        raise err(pc, f"sends {p} ({held[1]} blocks) in {op.wire.value}")
+                    if op.wire != partial_wire(blocks, placed, ins.channel in compact):
+                        raise err(pc, f"sends {p} ({blocks} blocks) in {op.wire.value}")
         elif isinstance(ins, Wait):
             if ins.handle not in posted:
                 raise err(pc, f"waits for exchange {ins.handle}, never posted or waited twice")
@@ -108,22 +109,22 @@ def check_rank_program(
                 if not has(need):
                     raise err(pc, f"computes with {need} not received")
             if backward:
-                add((Kind.DQ, ins.q_owner, ins.heads), ins.q_part, 1)
-                add((Kind.DKV, ins.kv_owner, ins.heads), ins.kv_part, 1)
+                add((Kind.DQ, ins.q_owner, ins.heads), ins.q_part)
+                add((Kind.DKV, ins.kv_owner, ins.heads), ins.kv_part)
             else:
-                add((Kind.O, ins.q_owner, ins.heads), ins.q_part, 1)
+                add((Kind.O, ins.q_owner, ins.heads), ins.q_part)
         elif isinstance(ins, Merge):
             if (ins.handle, ins.payload) not in received:
                 raise err(pc, f"merges {ins.payload} that exchange {ins.handle} did not deliver")
             received.discard((ins.handle, ins.payload))
             p = ins.payload
-            add((p.kind, p.owner, p.heads), p.part, 2)
+            add((p.kind, p.owner, p.heads), p.part)
     if posted:
         raise ScheduleError(f"cp_rank {x} never waits for exchanges {sorted(posted)}")
     if received:
         raise ScheduleError(f"cp_rank {x} never merges {sorted(str(p) for _, p in received)}")
     kinds = (Kind.DQ, Kind.DKV) if backward else (Kind.O,)
-    for key, (part, _) in acc.items():
+    for key, part in acc.items():
         if key[1] != x or key[0] not in kinds:
             raise ScheduleError(f"cp_rank {x} ends holding the partial {key} of another rank")
         if part != Part.FULL:

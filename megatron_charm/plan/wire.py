@@ -34,12 +34,13 @@ AccKey = tuple[Kind, int, Heads | None]
 
 
 def _compute_keys(ins: Compute, backward: bool) -> list[AccKey]:
+    """The accumulators a block adds to: its output (forward), its dq and dk/dv (backward)."""
     if backward:
         return [(Kind.DQ, ins.q_owner, ins.heads), (Kind.DKV, ins.kv_owner, ins.heads)]
     return [(Kind.O, ins.q_owner, ins.heads)]
 
 
-def _sent_counts(prog: Program, backward: bool) -> dict[tuple[int, int], int]:
+def sent_counts(prog: Program, backward: bool) -> dict[tuple[int, int], int]:
     """``(handle, op index) -> blocks`` that the accumulator of every partial ``prog`` sends
     holds when it is sent (a merged partial counts 2, whatever it held)."""
     blocks: dict[AccKey, int] = defaultdict(int)
@@ -58,7 +59,7 @@ def _sent_counts(prog: Program, backward: bool) -> dict[tuple[int, int], int]:
     return out
 
 
-def _wire(held: int, placed: bool, compact_here: bool) -> Wire:
+def partial_wire(held: int, placed: bool, compact_here: bool) -> Wire:
     """Note [Wire precision] for one partial: ``held`` blocks, ``placed`` (a head group going to
     its owner), on a channel the options make compact or not."""
     return Wire.INPUT if held == 1 or placed or compact_here else Wire.FP32
@@ -68,13 +69,13 @@ def sender_wires(
     prog: Program, backward: bool, compact: frozenset[str]
 ) -> dict[tuple[int, int], Wire]:
     """``(handle, op index) -> Wire`` for every partial that ``prog`` sends."""
-    counts, ops = _sent_counts(prog, backward), {}
+    counts, ops = sent_counts(prog, backward), {}
     for ins in prog.instrs:
         if isinstance(ins, Exchange):
             for k, op in enumerate(ins.ops):
                 if (ins.handle, k) in counts:
                     placed = op.payload.heads is not None and op.peer == op.payload.owner
-                    ops[(ins.handle, k)] = _wire(
+                    ops[(ins.handle, k)] = partial_wire(
                         counts[(ins.handle, k)], placed, ins.channel in compact
                     )
     return ops
@@ -84,7 +85,7 @@ def own_wires(prog: Program, backward: bool, compact: frozenset[str]) -> Program
     """``prog`` with the wire precision of every op decided from ``prog`` alone (sends from its
     history, receives from ``Op.held``; Note [Wire precision]). Only ops whose precision differs
     from the one they carry are rebuilt (a rank of a large group has thousands of them)."""
-    me, counts, instrs = prog.cp_rank, _sent_counts(prog, backward), []
+    me, counts, instrs = prog.cp_rank, sent_counts(prog, backward), []
     for ins in prog.instrs:
         if isinstance(ins, Exchange):
             ops, changed = [], False
@@ -93,7 +94,7 @@ def own_wires(prog: Program, backward: bool, compact: frozenset[str]) -> Program
                 if p.kind.is_partial:
                     held = counts[(ins.handle, k)] if op.send else op.held
                     placed = p.heads is not None and (op.peer if op.send else me) == p.owner
-                    wire = _wire(held, placed, ins.channel in compact)
+                    wire = partial_wire(held, placed, ins.channel in compact)
                     if wire is not op.wire:
                         op, changed = Op(op.send, op.peer, p, wire, op.held), True
                 ops.append(op)
