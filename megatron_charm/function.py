@@ -20,7 +20,7 @@ from megatron_charm.plan import (
     PlanOptions,
     check_shape,
     compact_channels,
-    cross_levels,
+    plan_levels,
     plan_with_levels,
     rank_plan,
 )
@@ -46,8 +46,8 @@ def validated_plan(
     """The plan for a configuration (``shape`` decides charm's ``cross_level="auto"``; ``pattern``
     prunes it to a mask's non-empty half blocks), replayed by the validator before its first
     use."""
-    cross = cross_levels(options, layout, causal, shape)
-    return _validated(options, layout, causal, cross, pattern)
+    cross, intra = plan_levels(options, layout, causal, shape)
+    return _validated(options, layout, causal, cross, pattern, intra)
 
 
 # Note [Checking one rank] in megatron_charm.plan.check_rank: up to this CP size every rank
@@ -68,18 +68,23 @@ def checked_programs(
     full replay of the group's plan (:func:`validated_plan`) up to :data:`FULL_CHECK_MAX_CP`
     ranks and for plans pruned to a mask; above, planned and checked for this rank alone (Note
     [Planning one rank] in :mod:`megatron_charm.plan`)."""
-    cross = cross_levels(options, layout, causal, shape)
+    cross, intra = plan_levels(options, layout, causal, shape)
     if layout.cp_size <= FULL_CHECK_MAX_CP or pattern is not None:
-        plan = _validated(options, layout, causal, cross, pattern)
+        plan = _validated(options, layout, causal, cross, pattern, intra)
         return plan.forward[cp_rank], plan.backward[cp_rank]
-    return _checked_rank(options, layout, causal, cross, cp_rank)
+    return _checked_rank(options, layout, causal, cross, cp_rank, intra)
 
 
 @lru_cache(maxsize=128)
 def _checked_rank(
-    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str], cp_rank: int
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    cp_rank: int,
+    intra: tuple[str, str] = ("split", "split"),
 ) -> tuple[Program, Program]:
-    fwd, bwd = rank_plan(options, layout, causal, cross, cp_rank)
+    fwd, bwd = rank_plan(options, layout, causal, cross, cp_rank, intra)
     compact = compact_channels(options)
     check_rank_program(fwd, False, causal, options.seq_layout, compact)
     check_rank_program(bwd, True, causal, options.seq_layout, compact)
@@ -93,8 +98,9 @@ def _validated(
     causal: bool,
     cross: tuple[str, str],
     pattern: frozenset | None,
+    intra: tuple[str, str] = ("split", "split"),
 ) -> Plan:
-    plan = plan_with_levels(options, layout, causal, cross, pattern)
+    plan = plan_with_levels(options, layout, causal, cross, pattern, intra)
     validate(plan)
     return plan
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_charm.plan import Layout, PlanOptions, build_plan, cross_levels, plan_with_levels
+from megatron_charm.plan import Layout, PlanOptions, build_plan, plan_levels, plan_with_levels
 from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.validate import Report, validate
@@ -67,8 +67,8 @@ def method_bytes(
     else:
         model = mask.model(layout.cp_size, causal)
         dense = model.dense_causal
-        cross = cross_levels(options, layout, dense, shape)
-        plan = plan_with_levels(options, layout, dense, cross, model.pattern)
+        cross, intra = plan_levels(options, layout, dense, shape)
+        plan = plan_with_levels(options, layout, dense, cross, model.pattern, intra)
     fwd, bwd = validate(plan)
     return {
         "fwd": classify(fwd, shape, layout, topology),

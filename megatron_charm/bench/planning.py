@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from megatron_charm.plan import Layout, PlanOptions, cross_levels, plan_with_levels
+from megatron_charm.plan import Layout, PlanOptions, plan_levels, plan_with_levels
 from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.options import METHODS
 from megatron_charm.plan.validate import validate
@@ -49,8 +49,8 @@ def run_planning(args: argparse.Namespace) -> dict:
         )
     opts = PlanOptions(method=args.method)
     t0 = time.perf_counter()
-    cross = cross_levels(opts, layout, True)
-    plan_with_levels(opts, layout, True, cross)
+    cross, intra = plan_levels(opts, layout, True)
+    plan_with_levels(opts, layout, True, cross, intra=intra)
     dense = time.perf_counter() - t0
     rng = random.Random(args.seed)
     rows = []
@@ -61,7 +61,7 @@ def run_planning(args: argparse.Namespace) -> dict:
         model = mask.model(n, True)
         pattern = model.pattern
         t1 = time.perf_counter()
-        plan = plan_with_levels(opts, layout, model.dense_causal, cross, pattern)
+        plan = plan_with_levels(opts, layout, model.dense_causal, cross, pattern, intra)
         t2 = time.perf_counter()
         if pattern not in seen:
             validate(plan)

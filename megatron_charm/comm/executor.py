@@ -23,11 +23,11 @@ from megatron_charm.kernels import BlockKernel
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
 from megatron_charm.plan.docmask import MaskModel
+from megatron_charm.plan.memory import ExpandKey, Key, expansion_drops, release_points
 from megatron_charm.plan.payloads import group_heads
 from megatron_charm.plan.types import Compute, Exchange, Heads, Kind, Merge, Part, Program, Wait
 
 Tensor = torch.Tensor
-Key = tuple[Kind, int, Heads | None]  # (kind, owner, head group; None: all heads)
 
 
 @dataclass
@@ -57,78 +57,6 @@ class RunTrace:
     backward: bool
     stats: RunStats
     events: list[tuple[str, str, float, float]]
-
-
-def release_points(program: Program, own: set[Key], backward: bool) -> dict[int, list[Key]]:
-    """Instruction index -> received input keys whose last use is that instruction (pure).
-
-    A key can be received again later (CHARM+ rounds fetch kv anew); each delivery starts a new
-    lifetime that ends at its last use before the next delivery. Head groups of an input in
-    ``own`` are views of it and never released.
-    """
-    qkind = Kind.QB if backward else Kind.Q
-    own_inputs = {(kind, owner) for kind, owner, _ in own}
-    last: dict[Key, int] = {}
-    out: dict[int, list[Key]] = defaultdict(list)
-    recv_keys: dict[int, list[Key]] = {}
-    for i, ins in enumerate(program.instrs):
-        if isinstance(ins, Exchange):
-            recv_keys[ins.handle] = [
-                (op.payload.kind, op.payload.owner, op.payload.heads)
-                for op in ins.ops
-                if not op.send and not op.payload.kind.is_partial
-            ]
-            used = [
-                (op.payload.kind, op.payload.owner, op.payload.heads)
-                for op in ins.ops
-                if op.send and not op.payload.kind.is_partial
-            ]
-        elif isinstance(ins, Wait):
-            for key in recv_keys.get(ins.handle, []):
-                if key in last:
-                    out[last.pop(key)].append(key)
-            used = recv_keys.get(ins.handle, [])
-        elif isinstance(ins, Compute):
-            used = [(qkind, ins.q_owner, ins.heads), (Kind.KV, ins.kv_owner, ins.heads)]
-        else:
-            used = []
-        for key in used:
-            if key[:2] not in own_inputs:
-                last[key] = i
-    for key, i in last.items():
-        out[i].append(key)
-    return out
-
-
-ExpandKey = tuple[int, Heads | None]  # (kv owner, head group)
-
-
-def expansion_drops(program: Program) -> dict[int, list[ExpandKey]]:
-    """Instruction index -> (kv owner, head group) whose head-expanded kv is last used there
-    (pure).
-
-    Note [GQA expansion]: each delivery of a kv block is expanded at its first compute and
-    dropped after its last compute before the block is delivered again.
-    """
-    last: dict[ExpandKey, int] = {}
-    out: dict[int, list[ExpandKey]] = defaultdict(list)
-    recv_kv: dict[int, list[ExpandKey]] = {}
-    for i, ins in enumerate(program.instrs):
-        if isinstance(ins, Exchange):
-            recv_kv[ins.handle] = [
-                (op.payload.owner, op.payload.heads)
-                for op in ins.ops
-                if not op.send and op.payload.kind == Kind.KV
-            ]
-        elif isinstance(ins, Wait):
-            for owner in recv_kv.get(ins.handle, []):
-                if owner in last:
-                    out[last.pop(owner)].append(owner)
-        elif isinstance(ins, Compute):
-            last[(ins.kv_owner, ins.heads)] = i
-    for owner, i in last.items():
-        out[i].append(owner)
-    return out
 
 
 def _nbytes(tensors) -> int:

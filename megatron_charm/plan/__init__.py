@@ -15,7 +15,7 @@ from functools import lru_cache
 from megatron_charm.plan.a2a import a2a_backward, a2a_forward, check_heads
 from megatron_charm.plan.allgather import allgather_backward, allgather_forward
 from megatron_charm.plan.bulk import collector_paused
-from megatron_charm.plan.cost import cross_link_bytes
+from megatron_charm.plan.cost import cross_link_bytes, intra_send_bytes
 from megatron_charm.plan.hierarchical import hierarchical_backward, hierarchical_forward
 from megatron_charm.plan.layout import (
     block_parts,
@@ -23,6 +23,7 @@ from megatron_charm.plan.layout import (
     sequence_positions,
     zigzag_positions,
 )
+from megatron_charm.plan.memory import pass_memory
 from megatron_charm.plan.options import METHODS, PlanOptions, check_method
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
@@ -67,10 +68,13 @@ def rank_programs(
     causal: bool,
     cp_ranks: Iterable[int],
     cross: tuple[str, str] = ("q", "q"),
+    intra: tuple[str, str] = ("split", "split"),
 ) -> tuple[list[Program], list[Program]]:
     """Forward and backward programs of ``cp_ranks`` only (a simulator may replay one node),
     without wire precisions (see :func:`build_plan`). ``cross``: what charm ships across nodes
-    in the forward and the backward (``q`` or ``kv``, as :func:`cross_levels` resolves it)."""
+    in the forward and the backward (``q`` or ``kv``, as :func:`cross_levels` resolves it);
+    ``intra``: what its ranks exchange inside a node (``split`` or ``kv``,
+    :func:`intra_levels`)."""
     _check_layout(options, layout)
     method, n, ranks = options.method, layout.cp_size, list(cp_ranks)
     if method in ("ring", "ring-contig"):
@@ -97,7 +101,9 @@ def rank_programs(
             window=options.window,
             combine_two_nodes=options.combine_two_nodes,
         )
-        cfg_f, cfg_b = (replace(cfg, cross=level) for level in cross)
+        cfg_f, cfg_b = (
+            replace(cfg, cross=c, split=i == "split") for c, i in zip(cross, intra, strict=True)
+        )
     else:
         cfg_f = cfg_b = PipelineConfig(split=method == "rm+", scope="full", window=options.window)
     flat = schedule_layout(method, layout)
@@ -146,15 +152,20 @@ def build_plan(
     (:func:`cross_levels`); ``None`` means multi-head attention. Cached; the returned plan is
     immutable, so callers share it safely.
     """
-    return plan_with_levels(options, layout, causal, cross_levels(options, layout, causal, shape))
+    cross, intra = plan_levels(options, layout, causal, shape)
+    return plan_with_levels(options, layout, causal, cross, intra=intra)
 
 
 @lru_cache(maxsize=64)
 def _dense_programs(
-    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str]
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    intra: tuple[str, str] = ("split", "split"),
 ) -> tuple[list[Program], list[Program]]:
     with collector_paused():
-        return rank_programs(options, layout, causal, range(layout.cp_size), cross)
+        return rank_programs(options, layout, causal, range(layout.cp_size), cross, intra)
 
 
 @lru_cache(maxsize=256)
@@ -164,13 +175,14 @@ def plan_with_levels(
     causal: bool,
     cross: tuple[str, str],
     pattern: frozenset[tuple[int, Part, int, Part]] | None = None,
+    intra: tuple[str, str] = ("split", "split"),
 ) -> Plan:
-    """:func:`build_plan` with the cross levels already resolved (cached by them).
+    """:func:`build_plan` with the cross and intra levels already resolved (cached by them).
 
     ``pattern``: prune the dense plan to these non-empty half blocks of a mask (Note [Pruning
     to a mask] in :mod:`megatron_charm.plan.prune`); masks that empty the same blocks share a
     plan, whatever their documents."""
-    fwd, bwd = _dense_programs(options, layout, causal, cross)
+    fwd, bwd = _dense_programs(options, layout, causal, cross, intra)
     compact = compact_channels(options)
     with collector_paused():
         if pattern is not None:
@@ -181,12 +193,19 @@ def plan_with_levels(
             bwd_t = tuple(own_wires(prog, True, compact) for prog in bwd)
     used = sorted({i.channel for p in fwd_t + bwd_t for i in p.instrs if isinstance(i, Exchange)})
     channels = tuple((c, CHANNELS[c]) for c in used)
-    return Plan(options, layout, causal, fwd_t, bwd_t, channels, cross, pattern)
+    return Plan(
+        options, layout, causal, fwd_t, bwd_t, channels, cross=cross, intra=intra, pattern=pattern
+    )
 
 
 @lru_cache(maxsize=64)
 def rank_plan(
-    options: PlanOptions, layout: Layout, causal: bool, cross: tuple[str, str], cp_rank: int
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    cp_rank: int,
+    intra: tuple[str, str] = ("split", "split"),
 ) -> tuple[Program, Program]:
     """Forward and backward program of ``cp_rank`` alone, with wire precisions (dense plans).
 
@@ -207,7 +226,7 @@ def rank_plan(
     layouts. Plans pruned to a mask need every program (pruning is a fixpoint over all ranks)
     and go through :func:`plan_with_levels`.
     """
-    (fwd,), (bwd,) = rank_programs(options, layout, causal, [cp_rank], cross)
+    (fwd,), (bwd,) = rank_programs(options, layout, causal, [cp_rank], cross, intra)
     compact = compact_channels(options)
     return own_wires(fwd, False, compact), own_wires(bwd, True, compact)
 
@@ -237,13 +256,7 @@ def cross_levels(
         return ("q", "q")
     if options.cross_level != "auto":
         return (options.cross_level, options.cross_level)
-    shape = shape or AttnShape(b=1, s_local=2, h=1, h_kv=1, d=64)
-    if shape.h % shape.h_kv != 0:
-        raise ValueError(f"{shape}: query heads must be a multiple of kv heads")
-    # Every payload is linear in b and s_local, and in h and h_kv together (q and out in h*d,
-    # kv in h_kv*d, the lse in h): a unit batch and length and the reduced head ratio decide.
-    g = math.gcd(shape.h, shape.h_kv)
-    unit = AttnShape(1, 2, shape.h // g, shape.h_kv // g, shape.d, shape.itemsize)
+    unit = _unit_shape(shape)
     # Every node pair moves the same pieces per rank pair, whatever m and p (p >= 2 only makes
     # node-merged results float32), so two nodes of up to two ranks decide, cheaply at any scale.
     return _auto_levels(options, Layout(2, min(layout.ranks_per_node, 2)), causal, unit)
@@ -267,6 +280,87 @@ def _auto_levels(
     return (chosen[0], chosen[1])
 
 
+def plan_levels(
+    options: PlanOptions, layout: Layout, causal: bool, shape: AttnShape | None = None
+) -> tuple[tuple[str, str], tuple[str, str]]:
+    """``(cross, intra)``: charm's resolved cross and intra levels for a call
+    (:func:`cross_levels`, :func:`intra_levels`); every caller that plans resolves both here."""
+    cross = cross_levels(options, layout, causal, shape)
+    return cross, intra_levels(options, layout, causal, cross, shape)
+
+
+def _unit_shape(shape: AttnShape | None) -> AttnShape:
+    shape = shape or AttnShape(b=1, s_local=2, h=1, h_kv=1, d=64)
+    if shape.h % shape.h_kv != 0:
+        raise ValueError(f"{shape}: query heads must be a multiple of kv heads")
+    # Every payload is linear in b and s_local, and in h and h_kv together (q and out in h*d,
+    # kv in h_kv*d, the lse in h): a unit batch and length and the reduced head ratio decide.
+    g = math.gcd(shape.h, shape.h_kv)
+    return AttnShape(1, 2, shape.h // g, shape.h_kv // g, shape.d, shape.itemsize)
+
+
+def intra_levels(
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    shape: AttnShape | None = None,
+) -> tuple[str, str]:
+    """What charm's ranks exchange inside a node in the forward and in the backward.
+
+    Note [Intra level]
+    ~~~~~~~~~~~~~~~~~~
+    RM+ (``split``, the paper's Algorithm 1) swaps kv with some partners and queries with the
+    others, on two channels; a query exchange also returns the partner's results, and in the
+    backward the query travels as a bundle (q, out, dout, lse). The merge mechanism (``kv``)
+    swaps kv with every partner and returns dk/dv. With multi-head attention the two are close;
+    with GQA a kv pair is ``2 / g`` of a query, so kv exchanges move a fraction of the bytes
+    and hold a fraction of the buffers (2 x 4 ranks, GQA 4:1: 84 against 146 MB inside the
+    node forward, attention memory 27 against 41 MiB)::
+
+        split:  x <-kv-> y   x <-q/bundle-> z, results back     (two channels)
+        kv:     x <-kv-> y   x <-kv-> z, dk/dv back             (one channel)
+
+    ``auto`` builds both for node 0 of the group (at most four nodes; every node runs the same
+    pipeline) and keeps, per pass, the one whose busiest rank sends fewer bytes to its node,
+    then the one with the lower attention memory (:mod:`megatron_charm.plan.memory`); a tie
+    keeps ``split``. With at most two ranks per node both are the same schedule.
+    """
+    if options.method != "charm" or layout.ranks_per_node <= 2:
+        return ("split", "split")
+    if options.intra_level != "auto":
+        return (options.intra_level, options.intra_level)
+    small = Layout(min(layout.num_nodes, 4), layout.ranks_per_node)
+    return _auto_intra(options, small, causal, cross, _unit_shape(shape))
+
+
+@lru_cache(maxsize=256)
+def _auto_intra(
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    shape: AttnShape,
+) -> tuple[str, str]:
+    compact = compact_channels(options)
+    node0 = range(layout.ranks_per_node)
+    cost: dict[tuple[str, bool], tuple[int, int]] = {}
+    with collector_paused():
+        for level in ("split", "kv"):
+            passes = rank_programs(options, layout, causal, node0, cross, (level, level))
+            for backward, progs in zip((False, True), passes, strict=True):
+                wired = [own_wires(p, backward, compact) for p in progs]
+                cost[(level, backward)] = (
+                    max(intra_send_bytes(p, layout, shape) for p in wired),
+                    max(pass_memory(p, shape, backward) for p in wired),
+                )
+    fwd, bwd = (
+        "kv" if cost[("kv", backward)] < cost[("split", backward)] else "split"
+        for backward in (False, True)
+    )
+    return (fwd, bwd)
+
+
 __all__ = [
     "METHODS",
     "CHANNELS",
@@ -282,6 +376,8 @@ __all__ = [
     "check_shape",
     "methods_for",
     "cross_levels",
+    "intra_levels",
+    "plan_levels",
     "plan_with_levels",
     "rank_plan",
     "rank_programs",

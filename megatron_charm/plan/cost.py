@@ -42,6 +42,18 @@ def cross_link_bytes(
     return dict(out)
 
 
+def intra_send_bytes(prog: Program, layout: Layout, shape: AttnShape) -> int:
+    """Bytes that one rank's program sends to ranks of its own node."""
+    node = layout.node(prog.cp_rank)
+    return sum(
+        payload_bytes(op.payload, shape, op.wire)
+        for ins in prog.instrs
+        if isinstance(ins, Exchange)
+        for op in ins.ops
+        if op.send and layout.node(op.peer) == node
+    )
+
+
 def plan_bytes(plan: Plan, shape: AttnShape) -> tuple[dict, dict]:
     """Forward and backward ``{cp_rank: {channel: bytes}}`` of a plan."""
     return tuple(  # type: ignore[return-value]

@@ -38,6 +38,7 @@ TE's."""
 
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
 CROSS_LEVELS: tuple[str, ...] = ("auto", "q", "kv")
+INTRA_LEVELS: tuple[str, ...] = ("auto", "split", "kv")
 
 
 def check_method(method: str) -> None:
@@ -78,6 +79,13 @@ class PlanOptions:
     shared inside the node; q never crosses) or ``auto``: per pass, whichever moves fewer bytes on
     the busiest cross link for the call's head counts (GQA models ship kv, MHA ships q)."""
 
+    intra_level: str = "auto"
+    """What charm's ranks exchange inside a node: ``split`` (RM+, the paper's Algorithm 1: kv
+    with some partners, queries with the others, on two channels), ``kv`` (the merge mechanism:
+    kv with every partner) or ``auto``: per pass, whichever puts fewer bytes on the busiest
+    rank's node-local links, then holds less memory (GQA models exchange kv, whose heads are
+    fewer). Matters from three ranks per node on (Note [Intra level])."""
+
     def __post_init__(self) -> None:
         check_method(self.method)
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
@@ -94,6 +102,11 @@ class PlanOptions:
             raise ValueError(
                 f"cross_level={self.cross_level!r}: expected one of {', '.join(CROSS_LEVELS)} "
                 "(set cross_level= / --cross-level)"
+            )
+        if self.intra_level not in INTRA_LEVELS:
+            raise ValueError(
+                f"intra_level={self.intra_level!r}: expected one of {', '.join(INTRA_LEVELS)} "
+                "(set intra_level= / --intra-level)"
             )
         if not isinstance(self.combine_two_nodes, bool):
             raise ValueError(
@@ -127,6 +140,7 @@ FLAG_HELP: dict[str, str] = {
     "window": "plan option: exchanges in flight per channel in the pipelines (>= 1)",
     "cross_return": "plan option: precision of charm's node-merged results crossing nodes",
     "cross_level": "plan option: what charm ships across nodes (q, kv, or auto: fewer bytes)",
+    "intra_level": "plan option: what charm exchanges inside a node (split: RM+, kv, or auto)",
     "combine_two_nodes": "plan option: charm on two nodes as one pipeline (paper Algorithm 2)",
 }
 
@@ -140,7 +154,11 @@ def add_plan_arguments(parser, prefix: str = "", keys: tuple[str, ...] = tuple(F
     """Add ``--<prefix><option>`` flags for the plan options ``keys`` to an argparse parser or
     group, with :class:`PlanOptions`' defaults and choices."""
     defaults = PlanOptions()
-    choices = {"cross_return": CROSS_RETURNS, "cross_level": CROSS_LEVELS}
+    choices = {
+        "cross_return": CROSS_RETURNS,
+        "cross_level": CROSS_LEVELS,
+        "intra_level": INTRA_LEVELS,
+    }
     for key in keys:
         if key == "combine_two_nodes":
             parser.add_argument(flag_name(key, prefix), action="store_true", help=FLAG_HELP[key])

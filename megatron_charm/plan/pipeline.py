@@ -135,6 +135,7 @@ class _Pass:
         # Partials for this rank's own q and kv are merged one round late (or at the end), so
         # that a round never waits for a partner's result it does not need to finish.
         self.deferred_merges: list[Payload] = []
+        self.early_merges: list[Payload] = []
         self.posted_cross: set[int] = set()
         # Note [Chained cross pieces]: offset -> exchanges of its pieces not posted yet, and the
         # handle of the last one posted
@@ -252,6 +253,14 @@ class _Pass:
         blk = self.block(qs, ks)
         if blk is not None:
             self.b.compute(qs[0], ks[0], *blk, q_kind=self.qkind)
+            self.flush_early_merges()
+
+    def flush_early_merges(self) -> None:
+        """Merge the previous round's partials for this rank's own q and kv (Note [Merging a
+        round late]) after this round's first block, which gives them time to arrive."""
+        for payload in self.early_merges:
+            self.b.merge(payload)
+        self.early_merges = []
 
     def q_parts(self, qsets: Sequence[QSet], ks: KVSet) -> tuple[tuple[int, Part], ...]:
         """``(q owner, part)`` of every query set's block against a kv set."""
@@ -393,11 +402,10 @@ class _Pass:
             self.cur = r
             if r + 1 < len(rnds):
                 self.post_cross_inputs(rnds[r + 1])
-            earlier, self.deferred_merges = self.deferred_merges, []
+            self.early_merges, self.deferred_merges = self.deferred_merges, []
             self.intra_round(rnd)
             self.return_round(rnd)
-            for payload in earlier:
-                self.b.merge(payload)
+            self.flush_early_merges()
         for payload in self.deferred_merges:
             self.b.merge(payload)
         if self.cross_result is not None:

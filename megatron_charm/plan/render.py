@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cross-level", choices=("auto", "q", "kv"), default="auto")
     ap.add_argument("--heads", type=int, default=8, help="query heads (for cross-level auto)")
     ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
-    add_plan_arguments(ap, keys=("window", "combine_two_nodes", "cross_return"))
+    add_plan_arguments(ap, keys=("window", "combine_two_nodes", "cross_return", "intra_level"))
     ap.add_argument(
         "--validate",
         action="store_true",
@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
         n = args.nodes * args.ranks_per_node
         print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape, args.cross_level))
         return
-    extra = plan_values_from_args(args, keys=("window", "combine_two_nodes", "cross_return"))
+    extra = plan_values_from_args(
+        args, keys=("window", "combine_two_nodes", "cross_return", "intra_level")
+    )
     options = PlanOptions(method=args.method, cross_level=args.cross_level, **extra)
     shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=args.kv_heads or args.heads, d=64)
     layout = Layout(args.nodes, args.ranks_per_node)
@@ -202,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if plan.method == "charm" and layout.num_nodes > 1:
         print(f"across nodes: {plan.cross[0]} (forward), {plan.cross[1]} (backward)")
+    if plan.method == "charm" and layout.ranks_per_node > 2:
+        print(f"inside nodes: {plan.intra[0]} (forward), {plan.intra[1]} (backward)")
     if not args.no_matrix:
         print(block_matrix(plan) + "\n")
     if args.rank is not None:

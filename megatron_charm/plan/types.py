@@ -219,6 +219,8 @@ class Plan:
     ``full`` (see :mod:`megatron_charm.comm.topology`)."""
     cross: tuple[str, str] = ("q", "q")
     """What crosses nodes in the forward and in the backward pass (charm): ``q`` or ``kv``."""
+    intra: tuple[str, str] = ("split", "split")
+    """What charm's ranks exchange inside a node in each pass: ``split`` (RM+) or ``kv``."""
     pattern: frozenset[tuple[int, Part, int, Part]] | None = None
     """The non-empty half blocks ``(q cp_rank, q half, kv cp_rank, kv half)`` of the mask the
     plan was pruned to (:mod:`megatron_charm.plan.prune`); ``None``: a dense plan."""

@@ -39,7 +39,7 @@ from functools import lru_cache
 from megatron_charm.plan import (
     AttnShape,
     PlanOptions,
-    cross_levels,
+    plan_levels,
     plan_with_levels,
     rank_plan,
 )
@@ -107,6 +107,7 @@ def node_programs(
     causal: bool,
     node: int = 0,
     cross: tuple[str, str] | None = None,
+    intra: tuple[str, str] | None = None,
 ) -> ProgramSet:
     """Programs of one node's ranks only (``"symmetric"`` mode, Note [Node symmetry]).
 
@@ -122,10 +123,12 @@ def node_programs(
         )
     p = layout.ranks_per_node
     ranks = range(node * p, (node + 1) * p)
-    if cross is None:
-        cross = cross_levels(options, layout, causal)
+    if cross is None or intra is None:
+        cross, intra = plan_levels(options, layout, causal)
     with collector_paused():  # Note [Pausing the cyclic collector]
-        fwd, bwd = zip(*(rank_plan(options, layout, causal, cross, x) for x in ranks), strict=True)
+        fwd, bwd = zip(
+            *(rank_plan(options, layout, causal, cross, x, intra) for x in ranks), strict=True
+        )
     return ProgramSet(options, layout, causal, tuple(fwd), tuple(bwd), sym)
 
 
@@ -137,8 +140,9 @@ def programs(
     shape: AttnShape | None = None,
 ) -> ProgramSet:
     """Programs to replay for ``options`` on ``layout`` (see :data:`MODES`); ``shape`` decides
-    charm's ``cross_level="auto"`` as :func:`megatron_charm.plan.cross_levels` does."""
-    cross = cross_levels(options, layout, causal, shape)
+    charm's ``cross_level`` and ``intra_level`` ``"auto"`` as
+    :func:`megatron_charm.plan.plan_levels` does."""
+    cross, intra = plan_levels(options, layout, causal, shape)
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
     if mode == "auto":
@@ -147,6 +151,6 @@ def programs(
             "full" if small or symmetry_of(options.method, layout, causal) is None else "symmetric"
         )
     if mode == "symmetric" and layout.num_nodes > 1:
-        return node_programs(options, layout, causal, 0, cross)
-    plan = plan_with_levels(options, layout, causal, cross)
+        return node_programs(options, layout, causal, 0, cross, intra)
+    plan = plan_with_levels(options, layout, causal, cross, intra=intra)
     return ProgramSet(options, layout, causal, plan.forward, plan.backward, "none")

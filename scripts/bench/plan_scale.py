@@ -36,6 +36,7 @@ def _clear() -> None:
     for f in (
         planner.plan_with_levels,
         planner._dense_programs,
+        planner._auto_intra,
         planner.rank_plan,
         fn._checked_rank,
         fn._validated,
@@ -60,7 +61,9 @@ def one_rank(method: str, cp: int) -> float:
         _clear()
         gc.collect()  # the garbage of a previous measurement is not this one's cost
         start = time.perf_counter()
-        fn._checked_rank(PlanOptions(method=method), layout, True, ("q", "q"), x)
+        options = PlanOptions(method=method)
+        cross, intra = planner.plan_levels(options, layout, True)
+        fn._checked_rank(options, layout, True, cross, x, intra)
         worst = max(worst, time.perf_counter() - start)
     return worst
 

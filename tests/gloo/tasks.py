@@ -316,3 +316,25 @@ def dead_rank(ctx, timeout_s: float = 5.0):
     except Exception as exc:  # noqa: BLE001 - the test inspects the type
         return type(exc).__name__, time.monotonic() - start, str(exc)[:300]
     return None, time.monotonic() - start, ""
+
+
+def peak_bytes(ctx, method: str, ranks_per_node: int | None, causal: bool, options=None):
+    """This rank's executor ``peak_buffer_bytes`` of the forward and of the backward (sbhd
+    bf16 inputs, 8 query heads over 4 kv heads)."""
+    import megatron_charm as mc
+    from megatron_charm.plan import PlanOptions
+
+    topo = ctx.topology(ranks_per_node)
+    s_local, b, h, h_kv, d = 8, 2, 8, 4, 8
+    gen = torch.Generator().manual_seed(topo.cp_rank)
+    q, k, v = (
+        torch.randn(s_local, b, n, d, generator=gen).to(torch.bfloat16).requires_grad_()
+        for n in (h, h_kv, h_kv)
+    )
+    plan_options = PlanOptions(method=method, **(options or {}))
+    traces: list = []
+    out = mc.cp_attention(
+        q, k, v, topo, causal=causal, qkv_format="sbhd", trace=traces, options=plan_options
+    )
+    out.float().sum().backward()
+    return [tr.stats.peak_buffer_bytes for tr in traces]

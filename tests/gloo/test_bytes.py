@@ -1,4 +1,5 @@
-"""The executor moves exactly the bytes the planner counts, per rank and channel."""
+"""The executor moves exactly the bytes the planner counts, and holds exactly the memory it
+counts, per rank."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
 from megatron_charm.plan.cost import plan_bytes
+from megatron_charm.plan.memory import pass_memory
 from tests.gloo import tasks
 
 
@@ -41,3 +43,34 @@ def test_head_split_executor_bytes_equal_plan(pools, method, p):
     want_fwd, want_bwd = plan_bytes(plan, shape)
     for x in range(n):
         assert got[x] == [want_fwd[x], want_bwd[x]], f"cp_rank {x}"
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "method,p,options",
+    [
+        ("ring", 4, {}),
+        ("merge", 4, {}),
+        ("rm+", 4, {}),
+        ("all_gather", 4, {}),
+        ("a2a", 4, {}),  # head groups sliced from all heads: send copies
+        ("a2a+p2p", 2, {}),
+        ("charm", 2, {}),
+        ("charm", 4, {"intra_level": "split"}),
+        ("charm", 4, {"intra_level": "kv"}),
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_executor_memory_equals_plan(pools, method, p, options, causal):
+    # Note [Memory of a pass]: the executor's own accounting of what it allocates equals the
+    # planner's replay of the same programs, byte for byte
+    n = 4
+    got = pools(n).run(
+        tasks.peak_bytes, method=method, ranks_per_node=p, causal=causal, options=options
+    )
+    shape = AttnShape(b=2, s_local=8, h=8, h_kv=4, d=8, itemsize=2)
+    plan = build_plan(PlanOptions(method=method, **options), Layout(n // p, p), causal, shape)
+    for x in range(n):
+        want = [pass_memory(plan.programs(bwd)[x], shape, bwd) for bwd in (False, True)]
+        assert got[x] == want, f"cp_rank {x}"
+        assert min(want) > 0

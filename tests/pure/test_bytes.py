@@ -68,7 +68,10 @@ def test_rmplus_totals(n):
 @pytest.mark.parametrize("m,p", [(1, 4), (2, 1), (2, 2), (2, 4), (4, 2), (3, 2), (8, 1)])
 def test_charm_per_rank(m, p):
     fwd, _ = plan_bytes(
-        plan_of("charm", Layout(m, p), False, cross_level="q", cross_return="fp32"), SHAPE
+        plan_of(
+            "charm", Layout(m, p), False, cross_level="q", cross_return="fp32", intra_level="split"
+        ),
+        SHAPE,
     )
     # kv moves once: later rounds (foreign query sets) reuse the kv the first round brought
     rounds = 1
@@ -116,7 +119,10 @@ def test_input_cross_return_halves_cross_returns():
 @pytest.mark.parametrize("m,p", [(2, 1), (2, 2), (2, 4), (4, 2), (3, 2)])
 def test_charm_kv_level_per_rank(m, p):
     fwd, bwd = plan_bytes(
-        plan_of("charm", Layout(m, p), False, cross_level="kv", cross_return="fp32"), SHAPE
+        plan_of(
+            "charm", Layout(m, p), False, cross_level="kv", cross_return="fp32", intra_level="split"
+        ),
+        SHAPE,
     )
     for x in range(m * p):
         tasks = partner_tasks(x % p, p, split=True)

@@ -8,6 +8,7 @@ one-rank check catches what it claims to.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -37,12 +38,15 @@ def _cases():
         for m, p in LAYOUTS:
             for causal in (True, False):
                 crosses = [("q", "q"), ("kv", "kv")] if method == "charm" and m > 1 else [None]
-                for cross in crosses:
+                # Note [Intra level]: from three ranks per node charm may exchange kv only
+                intras = [SPLIT, ("kv", "kv")] if method == "charm" and p > 2 else [SPLIT]
+                for cross, intra in itertools.product(crosses, intras):
                     for cross_return in ("fp32", "input"):
                         for combine in (False, True) if method == "charm" and m == 2 else (False,):
-                            yield method, m, p, causal, cross, cross_return, combine
+                            yield method, m, p, causal, cross, intra, cross_return, combine
 
 
+SPLIT = ("split", "split")
 CASES = list(_cases())
 
 
@@ -54,17 +58,17 @@ def _options(method, cross_return, combine):
 def test_own_wires_equal_the_global_rule(method):
     """Every rank's own wire decisions equal the global copy from sender to receiver."""
     checked = 0
-    for meth, m, p, causal, cross, cross_return, combine in CASES:
+    for meth, m, p, causal, cross, intra, cross_return, combine in CASES:
         if meth != method:
             continue
         options, layout = _options(method, cross_return, combine), Layout(m, p)
         cross = cross or ("q", "q")
-        fwd, bwd = rank_programs(options, layout, causal, range(layout.cp_size), cross)
+        fwd, bwd = rank_programs(options, layout, causal, range(layout.cp_size), cross, intra)
         compact = compact_channels(options)
         for progs, backward in ((fwd, False), (bwd, True)):
             for x, glob in enumerate(assign_wires(progs, backward, compact)):
                 assert own_wires(progs[x], backward, compact) == glob, (
-                    f"{method} {m}x{p} causal={causal} cross={cross} cp_rank {x}"
+                    f"{method} {m}x{p} causal={causal} cross={cross} intra={intra} cp_rank {x}"
                 )
                 checked += 1
     assert checked > 0
@@ -73,15 +77,15 @@ def test_own_wires_equal_the_global_rule(method):
 def test_rank_plan_is_the_plans_program_and_passes_its_check():
     # the wires are proved on every case above; here a smaller grid shows that rank_plan is
     # the plan's program, with the check passing
-    for method, m, p, causal, cross, cross_return, combine in CASES:
+    for method, m, p, causal, cross, intra, cross_return, combine in CASES:
         if (m, p) not in ((1, 5), (2, 1), (2, 3), (3, 2), (2, 4)) or cross_return != "fp32":
             continue
         options, layout = _options(method, cross_return, combine), Layout(m, p)
         cross = cross or cross_levels(options, layout, causal)
-        plan = plan_with_levels(options, layout, causal, cross)
+        plan = plan_with_levels(options, layout, causal, cross, intra=intra)
         compact = compact_channels(options)
         for x in range(layout.cp_size):
-            fwd, bwd = rank_plan(options, layout, causal, cross, x)
+            fwd, bwd = rank_plan(options, layout, causal, cross, x, intra)
             assert (fwd, bwd) == (plan.forward[x], plan.backward[x]), (method, m, p, causal, x)
             check_rank_program(fwd, False, causal, options.seq_layout, compact)
             check_rank_program(bwd, True, causal, options.seq_layout, compact)

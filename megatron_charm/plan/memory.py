@@ -1,0 +1,258 @@
+"""What a pass holds, from its program alone (pure; no torch).
+
+Note [Memory of a pass]
+~~~~~~~~~~~~~~~~~~~~~~~
+The executor allocates, beyond the caller's tensors, five kinds of buffers, each with a lifetime
+that the program fixes (no timing enters):
+
+    received input   Wait ............................ its last use (release_points)
+    receive buffer   Exchange ........ Wait                (then an input or a partial)
+    send copy        Exchange ........ Wait                (casts, head slices, popped results)
+    accumulator      first Compute/Merge ............. sent, or the end of the pass
+    partial          Wait ............ Merge
+    expanded kv      first Compute ................... last Compute (GQA without native GQA)
+
+:func:`pass_memory` replays a program over these rules and returns the largest total after any
+instruction, the number that the executor's ``peak_buffer_bytes`` reports for the same program
+(the gloo tier checks the two are equal). So memory is a property of the plan, like bytes: a
+planner change can be judged, and tested, without running a kernel.
+
+Assumptions, as in the executor: the caller's q, k, v (and the backward's out, dout, lse) are
+contiguous ``[s, b, h, d]`` (``sbhd``; ``bshd`` callers pay layout copies outside these
+buffers); a single computed block is kept in the input dtype (``Accumulator.single_block``) and
+a second contribution makes the accumulator float32 over the union of the parts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from megatron_charm.plan.payloads import AttnShape, group_heads, payload_bytes
+from megatron_charm.plan.types import (
+    Compute,
+    Exchange,
+    Heads,
+    Kind,
+    Merge,
+    Part,
+    Payload,
+    Program,
+    Wait,
+    Wire,
+)
+
+Key = tuple[Kind, int, Heads | None]  # (kind, owner, head group; None: all heads)
+ExpandKey = tuple[int, Heads | None]  # (kv owner, head group)
+
+
+def release_points(program: Program, own: set[Key], backward: bool) -> dict[int, list[Key]]:
+    """Instruction index -> received input keys whose last use is that instruction.
+
+    A key can be received again later (CHARM+ rounds fetch kv anew); each delivery starts a new
+    lifetime that ends at its last use before the next delivery. Head groups of an input in
+    ``own`` are views of it and never released.
+    """
+    qkind = Kind.QB if backward else Kind.Q
+    own_inputs = {(kind, owner) for kind, owner, _ in own}
+    last: dict[Key, int] = {}
+    out: dict[int, list[Key]] = defaultdict(list)
+    recv_keys: dict[int, list[Key]] = {}
+    for i, ins in enumerate(program.instrs):
+        if isinstance(ins, Exchange):
+            recv_keys[ins.handle] = [
+                (op.payload.kind, op.payload.owner, op.payload.heads)
+                for op in ins.ops
+                if not op.send and not op.payload.kind.is_partial
+            ]
+            used = [
+                (op.payload.kind, op.payload.owner, op.payload.heads)
+                for op in ins.ops
+                if op.send and not op.payload.kind.is_partial
+            ]
+        elif isinstance(ins, Wait):
+            for key in recv_keys.get(ins.handle, []):
+                if key in last:
+                    out[last.pop(key)].append(key)
+            used = recv_keys.get(ins.handle, [])
+        elif isinstance(ins, Compute):
+            used = [(qkind, ins.q_owner, ins.heads), (Kind.KV, ins.kv_owner, ins.heads)]
+        else:
+            used = []
+        for key in used:
+            if key[:2] not in own_inputs:
+                last[key] = i
+    for key, i in last.items():
+        out[i].append(key)
+    return out
+
+
+def expansion_drops(program: Program) -> dict[int, list[ExpandKey]]:
+    """Instruction index -> (kv owner, head group) whose head-expanded kv is last used there.
+
+    Note [GQA expansion] (:mod:`megatron_charm.comm.executor`): each delivery of a kv block is
+    expanded at its first compute and dropped after its last compute before the block is
+    delivered again.
+    """
+    last: dict[ExpandKey, int] = {}
+    out: dict[int, list[ExpandKey]] = defaultdict(list)
+    recv_kv: dict[int, list[ExpandKey]] = {}
+    for i, ins in enumerate(program.instrs):
+        if isinstance(ins, Exchange):
+            recv_kv[ins.handle] = [
+                (op.payload.owner, op.payload.heads)
+                for op in ins.ops
+                if not op.send and op.payload.kind == Kind.KV
+            ]
+        elif isinstance(ins, Wait):
+            for owner in recv_kv.get(ins.handle, []):
+                if owner in last:
+                    out[last.pop(owner)].append(owner)
+        elif isinstance(ins, Compute):
+            last[(ins.kv_owner, ins.heads)] = i
+    for owner, i in last.items():
+        out[i].append(owner)
+    return out
+
+
+def own_keys(cp_rank: int, backward: bool) -> set[Key]:
+    """The inputs a rank holds before a pass: its q (backward: its bundle) and its kv."""
+    return {(Kind.QB if backward else Kind.Q, cp_rank, None), (Kind.KV, cp_rank, None)}
+
+
+@dataclass
+class _Acc:
+    part: Part
+    single: bool  # one computed block, kept in the input dtype
+
+
+class _Replay:
+    def __init__(self, program: Program, shape: AttnShape, backward: bool, expand: bool):
+        self.prog, self.shape, self.backward, self.expand = program, shape, backward, expand
+        # received inputs (own ones are the caller's): key -> (part held, bytes)
+        self.inputs: dict[Key, tuple[Part, int]] = {}
+        self.pending: dict[int, int] = {}  # handle -> receive buffers + send copies
+        self.received: dict[int, list[Payload]] = {}
+        self.accs: dict[Key, _Acc] = {}
+        self.partials: dict[tuple[int, Key], int] = {}
+        self.expanded: dict[ExpandKey, int] = {}
+
+    def _bytes(self, kind: Kind, part: Part, heads: Heads | None, wire: Wire) -> int:
+        return payload_bytes(Payload(kind, 0, part, heads), self.shape, wire)
+
+    def _acc_bytes(self, key: Key, acc: _Acc) -> int:
+        kind, _, heads = key
+        return self._bytes(kind, acc.part, heads, Wire.INPUT if acc.single else Wire.FP32)
+
+    def _add(self, key: Key, part: Part, computed: bool) -> None:
+        acc = self.accs.get(key)
+        if acc is None:
+            self.accs[key] = _Acc(part, single=computed)
+        else:
+            acc.part, acc.single = acc.part.union(part), False
+
+    def _send_copy(self, payload: Payload) -> int:
+        """Bytes a non-partial send copies: a head group sliced from an all-heads tensor is
+        strided, so ``contiguous()`` copies it (a received head group is already contiguous)."""
+        heads = payload.heads
+        if heads is None or (payload.kind, payload.owner, heads) in self.inputs:
+            return 0
+        tokens, b = self.shape.tokens(payload.part), self.shape.b
+        if heads.count == 1 or tokens * b == 1:
+            return 0
+        return payload_bytes(payload, self.shape, Wire.INPUT)
+
+    def step(self, ins: object) -> None:
+        if isinstance(ins, Exchange):
+            total, recvs = 0, []
+            for op in ins.ops:
+                p = op.payload
+                if op.send and p.kind.is_partial:
+                    acc = self.accs.pop((p.kind, p.owner, p.heads))
+                    assert acc.part == p.part, (self.prog.cp_rank, p, acc.part)
+                    total += payload_bytes(p, self.shape, op.wire)
+                elif op.send:
+                    total += self._send_copy(p)
+                else:
+                    total += payload_bytes(p, self.shape, op.wire)
+                    recvs.append((p, op.wire))
+            self.pending[ins.handle] = total
+            self.received[ins.handle] = recvs
+        elif isinstance(ins, Wait):
+            del self.pending[ins.handle]
+            for p, wire in self.received.pop(ins.handle):
+                key = (p.kind, p.owner, p.heads)
+                if p.kind.is_partial:
+                    self.partials[(ins.handle, key)] = payload_bytes(p, self.shape, wire)
+                else:
+                    self.inputs[key] = (p.part, payload_bytes(p, self.shape, wire))
+                    if p.kind == Kind.KV:
+                        self.expanded.pop((p.owner, p.heads), None)
+        elif isinstance(ins, Compute):
+            if self.expand and (ins.kv_owner, ins.heads) not in self.expanded:
+                self.expanded[(ins.kv_owner, ins.heads)] = self._expanded_bytes(ins)
+            if self.backward:
+                self._add((Kind.DQ, ins.q_owner, ins.heads), ins.q_part, True)
+                self._add((Kind.DKV, ins.kv_owner, ins.heads), ins.kv_part, True)
+            else:
+                self._add((Kind.O, ins.q_owner, ins.heads), ins.q_part, True)
+        else:
+            assert isinstance(ins, Merge)
+            p = ins.payload
+            key = (p.kind, p.owner, p.heads)
+            del self.partials[(ins.handle, key)]
+            self._add(key, p.part, False)
+
+    def _expanded_bytes(self, c: Compute) -> int:
+        """k and v of the kv set as held here, repeated to the group's query heads."""
+        got = self.inputs.get((Kind.KV, c.kv_owner, c.heads))
+        got = got or self.inputs.get((Kind.KV, c.kv_owner, None))
+        held = Part.FULL if got is None else got[0]  # own kv is held whole
+        h = group_heads(self.shape, c.heads)[0]
+        return 2 * self.shape.tokens(held) * self.shape.b * h * self.shape.d * self.shape.itemsize
+
+    def total(self) -> int:
+        return (
+            sum(b for _, b in self.inputs.values())
+            + sum(self.pending.values())
+            + sum(self._acc_bytes(k, a) for k, a in self.accs.items())
+            + sum(self.partials.values())
+            + sum(self.expanded.values())
+        )
+
+
+def pass_memory(program: Program, shape: AttnShape, backward: bool, expand: bool = False) -> int:
+    """Peak bytes that one rank's pass allocates beyond the caller's tensors (Note [Memory of a
+    pass]); ``shape``: the rank's local problem; ``expand``: the kernel lacks native GQA and
+    the executor repeats kv heads (Note [GQA expansion])."""
+    own = own_keys(program.cp_rank, backward)
+    release = release_points(program, own, backward)
+    drops = expansion_drops(program) if expand else {}
+    run = _Replay(program, shape, backward, expand)
+    peak = 0
+    for i, ins in enumerate(program.instrs):
+        run.step(ins)
+        peak = max(peak, run.total())
+        for key in release.get(i, ()):
+            run.inputs.pop(key, None)
+        for owner in drops.get(i, ()):
+            run.expanded.pop(owner, None)
+    assert not run.pending and not run.partials, f"cp_rank {program.cp_rank}: unfinished pass"
+    return peak
+
+
+def saved_bytes(shape: AttnShape) -> int:
+    """What autograd keeps from the forward for the backward beyond q, k, v: out ``[s, b, h,
+    d]`` in the input dtype and the float32 lse ``[s, b, h]``."""
+    return payload_bytes(Payload(Kind.O, 0, Part.FULL), shape, Wire.INPUT)
+
+
+def attention_memory(
+    forward: Program, backward: Program, shape: AttnShape, expand: bool = False
+) -> dict[str, int]:
+    """One rank's attention memory: ``fwd`` and ``bwd`` pass peaks, ``saved`` (out, lse) and
+    ``peak = max(fwd, saved + bwd)``, as ``megatron-charm-bench memory`` reports them."""
+    fwd = pass_memory(forward, shape, False, expand)
+    bwd = pass_memory(backward, shape, True, expand)
+    saved = saved_bytes(shape)
+    return {"fwd": fwd, "bwd": bwd, "saved": saved, "peak": max(fwd, saved + bwd)}

@@ -1,0 +1,125 @@
+"""The planner's memory replay (Note [Memory of a pass]) and charm's intra level (Note [Intra
+level]). That the replay equals the executor's own accounting is in
+tests/gloo/test_bytes.py::test_executor_memory_equals_plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_charm.bench.memory import SHAPES
+from megatron_charm.plan import (
+    AttnShape,
+    Layout,
+    PlanOptions,
+    build_plan,
+    intra_levels,
+    plan_levels,
+)
+from megatron_charm.plan.builder import ProgramBuilder, recv, send
+from megatron_charm.plan.memory import attention_memory, pass_memory
+from megatron_charm.plan.types import Kind, Part, Payload
+
+SHAPE = AttnShape(b=1, s_local=4, h=2, h_kv=2, d=8, itemsize=2)
+Q_HALF = 2 * 1 * 2 * 8 * 2  # bytes of a bf16 q half: 2 tokens, 2 heads of 8
+LSE_HALF = 2 * 1 * 2 * 4  # its float32 lse
+
+
+def test_a_hand_counted_program():
+    # cp_rank 0 receives kv1's first half (2 q halves' worth), computes against it, sends the
+    # result (one block: bf16 out + f32 lse) and merges one from cp_rank 1
+    b = ProgramBuilder(0)
+    b.exchange("full.kv", [recv(1, Kind.KV, 1, Part.FIRST)])
+    b.compute(0, 1, Part.FIRST, Part.FIRST, False)
+    b.exchange(
+        "full.o",
+        [send(1, Kind.O, 0, Part.FIRST), recv(1, Kind.O, 0, Part.SECOND, held=1)],
+    )
+    b.merge(Payload(Kind.O, 0, Part.SECOND))
+    prog = b.finish()
+    kv = 2 * Q_HALF
+    result = Q_HALF + LSE_HALF
+    # after the compute: kv held (its last use) plus the single-block result
+    # after the exchange: kv released; the result is a send buffer and a receive buffer arrives
+    # after the merge: the received partial becomes a float32 accumulator of one half
+    assert pass_memory(prog, SHAPE, backward=False) == max(kv + result, 2 * result)
+
+
+def test_unfinished_pass_is_an_internal_error():
+    b = ProgramBuilder(0)
+    b.exchange("full.o", [recv(1, Kind.O, 0, Part.FIRST, held=1)])
+    prog = b.finish()  # the receive is waited for but never merged
+    with pytest.raises(AssertionError, match="unfinished"):
+        pass_memory(prog, SHAPE, backward=False)
+
+
+def _peak(method: str, name: str, **options) -> int:
+    m, p, b, seq, h, d, h_kv = SHAPES[name]
+    shape = AttnShape(b, seq // (m * p), h, h_kv, d, 2)
+    plan = build_plan(PlanOptions(method=method, **options), Layout(m, p), True, shape)
+    return max(
+        attention_memory(f, bw, shape)["peak"]
+        for f, bw in zip(plan.forward, plan.backward, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "name,ceiling",
+    [
+        # docs/results/memory.md; the goal is ring + 10%; gpt350m (MHA) is 1.12x
+        ("tiny", 1.0),
+        ("gpt350m", 1.12),
+        ("gpt350m-gqa", 1.10),
+    ],
+)
+def test_charm_memory_against_ring(name, ceiling):
+    assert _peak("charm", name) <= ceiling * _peak("ring", name)
+
+
+def test_gqa_exchanges_kv_inside_the_node_and_mha_keeps_rm_plus_backward():
+    layout = Layout(2, 4)
+    gqa = AttnShape(1, 2048, 16, 4, 64)
+    mha = AttnShape(1, 2048, 16, 16, 64)
+    assert plan_levels(PlanOptions(), layout, True, gqa)[1] == ("kv", "kv")
+    assert plan_levels(PlanOptions(), layout, True, mha)[1][1] == "split"
+    plan = build_plan(PlanOptions(), layout, True, gqa)
+    assert plan.intra == ("kv", "kv")
+    # kv only inside: no query channel in either pass
+    assert "intra.q" not in {c for c, _ in plan.channels}
+
+
+def test_intra_level_choices():
+    cross = ("q", "q")
+    # two ranks per node: one partner, the same schedule either way
+    assert intra_levels(PlanOptions(intra_level="kv"), Layout(2, 2), True, cross) == (
+        "split",
+        "split",
+    )
+    # other methods have their own fixed exchanges
+    assert intra_levels(PlanOptions(method="rm+"), Layout(1, 8), True, cross) == (
+        "split",
+        "split",
+    )
+    for level in ("split", "kv"):
+        got = intra_levels(PlanOptions(intra_level=level), Layout(2, 4), True, cross)
+        assert got == (level, level)
+    with pytest.raises(ValueError, match="intra_level='rm'.*--intra-level"):
+        PlanOptions(intra_level="rm")
+
+
+@pytest.mark.parametrize("h_kv", [16, 4])
+def test_intra_kv_never_moves_more_inside_than_split_where_auto_picks_it(h_kv):
+    from megatron_charm.plan.cost import intra_send_bytes
+
+    layout, shape = Layout(2, 8), AttnShape(1, 2048, 16, h_kv, 64)
+    plans = {
+        lvl: build_plan(PlanOptions(intra_level=lvl), layout, True, shape)
+        for lvl in ("split", "kv")
+    }
+    auto = build_plan(PlanOptions(), layout, True, shape)
+    for i, backward in enumerate((False, True)):
+
+        def busiest(plan, backward=backward):
+            return max(intra_send_bytes(p, layout, shape) for p in plan.programs(backward))
+
+        assert busiest(auto) == min(busiest(plans["split"]), busiest(plans["kv"]))
+        assert busiest(plans[auto.intra[i]]) == busiest(auto)
