@@ -132,8 +132,10 @@ class _Pass:
         # queries kept across rounds, likewise: q owner -> part held here; (peer, owner) -> there
         self.q_here: dict[int, Part] = {}
         self.q_there: dict[tuple[int, int], Part] = {}
-        # Partials for this rank's own q and kv are merged one round late (or at the end), so
-        # that a round never waits for a partner's result it does not need to finish.
+        # Note [Merging a round late]: partials for this rank's own q and kv are merged in the
+        # next round, after its first block (or at the end), so that a round never waits for a
+        # partner's result it does not need to finish; merging then rather than after the next
+        # round frees their receive buffers a round earlier (docs/results/memory.md).
         self.deferred_merges: list[Payload] = []
         self.early_merges: list[Payload] = []
         self.posted_cross: set[int] = set()
