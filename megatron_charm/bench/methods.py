@@ -87,7 +87,14 @@ def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
 
 def plan_options(cfg: dict) -> PlanOptions:
     """The plan options of a benchmark config (its method is set per contender)."""
-    keys = ("window", "combine_two_nodes", "cross_return", "cross_level", "intra_level")
+    keys = (
+        "window",
+        "combine_two_nodes",
+        "cross_return",
+        "cross_level",
+        "intra_level",
+        "memory_budget",
+    )
     return PlanOptions().replace(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
 
 

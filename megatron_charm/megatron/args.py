@@ -164,6 +164,7 @@ def _refuse_charm_flags_without_charm(args: argparse.Namespace) -> None:
             ("--charm-cross-return", _DEFAULTS.cross_return),
             ("--charm-cross-level", _DEFAULTS.cross_level),
             ("--charm-intra-level", _DEFAULTS.intra_level),
+            ("--charm-memory-budget", _DEFAULTS.memory_budget),
             ("--charm-combine-two-nodes", False),
         )
         if getattr(args, flag[2:].replace("-", "_"), default) != default
@@ -406,6 +407,7 @@ def megatron_defaults(names: Sequence[str] | None = None) -> dict[str, Any]:
         "charm_cross_return": _DEFAULTS.cross_return,
         "charm_cross_level": _DEFAULTS.cross_level,
         "charm_intra_level": _DEFAULTS.intra_level,
+        "charm_memory_budget": _DEFAULTS.memory_budget,
         "charm_combine_two_nodes": False,
     }
     return defaults if names is None else {k: defaults[k] for k in names}

@@ -23,7 +23,7 @@ from megatron_charm.plan.layout import (
     sequence_positions,
     zigzag_positions,
 )
-from megatron_charm.plan.memory import pass_memory
+from megatron_charm.plan.memory import attention_memory, pass_memory, saved_bytes
 from megatron_charm.plan.options import METHODS, PlanOptions, check_method
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
@@ -324,7 +324,9 @@ def intra_levels(
     ``auto`` builds both for node 0 of the group (at most four nodes; every node runs the same
     pipeline) and keeps, per pass, the one whose busiest rank sends fewer bytes to its node,
     then the one with the lower attention memory (:mod:`megatron_charm.plan.memory`); a tie
-    keeps ``split``. With at most two ranks per node both are the same schedule.
+    keeps ``split``. Only levels whose attention memory stays within ``options.memory_budget``
+    times ring attention's compete, unless none does. With at most two ranks per node both are
+    the same schedule.
     """
     if options.method != "charm" or layout.ranks_per_node <= 2:
         return ("split", "split")
@@ -344,6 +346,9 @@ def _auto_intra(
 ) -> tuple[str, str]:
     compact = compact_channels(options)
     node0 = range(layout.ranks_per_node)
+    saved = saved_bytes(shape)
+    # (level, backward) -> (busiest rank's node-local bytes, the pass's share of the attention
+    # memory: its peak, plus the saved out and lse in the backward)
     cost: dict[tuple[str, bool], tuple[int, int]] = {}
     with collector_paused():
         for level in ("split", "kv"):
@@ -352,13 +357,28 @@ def _auto_intra(
                 wired = [own_wires(p, backward, compact) for p in progs]
                 cost[(level, backward)] = (
                     max(intra_send_bytes(p, layout, shape) for p in wired),
-                    max(pass_memory(p, shape, backward) for p in wired),
+                    max(pass_memory(p, shape, backward) for p in wired) + saved * backward,
                 )
-    fwd, bwd = (
-        "kv" if cost[("kv", backward)] < cost[("split", backward)] else "split"
-        for backward in (False, True)
+        budget = options.memory_budget * _ring_memory(layout, causal, shape)
+    chosen = []
+    for backward in (False, True):
+        levels = ("split", "kv")  # min() keeps the first of equals: a tie keeps split
+        fits = [lvl for lvl in levels if cost[(lvl, backward)][1] <= budget]
+        chosen.append(min(fits or levels, key=lambda lvl: cost[(lvl, backward)]))
+    return (chosen[0], chosen[1])
+
+
+def _ring_memory(layout: Layout, causal: bool, shape: AttnShape) -> int:
+    """Ring attention's attention memory (pass peaks with the saved out and lse) on ``layout``'s
+    node 0, the reference of ``PlanOptions.memory_budget``."""
+    ring = PlanOptions(method="ring")
+    fwd, bwd = rank_programs(ring, layout, causal, range(layout.ranks_per_node))
+    return max(
+        attention_memory(own_wires(f, False, frozenset()), own_wires(b, True, frozenset()), shape)[
+            "peak"
+        ]
+        for f, b in zip(fwd, bwd, strict=True)
     )
-    return (fwd, bwd)
 
 
 __all__ = [

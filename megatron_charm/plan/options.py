@@ -86,6 +86,12 @@ class PlanOptions:
     rank's node-local links, then holds less memory (GQA models exchange kv, whose heads are
     fewer). Matters from three ranks per node on (Note [Intra level])."""
 
+    memory_budget: float = 1.1
+    """The attention memory (a pass's peak buffers, plus the out and lse saved for the backward)
+    that charm's ``auto`` choices may use, as a multiple of ring attention's on the same problem
+    (> 0). Choices within it are ranked by bytes; only if none fits does the one with fewer bytes
+    win regardless. Lower trades node-local bytes for memory (docs/results/memory.md)."""
+
     def __post_init__(self) -> None:
         check_method(self.method)
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
@@ -107,6 +113,12 @@ class PlanOptions:
             raise ValueError(
                 f"intra_level={self.intra_level!r}: expected one of {', '.join(INTRA_LEVELS)} "
                 "(set intra_level= / --intra-level)"
+            )
+        budget = self.memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
+            raise ValueError(
+                f"memory_budget={budget!r}: expected a number > 0, a multiple of ring "
+                "attention's memory (set memory_budget= / --memory-budget)"
             )
         if not isinstance(self.combine_two_nodes, bool):
             raise ValueError(
@@ -141,6 +153,7 @@ FLAG_HELP: dict[str, str] = {
     "cross_return": "plan option: precision of charm's node-merged results crossing nodes",
     "cross_level": "plan option: what charm ships across nodes (q, kv, or auto: fewer bytes)",
     "intra_level": "plan option: what charm exchanges inside a node (split: RM+, kv, or auto)",
+    "memory_budget": "plan option: attention memory auto choices may use, x ring's (> 0)",
     "combine_two_nodes": "plan option: charm on two nodes as one pipeline (paper Algorithm 2)",
 }
 
@@ -165,6 +178,13 @@ def add_plan_arguments(parser, prefix: str = "", keys: tuple[str, ...] = tuple(F
         elif key == "window":
             parser.add_argument(
                 flag_name(key, prefix), type=int, default=defaults.window, help=FLAG_HELP[key]
+            )
+        elif key == "memory_budget":
+            parser.add_argument(
+                flag_name(key, prefix),
+                type=float,
+                default=defaults.memory_budget,
+                help=FLAG_HELP[key],
             )
         else:
             parser.add_argument(

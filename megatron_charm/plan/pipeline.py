@@ -43,6 +43,10 @@ from megatron_charm.plan.layout import block_parts
 from megatron_charm.plan.partners import PartnerTask, partner_tasks
 from megatron_charm.plan.types import Kind, Layout, Part, Payload, Program
 
+#: Partner tasks between receiving a partner's partial and merging it (Note [Merging a round
+#: late], where the trade-off is measured).
+MERGE_LAG = 1
+
 QSet = tuple[int, Part]  # (q owner, part of its local sequence that a round covers)
 KVSet = tuple[int, Part]  # (kv owner, part) that a rank hosts in a round
 Slot = tuple[int, int]  # (node offset, piece index): one foreign piece of a round
@@ -132,10 +136,14 @@ class _Pass:
         # queries kept across rounds, likewise: q owner -> part held here; (peer, owner) -> there
         self.q_here: dict[int, Part] = {}
         self.q_there: dict[tuple[int, int], Part] = {}
-        # Note [Merging a round late]: partials for this rank's own q and kv are merged in the
+        # Note [Merging a round late]: a partner's partial is merged one partner task after the
+        # task that receives it (MERGE_LAG), which gives the partner a block's time to send it;
+        # the partials of a round's last task for this rank's own q and kv are merged in the
         # next round, after its first block (or at the end), so that a round never waits for a
-        # partner's result it does not need to finish; merging then rather than after the next
-        # round frees their receive buffers a round earlier (docs/results/memory.md).
+        # result it does not need to finish. Merging them all after the next round kept every
+        # partner's receive buffer alive through a second round: at 2 x 8 (GQA 4:1) attention
+        # memory was 1.50x ring's, now 1.12x; the simulator charges the backward 0.2-1.5% for
+        # the earlier waits on H100 and L20 (lag 2: 1.23x, at most 0.4%).
         self.deferred_merges: list[Payload] = []
         self.early_merges: list[Payload] = []
         self.posted_cross: set[int] = set()
@@ -435,17 +443,21 @@ class _Pass:
         for qs in my_qs:
             if qs[0] != self.x:
                 self.compute(qs, my_kv)
-        returns: list[Payload] = []
+        # Note [Merging a round late]
+        lagging: list[list[Payload]] = []
         # Compute order: by level, q exchanges first (their outputs must travel back), then by j.
         for task in sorted(window.tasks, key=lambda t: (t.level, t.exchange_kv, t.j)):
             window.top_up()
             if task.exchange_kv:
-                returns += self.kv_partner_blocks(task, rnd, my_qs, my_kv)
+                lagging.append(self.kv_partner_blocks(task, rnd, my_qs, my_kv))
             else:
-                returns += self.q_partner_blocks(task, rnd, my_qs, my_kv)
+                lagging.append(self.q_partner_blocks(task, rnd, my_qs, my_kv))
             window.done["kv" if task.exchange_kv else "q"] += 1
+            if len(lagging) > MERGE_LAG:
+                for p in lagging.pop(0):
+                    self.b.merge(p)
         # a foreign set's partials must be merged before its result crosses back
-        for p in returns:
+        for p in (p for returns in lagging for p in returns):
             if p.owner == self.x:
                 self.deferred_merges.append(p)
             else:

@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cross-level", choices=("auto", "q", "kv"), default="auto")
     ap.add_argument("--heads", type=int, default=8, help="query heads (for cross-level auto)")
     ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
-    add_plan_arguments(ap, keys=("window", "combine_two_nodes", "cross_return", "intra_level"))
+    keys = ("window", "combine_two_nodes", "cross_return", "intra_level", "memory_budget")
+    add_plan_arguments(ap, keys=keys)
     ap.add_argument(
         "--validate",
         action="store_true",
@@ -185,9 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         n = args.nodes * args.ranks_per_node
         print(bytes_table(n, args.ranks_per_node, not args.non_causal, shape, args.cross_level))
         return
-    extra = plan_values_from_args(
-        args, keys=("window", "combine_two_nodes", "cross_return", "intra_level")
-    )
+    extra = plan_values_from_args(args, keys=keys)
     options = PlanOptions(method=args.method, cross_level=args.cross_level, **extra)
     shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=args.kv_heads or args.heads, d=64)
     layout = Layout(args.nodes, args.ranks_per_node)

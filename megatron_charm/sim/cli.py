@@ -26,7 +26,7 @@ from megatron_charm.sim.programs import MODES
 from megatron_charm.sim.topology import CROSS_LINKS, FABRICS, PRESETS, Topology, parse_gpus
 
 #: The plan options the simulator takes as flags.
-SIM_PLAN_OPTIONS = ("window", "cross_level", "intra_level")
+SIM_PLAN_OPTIONS = ("window", "cross_level", "intra_level", "memory_budget")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,14 @@ from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.topology import Topology
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-PLAN_KEYS = ("window", "combine_two_nodes", "cross_return", "cross_level", "intra_level")
+PLAN_KEYS = (
+    "window",
+    "combine_two_nodes",
+    "cross_return",
+    "cross_level",
+    "intra_level",
+    "memory_budget",
+)
 
 
 @dataclass(frozen=True)

@@ -62,25 +62,29 @@ def _peak(method: str, name: str, **options) -> int:
     )
 
 
-@pytest.mark.parametrize(
-    "name,ceiling",
-    [
-        # docs/results/memory.md; the goal is ring + 10%; gpt350m (MHA) is 1.12x
-        ("tiny", 1.0),
-        ("gpt350m", 1.12),
-        ("gpt350m-gqa", 1.10),
-    ],
-)
+@pytest.mark.parametrize("name,ceiling", [("tiny", 1.0), ("gpt350m", 1.10), ("gpt350m-gqa", 1.10)])
 def test_charm_memory_against_ring(name, ceiling):
+    # docs/results/memory.md: the goal is ring + 10% at the paper's shapes, with the defaults
     assert _peak("charm", name) <= ceiling * _peak("ring", name)
 
 
-def test_gqa_exchanges_kv_inside_the_node_and_mha_keeps_rm_plus_backward():
+def test_memory_budget_trades_bytes_for_memory():
+    # GPT-350M (MHA) on 2 x 4: RM+ inside the node moves fewer bytes backward (74 vs 84 MB on
+    # the busiest rank) but holds 1.12x ring's memory; the default budget (1.1x) takes kv only
+    loose = _peak("charm", "gpt350m", memory_budget=10.0)
+    assert loose > 1.10 * _peak("ring", "gpt350m")
+    assert _peak("charm", "gpt350m") < loose
+    for bad in (0, -1.0, True, "1.1"):
+        with pytest.raises(ValueError, match="memory_budget=.*--memory-budget"):
+            PlanOptions(memory_budget=bad)
+
+
+def test_gqa_exchanges_kv_inside_the_node_and_mha_keeps_rm_plus_backward_by_bytes():
     layout = Layout(2, 4)
     gqa = AttnShape(1, 2048, 16, 4, 64)
     mha = AttnShape(1, 2048, 16, 16, 64)
     assert plan_levels(PlanOptions(), layout, True, gqa)[1] == ("kv", "kv")
-    assert plan_levels(PlanOptions(), layout, True, mha)[1][1] == "split"
+    assert plan_levels(PlanOptions(memory_budget=10.0), layout, True, mha)[1][1] == "split"
     plan = build_plan(PlanOptions(), layout, True, gqa)
     assert plan.intra == ("kv", "kv")
     # kv only inside: no query channel in either pass
@@ -107,7 +111,7 @@ def test_intra_level_choices():
 
 
 @pytest.mark.parametrize("h_kv", [16, 4])
-def test_intra_kv_never_moves_more_inside_than_split_where_auto_picks_it(h_kv):
+def test_auto_intra_level_takes_fewer_node_local_bytes_without_a_memory_limit(h_kv):
     from megatron_charm.plan.cost import intra_send_bytes
 
     layout, shape = Layout(2, 8), AttnShape(1, 2048, 16, h_kv, 64)
@@ -115,7 +119,8 @@ def test_intra_kv_never_moves_more_inside_than_split_where_auto_picks_it(h_kv):
         lvl: build_plan(PlanOptions(intra_level=lvl), layout, True, shape)
         for lvl in ("split", "kv")
     }
-    auto = build_plan(PlanOptions(), layout, True, shape)
+    # with no memory limit, auto takes the level with fewer node-local bytes per pass
+    auto = build_plan(PlanOptions(memory_budget=10.0), layout, True, shape)
     for i, backward in enumerate((False, True)):
 
         def busiest(plan, backward=backward):
