@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_charm.plan import PlanOptions, sequence_positions
 from megatron_charm.plan.docmask import DocMask
+from megatron_charm.plan.options import PLAN_KEYS
 
 OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig")
 BASELINES = ("ring-flash", "te-p2p")
@@ -87,15 +88,7 @@ def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
 
 def plan_options(cfg: dict) -> PlanOptions:
     """The plan options of a benchmark config (its method is set per contender)."""
-    keys = (
-        "window",
-        "combine_two_nodes",
-        "cross_return",
-        "cross_level",
-        "intra_level",
-        "memory_budget",
-    )
-    return PlanOptions().replace(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
+    return PlanOptions().replace(**{k: cfg[k] for k in PLAN_KEYS if cfg.get(k) is not None})
 
 
 def doc_mask(cfg: dict, seq: int) -> DocMask | None:

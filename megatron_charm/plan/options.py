@@ -147,6 +147,9 @@ class PlanOptions:
         return cls(**values)  # type: ignore[arg-type]
 
 
+#: Every plan option but the method (which each tool sets per contender), in declaration order.
+PLAN_KEYS: tuple[str, ...] = tuple(f.name for f in fields(PlanOptions) if f.name != "method")
+
 #: Help of each plan option's command-line flag (every CLI that takes plan options uses these).
 FLAG_HELP: dict[str, str] = {
     "window": "plan option: exchanges in flight per channel in the pipelines (>= 1)",

@@ -82,6 +82,13 @@ class PipelineConfig:
     crosses once to its counterpart and is shared inside the node; see Note [Cross level])."""
 
 
+@functools.lru_cache(maxsize=16)
+def _shared_memo(layout: Layout, causal: bool, cfg: PipelineConfig) -> dict[tuple, object]:
+    """The memo of :class:`_Pass`'s pure lookups (pieces, query and kv sets, blocks) for one
+    layout, mask rule and config; a whole plan asks each of them once per rank."""
+    return {}
+
+
 def foreign_q_part(q_owner: int, node: int, layout: Layout, causal: bool) -> Part:
     """Part of q of ``q_owner`` that node ``node``'s kv can see (union over the node's ranks)."""
     first, last = layout.rank(node, 0), layout.rank(node, layout.ranks_per_node - 1)
@@ -153,8 +160,9 @@ class _Pass:
         self.cross_handle: dict[int, int] = {}
         self.ahead_cache: dict[tuple, list[Part | None]] = {}
         # Pure lookups that every round repeats for every partner (hundreds of thousands of
-        # calls per program at CP 128): memoised per pass.
-        self._memo: dict[tuple, object] = {}
+        # calls per program at CP 128); none depends on this rank, so one memo serves every
+        # rank's passes of the same layout and config.
+        self._memo = _shared_memo(layout, causal, cfg)
 
     # --- query sets, kv sets and rounds (identical for all ranks of a node) --------------------
 

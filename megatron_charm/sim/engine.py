@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
-from megatron_charm.plan.types import Compute, Exchange, Merge, Program, Wait, Wire
+from megatron_charm.plan.types import Compute, Exchange, Merge, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import Topology
@@ -159,6 +159,7 @@ class Engine:
         self._links: dict[tuple[int, int], tuple] = {}
         self._blocks: dict[tuple, float] = {}
         self._capacity: dict[tuple[str, int], float] = {}
+        self._merges: dict[Payload, float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
 
     # -- compilation ----------------------------------------------------------------------------
@@ -188,7 +189,8 @@ class Engine:
         costs: list[object] = []
         # Sizes, link facts and block times repeat across the program: computed once per pass
         # (a block's time depends on its parts, mask and heads only, in every compute model).
-        sizes, links, blocks = self._sizes, self._links, self._blocks
+        sizes, links, blocks, merges = self._sizes, self._links, self._blocks, self._merges
+        flat = self.progs.symmetry == "none"
         exact, unmatched_cross = self.progs.exact, self.progs.unmatched_cross
         for ins in prog.instrs:
             if isinstance(ins, Exchange):
@@ -216,7 +218,9 @@ class Engine:
                     # else: approximate symmetric replay: this side stands for a different copy
                     # of the transfer class than the sender's side (parts differ between nodes
                     # under causal attention); a matched class takes the larger size.
-                    key = self._key(ins.channel, src, dst, n)
+                    key = (
+                        (ins.channel, src, dst, n) if flat else self._key(ins.channel, src, dst, n)
+                    )
                     if unmatched_cross and not topo.same_node(src, dst):
                         # Approximate symmetric replay of causal charm: nodes differ in how
                         # many transfers a class has, so a cross-node transfer is not matched;
@@ -234,8 +238,11 @@ class Engine:
                     took = blocks[block_key] = self.compute.block_time(ins, shape, self.backward)
                 costs.append(took)
             elif isinstance(ins, Merge):
-                nbytes = payload_bytes(ins.payload, shape, Wire.FP32)
-                costs.append(self.compute.reduce_time(nbytes))
+                took = merges.get(ins.payload)
+                if took is None:
+                    nbytes = payload_bytes(ins.payload, shape, Wire.FP32)
+                    took = merges[ins.payload] = self.compute.reduce_time(nbytes)
+                costs.append(took)
             else:
                 costs.append(None)
         return costs

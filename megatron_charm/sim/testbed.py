@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass
 
 from megatron_charm.plan import METHODS, PlanOptions
+from megatron_charm.plan.options import PLAN_KEYS
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Kind, Layout, Part, Payload, Wire
 from megatron_charm.sim.compute import CalibratedCompute, ComputeModel
@@ -40,14 +41,6 @@ from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.topology import Topology
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-PLAN_KEYS = (
-    "window",
-    "combine_two_nodes",
-    "cross_return",
-    "cross_level",
-    "intra_level",
-    "memory_budget",
-)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import time
 
 import megatron_charm.function as fn
 from megatron_charm import plan as planner
-from megatron_charm.plan import Layout, PlanOptions, build_plan
+from megatron_charm.plan import Layout, PlanOptions, build_plan, pipeline
 from megatron_charm.plan.validate import validate
 from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
@@ -37,6 +37,7 @@ def _clear() -> None:
         planner.plan_with_levels,
         planner._dense_programs,
         planner._auto_intra,
+        pipeline._shared_memo,
         planner.rank_plan,
         fn._checked_rank,
         fn._validated,
