@@ -35,6 +35,8 @@ REPORTED = (
     "charm_window",
     "charm_cross_return",
     "charm_cross_level",
+    "charm_intra_level",
+    "charm_memory_budget",
     "charm_combine_two_nodes",
     "charm_model_builder",
     "distributed_timeout_minutes",

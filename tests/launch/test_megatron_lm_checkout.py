@@ -79,6 +79,10 @@ CASES: dict[str, dict] = {
             "input",
             "--charm-cross-level",
             "kv",
+            "--charm-intra-level",
+            "split",
+            "--charm-memory-budget",
+            "1.5",
             "--charm-node-split",
             "numa",
             "--charm-ranks-per-node",
@@ -239,6 +243,8 @@ def test_patched_builder_swaps_in_charm_with_the_flags(probe):
         "combine_two_nodes": True,
         "cross_return": "input",
         "cross_level": "kv",
+        "intra_level": "split",
+        "memory_budget": 1.5,
     }
     _ok(probe, "timeout")
     assert probe["timeout"]["core_attention"]["params"]["timeout_s"] == 180
@@ -256,7 +262,9 @@ def test_plan_flags_reach_the_args(probe):
         args["charm_window"],
         args["charm_cross_return"],
         args["charm_cross_level"],
+        args["charm_intra_level"],
+        args["charm_memory_budget"],
         args["charm_node_split"],
         args["charm_ranks_per_node"],
         args["charm_combine_two_nodes"],
-    ) == (3, "input", "kv", "numa", 4, True)
+    ) == (3, "input", "kv", "split", 1.5, "numa", 4, True)
