@@ -82,7 +82,7 @@ def _checked_rank(
     causal: bool,
     cross: tuple[str, str],
     cp_rank: int,
-    intra: tuple[str, str] = ("split", "split"),
+    intra: tuple[str, str],
 ) -> tuple[Program, Program]:
     fwd, bwd = rank_plan(options, layout, causal, cross, cp_rank, intra)
     compact = compact_channels(options)
@@ -98,7 +98,7 @@ def _validated(
     causal: bool,
     cross: tuple[str, str],
     pattern: frozenset | None,
-    intra: tuple[str, str] = ("split", "split"),
+    intra: tuple[str, str],
 ) -> Plan:
     plan = plan_with_levels(options, layout, causal, cross, pattern, intra)
     validate(plan)

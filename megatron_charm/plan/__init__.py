@@ -373,12 +373,12 @@ def _ring_memory(layout: Layout, causal: bool, shape: AttnShape) -> int:
     node 0, the reference of ``PlanOptions.memory_budget``."""
     ring = PlanOptions(method="ring")
     fwd, bwd = rank_programs(ring, layout, causal, range(layout.ranks_per_node))
-    return max(
-        attention_memory(own_wires(f, False, frozenset()), own_wires(b, True, frozenset()), shape)[
-            "peak"
-        ]
+    compact = compact_channels(ring)
+    peaks = [
+        attention_memory(own_wires(f, False, compact), own_wires(b, True, compact), shape)["peak"]
         for f, b in zip(fwd, bwd, strict=True)
-    )
+    ]
+    return max(peaks)
 
 
 __all__ = [

@@ -124,6 +124,7 @@ def own_keys(cp_rank: int, backward: bool) -> set[Key]:
 class _Acc:
     part: Part
     single: bool  # one computed block, kept in the input dtype
+    nbytes: int
 
 
 class _Replay:
@@ -132,24 +133,23 @@ class _Replay:
         # received inputs (own ones are the caller's): key -> (part held, bytes)
         self.inputs: dict[Key, tuple[Part, int]] = {}
         self.pending: dict[int, int] = {}  # handle -> receive buffers + send copies
-        self.received: dict[int, list[Payload]] = {}
+        self.received: dict[int, list[tuple[Payload, Wire]]] = {}
         self.accs: dict[Key, _Acc] = {}
         self.partials: dict[tuple[int, Key], int] = {}
         self.expanded: dict[ExpandKey, int] = {}
 
-    def _bytes(self, kind: Kind, part: Part, heads: Heads | None, wire: Wire) -> int:
-        return payload_bytes(Payload(kind, 0, part, heads), self.shape, wire)
-
-    def _acc_bytes(self, key: Key, acc: _Acc) -> int:
+    def _acc_bytes(self, key: Key, part: Part, single: bool) -> int:
         kind, _, heads = key
-        return self._bytes(kind, acc.part, heads, Wire.INPUT if acc.single else Wire.FP32)
+        wire = Wire.INPUT if single else Wire.FP32
+        return payload_bytes(Payload(kind, 0, part, heads), self.shape, wire)
 
     def _add(self, key: Key, part: Part, computed: bool) -> None:
         acc = self.accs.get(key)
         if acc is None:
-            self.accs[key] = _Acc(part, single=computed)
-        else:
+            self.accs[key] = _Acc(part, computed, self._acc_bytes(key, part, computed))
+        elif acc.single or not acc.part.contains(part):
             acc.part, acc.single = acc.part.union(part), False
+            acc.nbytes = self._acc_bytes(key, acc.part, False)
 
     def _send_copy(self, payload: Payload) -> int:
         """Bytes a non-partial send copies: a head group sliced from an all-heads tensor is
@@ -215,7 +215,7 @@ class _Replay:
         return (
             sum(b for _, b in self.inputs.values())
             + sum(self.pending.values())
-            + sum(self._acc_bytes(k, a) for k, a in self.accs.items())
+            + sum(a.nbytes for a in self.accs.values())
             + sum(self.partials.values())
             + sum(self.expanded.values())
         )

@@ -190,7 +190,6 @@ class Engine:
         # Sizes, link facts and block times repeat across the program: computed once per pass
         # (a block's time depends on its parts, mask and heads only, in every compute model).
         sizes, links, blocks, merges = self._sizes, self._links, self._blocks, self._merges
-        flat = self.progs.symmetry == "none"
         exact, unmatched_cross = self.progs.exact, self.progs.unmatched_cross
         for ins in prog.instrs:
             if isinstance(ins, Exchange):
@@ -218,9 +217,7 @@ class Engine:
                     # else: approximate symmetric replay: this side stands for a different copy
                     # of the transfer class than the sender's side (parts differ between nodes
                     # under causal attention); a matched class takes the larger size.
-                    key = (
-                        (ins.channel, src, dst, n) if flat else self._key(ins.channel, src, dst, n)
-                    )
+                    key = self._key(ins.channel, src, dst, n)
                     if unmatched_cross and not topo.same_node(src, dst):
                         # Approximate symmetric replay of causal charm: nodes differ in how
                         # many transfers a class has, so a cross-node transfer is not matched;
