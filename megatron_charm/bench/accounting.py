@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from megatron_charm.plan import Layout, PlanOptions, build_plan, plan_levels, plan_with_levels
 from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
+from megatron_charm.plan.types import Kind, Plan
 from megatron_charm.plan.validate import Report, validate
+from megatron_charm.sim.compute import block_area
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,25 @@ def classify(report: Report, shape: AttnShape, layout: Layout, topology: str) ->
     return LinkBytes(intra, cross, max(links.values(), default=0))
 
 
+def method_plan(
+    method: str,
+    layout: Layout,
+    causal: bool,
+    shape: AttnShape,
+    options: PlanOptions | None = None,
+    mask: DocMask | None = None,
+) -> Plan:
+    """The plan of ``method`` on ``layout`` with ``options`` (its method replaced), as
+    ``cp_attention`` builds it (pruned to ``mask`` if given)."""
+    options = (options or PlanOptions()).replace(method=method)
+    if mask is None:
+        return build_plan(options, layout, causal, shape)
+    model = mask.model(layout.cp_size, causal)
+    dense = model.dense_causal
+    cross, intra = plan_levels(options, layout, dense, shape)
+    return plan_with_levels(options, layout, dense, cross, model.pattern, intra)
+
+
 def method_bytes(
     method: str,
     layout: Layout,
@@ -61,15 +82,7 @@ def method_bytes(
 ) -> dict[str, LinkBytes]:
     """``{"fwd": LinkBytes, "bwd": LinkBytes}`` of ``method`` on ``layout`` with ``options``
     (its method replaced), as ``cp_attention`` plans it (pruned to ``mask`` if given)."""
-    options = (options or PlanOptions()).replace(method=method)
-    if mask is None:
-        plan = build_plan(options, layout, causal, shape)
-    else:
-        model = mask.model(layout.cp_size, causal)
-        dense = model.dense_causal
-        cross, intra = plan_levels(options, layout, dense, shape)
-        plan = plan_with_levels(options, layout, dense, cross, model.pattern, intra)
-    fwd, bwd = validate(plan)
+    fwd, bwd = validate(method_plan(method, layout, causal, shape, options, mask))
     return {
         "fwd": classify(fwd, shape, layout, topology),
         "bwd": classify(bwd, shape, layout, topology),
@@ -105,3 +118,96 @@ def lower_bound_s(compute_s: float, max_cross_link_bytes: int, cross_bps: float)
     if cross_bps <= 0:
         return compute_s
     return max(compute_s, max_cross_link_bytes * 8 / cross_bps)
+
+
+_INPUTS = (Kind.Q, Kind.QB, Kind.KV)
+
+
+def dependency_bound_s(
+    plan: Plan,
+    backward: bool,
+    shape: AttnShape,
+    topology: str,
+    compute_s: float,
+    cross_bps: float,
+) -> float:
+    """Note [The dependency-aware bound]: a lower bound on one pass of ``plan``, in seconds.
+
+    The byte bound (:func:`lower_bound_s`) lets both directions of a cross link be busy from
+    the first to the last microsecond. A result cannot leave before the input it answers
+    arrived and was computed::
+
+        node B ──q1──q2──q3──────────────▶ node A      inputs: I bytes on the link
+        node B ◀──────────o1────o2────o3── node A      results: R bytes back
+               |first q|c|    R / rate   |
+               |      I / rate     |c|o3|
+
+    So, with ``c`` the smallest block computed on a foreign input and ``rate`` the link's, the
+    pass takes at least the largest of:
+
+    * the slowest rank's pure compute time (``compute_s``);
+    * every directed cross link's bytes / rate;
+    * for a link ``A -> B`` that carries results owned by node ``B``: the smallest input piece
+      that crossed from ``B`` to ``A`` / rate + ``c`` + those results / rate (first-piece
+      latency);
+    * for a link ``B -> A`` that carries inputs owned by node ``B`` whose owners get results
+      back from ``A``: those inputs / rate + ``c`` + the smallest such result / rate (last-piece
+      compute).
+
+    Inputs are ``q``, ``kv`` and the backward query bundle; results are partial ``o``, ``dq``
+    and ``dkv``. Every CHARM+ plan answers each input that crosses with a result that crosses
+    back (or, for kv in the forward, returns nothing, and only the byte terms apply). The piece
+    sizes are the plan's, so the bound is that of the plan's decomposition (halves today).
+    ``c`` is ``compute_s`` scaled by the block's share of the busiest rank's blocks. Link
+    latency and intra-node links are taken as free. ``cross_bps <= 0``: compute only.
+    """
+    if cross_bps <= 0:
+        return compute_s
+    layout = plan.layout
+    programs = plan.programs(backward)
+    areas = [sum(block_area(c, shape) for c in prog.computes()) for prog in programs]
+    sec_per_area = compute_s / max(max(areas), 1e-30)
+    foreign = [
+        block_area(c, shape)
+        for prog in programs
+        for c in prog.computes()
+        if layout.node(prog.cp_rank) not in (layout.node(c.q_owner), layout.node(c.kv_owner))
+        or layout.node(c.q_owner) != layout.node(c.kv_owner)
+    ]
+    c_min = min(foreign, default=0.0) * sec_per_area
+    report = validate(plan)[1 if backward else 0]
+    byte_s = 8 / cross_bps
+    links: dict[tuple[int, int, int], int] = defaultdict(int)
+    results: dict[tuple[int, int, int], int] = defaultdict(int)
+    inputs: dict[tuple[int, int, int], int] = defaultdict(int)
+    first_in: dict[tuple[int, int], int] = {}  # (from node, to node) -> smallest input piece
+    last_out: dict[tuple[int, int], int] = {}  # (from node, to node) -> smallest result piece
+    answered: set[tuple[int, int]] = set()  # (owner, node that returns its results)
+    for rec in report.sends:
+        src, dst = layout.node(rec.cp_rank), layout.node(rec.peer)
+        if src == dst:
+            continue
+        nbytes = payload_bytes(rec.payload, shape, rec.wire)
+        link = (src, dst, layout.local(rec.peer) if topology == "rails" else 0)
+        links[link] += nbytes
+        owner_node = layout.node(rec.payload.owner)
+        if rec.payload.kind.is_partial and owner_node == dst:
+            results[link] += nbytes
+            last_out[(src, dst)] = min(last_out.get((src, dst), nbytes), nbytes)
+            answered.add((rec.payload.owner, src))
+    for rec in report.sends:
+        src, dst = layout.node(rec.cp_rank), layout.node(rec.peer)
+        if src == dst or rec.payload.kind not in _INPUTS or layout.node(rec.payload.owner) != src:
+            continue
+        if (rec.payload.owner, dst) not in answered:
+            continue
+        nbytes = payload_bytes(rec.payload, shape, rec.wire)
+        inputs[(src, dst, layout.local(rec.peer) if topology == "rails" else 0)] += nbytes
+        first_in[(src, dst)] = min(first_in.get((src, dst), nbytes), nbytes)
+    terms = [compute_s, *(b * byte_s for b in links.values())]
+    for (a, b, _), r in results.items():
+        if (b, a) in first_in:
+            terms.append(first_in[(b, a)] * byte_s + c_min + r * byte_s)
+    for (b, a, _), i in inputs.items():
+        terms.append(i * byte_s + c_min + last_out[(a, b)] * byte_s)
+    return max(terms)
