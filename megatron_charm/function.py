@@ -12,6 +12,7 @@ from megatron_charm.comm.buffers import TensorSpace, final_tensors
 from megatron_charm.comm.executor import ProgramRunner, RunTrace
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel, select_kernel
+from megatron_charm.kernels.delta import row_delta
 from megatron_charm.plan import (
     METHODS,
     AttnShape,
@@ -238,7 +239,8 @@ def backward_pass(
     )
     x = topo.cp_rank
     inputs = {
-        (Kind.QB, x, None): (Part.FULL, [q, out, dout.contiguous(), lse]),
+        # Note [The backward bundle]: delta in place of out
+        (Kind.QB, x, None): (Part.FULL, [q, dout.contiguous(), lse, row_delta(out, dout)]),
         (Kind.KV, x, None): (Part.FULL, [k, v]),
     }
     runner = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace, mask)

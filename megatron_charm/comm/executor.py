@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_charm.comm.buffers import Accumulator, TensorSpace, part_of
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel
+from megatron_charm.kernels.delta import out_for_delta
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
 from megatron_charm.plan.docmask import MaskModel
@@ -234,7 +235,8 @@ class ProgramRunner:
             acc = self._accumulator(Kind.O, c.q_owner, c.heads)
             acc.add(c.q_part, [out, lse], computed=True)
             return
-        q, out, dout, lse = q_in
+        q, dout, lse, delta = q_in
+        out = out_for_delta(dout, delta)  # Note [The backward bundle]
         if spans is None:
             dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
         else:

@@ -312,7 +312,7 @@ def intra_levels(
     ~~~~~~~~~~~~~~~~~~
     RM+ (``split``, the paper's Algorithm 1) swaps kv with some partners and queries with the
     others, on two channels; a query exchange also returns the partner's results, and in the
-    backward the query travels as a bundle (q, out, dout, lse). The merge mechanism (``kv``)
+    backward the query travels as a bundle (q, dout, lse, delta). The merge mechanism (``kv``)
     swaps kv with every partner and returns dk/dv. With multi-head attention the two are close;
     with GQA a kv pair is ``2 / g`` of a query, so kv exchanges move a fraction of the bytes
     and hold a fraction of the buffers (2 x 4 ranks, GQA 4:1: 84 against 146 MB inside the
@@ -321,8 +321,9 @@ def intra_levels(
         split:  x <-kv-> y   x <-q/bundle-> z, results back     (two channels)
         kv:     x <-kv-> y   x <-kv-> z, dk/dv back             (one channel)
 
-    ``auto`` builds both for node 0 of the group (at most four nodes; every node runs the same
-    pipeline) and keeps, per pass, the one whose busiest rank sends fewer bytes to its node,
+    ``auto`` builds both for the first and the last node of the group (at most four nodes;
+    every node runs the same pipeline, on loads that causal masking makes differ between nodes)
+    and keeps, per pass, the one whose busiest rank sends fewer bytes to its node,
     then the one with the lower attention memory (:mod:`megatron_charm.plan.memory`); a tie
     keeps ``split``. Only levels whose attention memory stays within ``options.memory_budget``
     times ring attention's compete, unless none does. With at most two ranks per node both are
@@ -345,14 +346,16 @@ def _auto_intra(
     shape: AttnShape,
 ) -> tuple[str, str]:
     compact = compact_channels(options)
-    node0 = range(layout.ranks_per_node)
+    # Under causal masking the nodes' loads differ: the first and the last node bracket them.
+    p, last = layout.ranks_per_node, layout.num_nodes - 1
+    ranks = [*range(p), *range(last * p, (last + 1) * p)] if last else range(p)
     saved = saved_bytes(shape)
     # (level, backward) -> (busiest rank's node-local bytes, the pass's share of the attention
     # memory: its peak, plus the saved out and lse in the backward)
     cost: dict[tuple[str, bool], tuple[int, int]] = {}
     with collector_paused():
         for level in ("split", "kv"):
-            passes = rank_programs(options, layout, causal, node0, cross, (level, level))
+            passes = rank_programs(options, layout, causal, ranks, cross, (level, level))
             for backward, progs in zip((False, True), passes, strict=True):
                 wired = [own_wires(p, backward, compact) for p in progs]
                 cost[(level, backward)] = (

@@ -28,7 +28,7 @@ the tail of the compute. n = 4, rank 1 (head group 1, ``h1``)::
                               q0 x kv2 -> post o0.h1 ->0 <-2 o1.h2;  q1 x kv2
                place o1.h0, o1.h3, o1.h2 into their head slices
 
-    backward   the same exchanges with the backward bundle (q, out, dout, lse) instead of q
+    backward   the same exchanges with the backward bundle (q, dout, lse, delta) instead of q
                and dq in place of o; then post every dk/dv of head group 1 to its owner (the
                last owner's column completes them all)
 

@@ -17,7 +17,7 @@ instruction, the number that the executor's ``peak_buffer_bytes`` reports for th
 (the gloo tier checks the two are equal). So memory is a property of the plan, like bytes: a
 planner change can be judged, and tested, without running a kernel.
 
-Assumptions, as in the executor: the caller's q, k, v (and the backward's out, dout, lse) are
+Assumptions, as in the executor: the caller's q, k, v (and the backward's dout, lse and delta) are
 contiguous ``[s, b, h, d]`` (``sbhd``; ``bshd`` callers pay layout copies outside these
 buffers); a single computed block is kept in the input dtype (``Accumulator.single_block``) and
 a second contribution makes the accumulator float32 over the union of the parts.

@@ -58,8 +58,8 @@ def payload_tensors(
         return [(q, Wire.INPUT)]
     if kind == Kind.KV:
         return [(kv, Wire.INPUT), (kv, Wire.INPUT)]
-    if kind == Kind.QB:  # q, out, dout, lse
-        return [(q, Wire.INPUT), (q, Wire.INPUT), (q, Wire.INPUT), lse]
+    if kind == Kind.QB:  # q, dout, lse, delta (Note [The backward bundle])
+        return [(q, Wire.INPUT), (q, Wire.INPUT), lse, lse]
     if kind == Kind.O:
         return [(q, wire), lse]
     if kind == Kind.DQ:

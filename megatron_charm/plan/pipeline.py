@@ -22,7 +22,7 @@ The next offset's q travels while the current one computes::
 query sets ([own, foreign]); the foreign q must then arrive before the q exchanges start.
 
 The rank that ran a foreign query set returns its merged (out, lse), and the owner merges it. The
-backward mirrors this: the foreign rank receives (q, out, dout, lse), runs the same pipeline, keeps
+backward mirrors this: the foreign rank receives (q, dout, lse, delta), runs the same pipeline, keeps
 dk/dv at home and returns dq.
 
 Inside a round, rank ``x`` prefetches ``window`` exchanges per channel ahead of its computation and

@@ -44,7 +44,9 @@ class Kind(str, Enum):
     Q = "q"  # query part, [s_part, b, h, d]
     KV = "kv"  # key and value parts, 2 x [s_part, b, h_kv, d]
     O = "o"  # noqa: E741 - partial output and lse of one query: [s_part, b, h, d] and float32 [s_part, b, h]
-    QB = "qb"  # backward query bundle: q, out, dout ([s_part, b, h, d] each) and lse
+    # backward query bundle: q, dout ([s_part, b, h, d] each), lse and delta (float32
+    # [s_part, b, h] each; Note [The backward bundle] in megatron_charm/kernels/delta.py)
+    QB = "qb"
     DQ = "dq"  # partial gradient of a query, [s_part, b, h, d]
     DKV = "dkv"  # partial gradients of key and value, 2 x [s_part, b, h_kv, d]
 

@@ -214,8 +214,9 @@ def test_a2a_per_link(n, causal):
     # a returned output is complete for its heads: input dtype, and its float32 lse
     fwd |= {("full.o", x, y): t * (q * E + lse) // n for x, y in links}
     assert _link_bytes(plan.forward, A2A) == fwd
-    # backward: q, out, dout and lse with kv; dq and dk/dv come back in the input dtype
-    bwd = {("full.q", x, y): t * (3 * q * E + lse) // n for x, y in links}
+    # backward: q, dout, lse and delta (Note [The backward bundle]) with kv; dq and dk/dv come
+    # back in the input dtype
+    bwd = {("full.q", x, y): t * (2 * q * E + 2 * lse) // n for x, y in links}
     bwd |= {("full.kv", x, y): t * kv * E // n for x, y in links}
     bwd |= {("full.o", x, y): t * (q + kv) * E // n for x, y in links}
     assert _link_bytes(plan.backward, A2A) == bwd
@@ -240,7 +241,7 @@ def test_a2a_p2p_per_link(m, p, causal):
     fwd |= {("cross.kv", x, y): (m - 1) * t * kv * E for x, y in ring}
     assert _link_bytes(plan.forward, A2A) == fwd
     bwd = {k: v for k, v in fwd.items() if k[0] in ("intra.kv", "cross.kv")}
-    bwd |= {("intra.q", x, y): t * (3 * q * E + lse) // p for x, y in intra}
+    bwd |= {("intra.q", x, y): t * (2 * q * E + 2 * lse) // p for x, y in intra}
     bwd |= {("intra.o", x, y): t * (q + kv) * E // p for x, y in intra}
     # partial dk/dv go around the whole ring (m hops, home on the last), in float32 (p blocks or
     # more), but the one the last hop brings to its owner is complete: input dtype
