@@ -22,8 +22,8 @@ The next offset's q travels while the current one computes::
 query sets ([own, foreign]); the foreign q must then arrive before the q exchanges start.
 
 The rank that ran a foreign query set returns its merged (out, lse), and the owner merges it. The
-backward mirrors this: the foreign rank receives (q, dout, lse, delta), runs the same pipeline, keeps
-dk/dv at home and returns dq.
+backward mirrors this: the foreign rank receives (q, dout, lse, delta), runs the same pipeline,
+keeps dk/dv at home and returns dq.
 
 Inside a round, rank ``x`` prefetches ``window`` exchanges per channel ahead of its computation and
 computes each block as soon as its own inputs arrived; a partner's kv that an earlier round brought
