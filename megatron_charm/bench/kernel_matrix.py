@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from megatron_charm.kernels.backends import BlockKernel
+from megatron_charm.kernels.delta import out_for_delta, row_delta
 from megatron_charm.kernels.math_kernel import math_backward, math_forward
 from megatron_charm.kernels.merge import merge_partial
 
@@ -79,7 +80,8 @@ def _sdpa_errors(q, k, v, do, causal, scale, ref) -> list[float]:
 
 
 def _merged(kern: BlockKernel, q, k, v, do, causal, scale):
-    """Split kv in two, merge the forwards, run each part's backward with the merged out/lse."""
+    """Split kv in two, merge the forwards, run each part's backward with the merged lse and the
+    stand-in for the merged out."""
     s_q, s_k = q.shape[0], k.shape[0]
     if causal:
         rows = slice(s_q // 2, s_q)
@@ -99,8 +101,11 @@ def _merged(kern: BlockKernel, q, k, v, do, causal, scale):
     dq = torch.zeros(qq.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
+    # the backward gets what the executor gives it: the stand-in for out built from delta (Note
+    # [The backward bundle]), so every cell checks that the kernel reads out only through delta
+    stand_in = out_for_delta(dd, row_delta(out, dd))
     for sl, c in parts:
-        gq, gk, gv = kern.backward(dd, qq, k[sl], v[sl], out, acc_l, c, scale)
+        gq, gk, gv = kern.backward(dd, qq, k[sl], v[sl], stand_in, acc_l, c, scale)
         dq += gq.float()
         dk[sl] += gk.float()
         dv[sl] += gv.float()
