@@ -62,7 +62,9 @@ class PlanOptions:
 
     window: int = 2
     """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps
-    more transfers with compute and holds more received inputs at once."""
+    more transfers with compute and holds more received inputs at once. The default is the
+    smallest window within 1% of the best predicted time over the simulator's grid
+    (``scripts/bench/window_rule.py``, docs/results/window-rule.md)."""
 
     combine_two_nodes: bool = False
     """charm on exactly two nodes: run own and foreign queries in one pipeline (the paper's

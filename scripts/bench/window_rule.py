@@ -1,0 +1,109 @@
+"""The prefetch window's default from a sweep: predicted time and planned memory per window.
+
+``PlanOptions.window`` is how many exchanges each channel of CHARM+'s pipelines keeps in flight.
+For every point of a grid (hardware preset, node layout, heads, tokens per rank; causal, bf16) this
+replays charm's plans in the simulator at each window and computes their attention memory with the
+planner's replay (Note [Memory of a pass]). The rule it checks: the default is the smallest window
+whose predicted forward+backward is within ``--tolerance`` of the best window's at every point,
+since a larger window can only hold more buffers.
+
+    python scripts/bench/window_rule.py --md docs/results/window-rule.md
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime, timezone
+
+from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
+from megatron_charm.plan.memory import attention_memory
+from megatron_charm.sim.compute import FlopsCompute
+from megatron_charm.sim.predict import Problem, predict
+from megatron_charm.sim.topology import PRESETS, Topology
+
+GRID = {"H100": ((2, 4), (2, 8), (4, 8)), "L20": ((2, 4), (2, 2))}
+HEADS = ((32, 32), (32, 8))  # (query heads, kv heads), head dim 128
+TOKENS = (2048, 8192)
+
+
+def memory_ratio(layout: Layout, shape: AttnShape, window: int) -> float:
+    """charm's attention memory at ``window`` over ring's (largest rank of each)."""
+
+    def peak(options: PlanOptions) -> int:
+        plan = build_plan(options, layout, True, shape)
+        return max(
+            attention_memory(f, b, shape)["peak"]
+            for f, b in zip(plan.forward, plan.backward, strict=True)
+        )
+
+    return peak(PlanOptions(window=window)) / peak(PlanOptions(method="ring"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--windows", default="1,2,3,4")
+    ap.add_argument("--tolerance", type=float, default=0.01, help="relative time tie (0.01 = 1%%)")
+    ap.add_argument("--md", help="write the table here")
+    args = ap.parse_args(argv)
+    windows = [int(w) for w in args.windows.split(",")]
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = " | ".join(f"w{w}: time, memory" for w in windows)
+    lines = [
+        f"| hardware | m x p | heads (kv) | tokens per rank | {head} |",
+        "|---|---|---|---|" + "---|" * len(windows),
+    ]
+    worst = dict.fromkeys(windows, 1.0)
+    for name, layouts in GRID.items():
+        hw = PRESETS[name]
+        compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
+        for m, p in layouts:
+            topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
+            for h, h_kv in HEADS:
+                for tokens in TOKENS:
+                    problem = Problem(1, tokens * m * p, h, 128, kv_heads=h_kv, causal=True)
+                    times = {}
+                    for w in windows:
+                        pred = predict(
+                            topo, problem, compute, ("charm",), options=PlanOptions(window=w)
+                        )
+                        res = pred.methods["charm"]
+                        times[w] = res.forward.makespan + res.backward.makespan
+                    best = min(times.values())
+                    shape = AttnShape(1, tokens, h, h_kv, 128, 2)
+                    cells = []
+                    for w in windows:
+                        worst[w] = max(worst[w], times[w] / best)
+                        mem = memory_ratio(Layout(m, p), shape, w)
+                        cells.append(f"{times[w] / best:.3f}, {mem:.2f}x")
+                    lines.append(
+                        f"| {name} | {m} x {p} | {h} ({h_kv}) | {tokens} | "
+                        + " | ".join(cells)
+                        + " |"
+                    )
+    chosen = min(w for w in windows if worst[w] <= 1 + args.tolerance)
+    summary = (
+        "Worst time over the best window's, per window: "
+        + ", ".join(f"w{w} {worst[w]:.3f}" for w in windows)
+        + f". Smallest window within {args.tolerance:.0%} everywhere: **{chosen}** "
+        f"(the default is {PlanOptions().window})."
+    )
+    text = "\n".join(
+        [
+            f"Generated {started} by `python scripts/bench/window_rule.py`. Time: predicted "
+            "forward+backward over the best window's at that point; memory: charm's attention "
+            "memory over ring attention's (planner replay, largest rank).",
+            "",
+            *lines,
+            "",
+            summary,
+            "",
+        ]
+    )
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
