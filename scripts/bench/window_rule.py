@@ -1,4 +1,5 @@
-"""The prefetch window's default from a sweep: predicted time and planned memory per window.
+"""Plan option defaults from a sweep: the prefetch window (predicted time and planned memory per
+window) and ``combine_two_nodes``.
 
 ``PlanOptions.window`` is how many exchanges each channel of CHARM+'s pipelines keeps in flight.
 For every point of a grid (hardware preset, node layout, heads, tokens per rank; causal, bf16) this
@@ -37,6 +38,34 @@ def memory_ratio(layout: Layout, shape: AttnShape, window: int) -> float:
         )
 
     return peak(PlanOptions(window=window)) / peak(PlanOptions(method="ring"))
+
+
+def combine_table() -> tuple[list[str], list[float]]:
+    """Markdown rows and the fwd+bwd ratios of ``combine_two_nodes=True`` over ``False`` on the
+    grid's two-node layouts."""
+    lines = ["| hardware | m x p | heads (kv) | tokens per rank | fwd+bwd, True over False |"]
+    lines.append("|---|---|---|---|---|")
+    ratios = []
+    for name, layouts in GRID.items():
+        hw = PRESETS[name]
+        compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
+        for m, p in (lo for lo in layouts if lo[0] == 2):
+            topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
+            for h, h_kv in HEADS:
+                for tokens in TOKENS:
+                    problem = Problem(1, tokens * m * p, h, 128, kv_heads=h_kv, causal=True)
+                    t = {}
+                    for combine in (False, True):
+                        opts = PlanOptions(combine_two_nodes=combine)
+                        res = predict(topo, problem, compute, ("charm",), options=opts)
+                        t[combine] = res.methods["charm"].forward.makespan + (
+                            res.methods["charm"].backward.makespan
+                        )
+                    ratios.append(t[True] / t[False])
+                    lines.append(
+                        f"| {name} | {m} x {p} | {h} ({h_kv}) | {tokens} | {ratios[-1]:.3f} |"
+                    )
+    return lines, ratios
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                         + " |"
                     )
     chosen = min(w for w in windows if worst[w] <= 1 + args.tolerance)
+    combine_lines, combine_ratios = combine_table()
     summary = (
         "Worst time over the best window's, per window: "
         + ", ".join(f"w{w} {worst[w]:.3f}" for w in windows)
@@ -96,6 +126,16 @@ def main(argv: list[str] | None = None) -> None:
             *lines,
             "",
             summary,
+            "",
+            "`combine_two_nodes=True` (own and foreign queries in one pipeline, two nodes only) "
+            "against the default `False`, predicted forward+backward, same grid on two nodes:",
+            "",
+            *combine_lines,
+            "",
+            f"True over False: {min(combine_ratios):.3f}-{max(combine_ratios):.3f}; it is faster "
+            f"by more than {args.tolerance:.0%} at "
+            f"{sum(r < 1 - args.tolerance for r in combine_ratios)} of {len(combine_ratios)} "
+            f"points (the default is {PlanOptions().combine_two_nodes}).",
             "",
         ]
     )
