@@ -34,6 +34,12 @@ class LinkBytes:
         return {"intra": self.intra, "cross": self.cross, "max_cross_link": self.max_cross_link}
 
 
+def _link(layout: Layout, src: int, dst: int, peer: int, topology: str) -> tuple[int, int, int]:
+    """The directed physical link from node ``src`` to node ``dst`` that a send to CP rank
+    ``peer`` takes (see the module docstring): ``(src, dst, rail)``, rail 0 when shared."""
+    return (src, dst, layout.local(peer) if topology == "rails" else 0)
+
+
 def classify(report: Report, shape: AttnShape, layout: Layout, topology: str) -> LinkBytes:
     """Sum a validator report's sends per link class (see the module docstring)."""
     if topology not in ("shared", "rails"):
@@ -47,8 +53,7 @@ def classify(report: Report, shape: AttnShape, layout: Layout, topology: str) ->
             intra += nbytes
             continue
         cross += nbytes
-        rail = layout.local(rec.peer) if topology == "rails" else 0
-        links[(src, dst, rail)] += nbytes
+        links[_link(layout, src, dst, rec.peer, topology)] += nbytes
     return LinkBytes(intra, cross, max(links.values(), default=0))
 
 
@@ -107,8 +112,7 @@ def zigzag_ring_bytes(layout: Layout, shape: AttnShape, topology: str) -> dict[s
                 intra += per_hop
             else:
                 cross += per_hop
-                rail = layout.local(peer) if topology == "rails" else 0
-                links[(src, dst, rail)] += per_hop
+                links[_link(layout, src, dst, peer, topology)] += per_hop
         out[name] = LinkBytes(intra, cross, max(links.values(), default=0))
     return out
 
@@ -125,13 +129,15 @@ _INPUTS = (Kind.Q, Kind.QB, Kind.KV)
 
 def dependency_bound_s(
     plan: Plan,
+    report: Report,
     backward: bool,
     shape: AttnShape,
     topology: str,
     compute_s: float,
     cross_bps: float,
 ) -> float:
-    """Note [The dependency-aware bound]: a lower bound on one pass of ``plan``, in seconds.
+    """Note [The dependency-aware bound]: a lower bound on one pass of ``plan``, in seconds;
+    ``report`` is the validator's report of that pass (``validate(plan)[backward]``).
 
     The byte bound (:func:`lower_bound_s`) lets both directions of a cross link be busy from
     the first to the last microsecond. A result cannot leave before the input it answers
@@ -175,7 +181,6 @@ def dependency_bound_s(
         or layout.node(c.q_owner) != layout.node(c.kv_owner)
     ]
     c_min = min(foreign, default=0.0) * sec_per_area
-    report = validate(plan)[1 if backward else 0]
     byte_s = 8 / cross_bps
     links: dict[tuple[int, int, int], int] = defaultdict(int)
     results: dict[tuple[int, int, int], int] = defaultdict(int)
@@ -183,27 +188,25 @@ def dependency_bound_s(
     first_in: dict[tuple[int, int], int] = {}  # (from node, to node) -> smallest input piece
     last_out: dict[tuple[int, int], int] = {}  # (from node, to node) -> smallest result piece
     answered: set[tuple[int, int]] = set()  # (owner, node that returns its results)
+    own_inputs = []  # (owner, link, bytes) of inputs that leave their owner's node
     for rec in report.sends:
         src, dst = layout.node(rec.cp_rank), layout.node(rec.peer)
         if src == dst:
             continue
         nbytes = payload_bytes(rec.payload, shape, rec.wire)
-        link = (src, dst, layout.local(rec.peer) if topology == "rails" else 0)
+        link = _link(layout, src, dst, rec.peer, topology)
         links[link] += nbytes
-        owner_node = layout.node(rec.payload.owner)
+        owner, owner_node = rec.payload.owner, layout.node(rec.payload.owner)
         if rec.payload.kind.is_partial and owner_node == dst:
             results[link] += nbytes
             last_out[(src, dst)] = min(last_out.get((src, dst), nbytes), nbytes)
-            answered.add((rec.payload.owner, src))
-    for rec in report.sends:
-        src, dst = layout.node(rec.cp_rank), layout.node(rec.peer)
-        if src == dst or rec.payload.kind not in _INPUTS or layout.node(rec.payload.owner) != src:
-            continue
-        if (rec.payload.owner, dst) not in answered:
-            continue
-        nbytes = payload_bytes(rec.payload, shape, rec.wire)
-        inputs[(src, dst, layout.local(rec.peer) if topology == "rails" else 0)] += nbytes
-        first_in[(src, dst)] = min(first_in.get((src, dst), nbytes), nbytes)
+            answered.add((owner, src))
+        elif rec.payload.kind in _INPUTS and owner_node == src:
+            own_inputs.append((owner, link, nbytes))
+    for owner, (src, dst, rail), nbytes in own_inputs:
+        if (owner, dst) in answered:  # only inputs whose results come back form a chain
+            inputs[(src, dst, rail)] += nbytes
+            first_in[(src, dst)] = min(first_in.get((src, dst), nbytes), nbytes)
     terms = [compute_s, *(b * byte_s for b in links.values())]
     for (a, b, _), r in results.items():
         if (b, a) in first_in:

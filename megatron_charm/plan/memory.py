@@ -37,6 +37,7 @@ from megatron_charm.plan.types import (
     Merge,
     Part,
     Payload,
+    Plan,
     Program,
     Wait,
     Wire,
@@ -256,3 +257,11 @@ def attention_memory(
     bwd = pass_memory(backward, shape, True, expand)
     saved = saved_bytes(shape)
     return {"fwd": fwd, "bwd": bwd, "saved": saved, "peak": max(fwd, saved + bwd)}
+
+
+def plan_peak(plan: Plan, shape: AttnShape) -> int:
+    """The largest rank's :func:`attention_memory` ``peak`` over a whole plan, in bytes."""
+    return max(
+        attention_memory(f, b, shape)["peak"]
+        for f, b in zip(plan.forward, plan.backward, strict=True)
+    )

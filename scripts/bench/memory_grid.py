@@ -14,15 +14,11 @@ from __future__ import annotations
 import argparse
 
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
-from megatron_charm.plan.memory import attention_memory
+from megatron_charm.plan.memory import plan_peak
 
 
 def peak(options: PlanOptions, layout: Layout, shape: AttnShape) -> int:
-    plan = build_plan(options, layout, True, shape)
-    return max(
-        attention_memory(f, b, shape)["peak"]
-        for f, b in zip(plan.forward, plan.backward, strict=True)
-    )
+    return plan_peak(build_plan(options, layout, True, shape), shape)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,10 +42,9 @@ def main(argv: list[str] | None = None) -> None:
             ring = peak(PlanOptions(method="ring"), layout, shape)
             cells = []
             for budget in budgets:
-                options = PlanOptions(memory_budget=budget)
-                plan = build_plan(options, layout, True, shape)
+                plan = build_plan(PlanOptions(memory_budget=budget), layout, True, shape)
                 levels = f"{'/'.join(plan.cross)} across, {'/'.join(plan.intra)} inside"
-                cells.append(f"{levels}: {peak(options, layout, shape) / ring:.2f}x")
+                cells.append(f"{levels}: {plan_peak(plan, shape) / ring:.2f}x")
             print(f"| {m} x {p} | {h_kv} | {ring / 2**20:.1f} | {' | '.join(cells)} |")
 
 

@@ -14,10 +14,11 @@ since a larger window can only hold more buffers.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from datetime import datetime, timezone
 
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
-from megatron_charm.plan.memory import attention_memory
+from megatron_charm.plan.memory import plan_peak
 from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
@@ -27,17 +28,28 @@ HEADS = ((32, 32), (32, 8))  # (query heads, kv heads), head dim 128
 TOKENS = (2048, 8192)
 
 
-def memory_ratio(layout: Layout, shape: AttnShape, window: int) -> float:
-    """charm's attention memory at ``window`` over ring's (largest rank of each)."""
+def grid() -> Iterator[tuple[str, Layout, Topology, FlopsCompute, int, int, int]]:
+    """Every point: (hardware, layout, topology, compute model, heads, kv heads, tokens)."""
+    for name, layouts in GRID.items():
+        hw = PRESETS[name]
+        compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
+        for m, p in layouts:
+            topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
+            for h, h_kv in HEADS:
+                for tokens in TOKENS:
+                    yield name, Layout(m, p), topo, compute, h, h_kv, tokens
 
-    def peak(options: PlanOptions) -> int:
-        plan = build_plan(options, layout, True, shape)
-        return max(
-            attention_memory(f, b, shape)["peak"]
-            for f, b in zip(plan.forward, plan.backward, strict=True)
-        )
 
-    return peak(PlanOptions(window=window)) / peak(PlanOptions(method="ring"))
+def charm_time(topo: Topology, compute: FlopsCompute, h: int, h_kv: int, tokens: int, **opts):
+    """charm's predicted forward+backward (seconds) with plan options ``opts``."""
+    problem = Problem(1, tokens * topo.cp_size, h, 128, kv_heads=h_kv, causal=True)
+    pred = predict(topo, problem, compute, ("charm",), options=PlanOptions(**opts))
+    return pred.methods["charm"].total
+
+
+def memory(layout: Layout, shape: AttnShape, **opts) -> int:
+    """Attention memory of the largest rank (planner replay) with plan options ``opts``."""
+    return plan_peak(build_plan(PlanOptions(**opts), layout, True, shape), shape)
 
 
 def combine_table() -> tuple[list[str], list[float]]:
@@ -46,25 +58,16 @@ def combine_table() -> tuple[list[str], list[float]]:
     lines = ["| hardware | m x p | heads (kv) | tokens per rank | fwd+bwd, True over False |"]
     lines.append("|---|---|---|---|---|")
     ratios = []
-    for name, layouts in GRID.items():
-        hw = PRESETS[name]
-        compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
-        for m, p in (lo for lo in layouts if lo[0] == 2):
-            topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
-            for h, h_kv in HEADS:
-                for tokens in TOKENS:
-                    problem = Problem(1, tokens * m * p, h, 128, kv_heads=h_kv, causal=True)
-                    t = {}
-                    for combine in (False, True):
-                        opts = PlanOptions(combine_two_nodes=combine)
-                        res = predict(topo, problem, compute, ("charm",), options=opts)
-                        t[combine] = res.methods["charm"].forward.makespan + (
-                            res.methods["charm"].backward.makespan
-                        )
-                    ratios.append(t[True] / t[False])
-                    lines.append(
-                        f"| {name} | {m} x {p} | {h} ({h_kv}) | {tokens} | {ratios[-1]:.3f} |"
-                    )
+    for name, layout, topo, compute, h, h_kv, tokens in grid():
+        if layout.num_nodes != 2:
+            continue
+        t = {
+            c: charm_time(topo, compute, h, h_kv, tokens, combine_two_nodes=c)
+            for c in (False, True)
+        }
+        ratios.append(t[True] / t[False])
+        m, p = layout.num_nodes, layout.ranks_per_node
+        lines.append(f"| {name} | {m} x {p} | {h} ({h_kv}) | {tokens} | {ratios[-1]:.3f} |")
     return lines, ratios
 
 
@@ -82,33 +85,19 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---|---|---|" + "---|" * len(windows),
     ]
     worst = dict.fromkeys(windows, 1.0)
-    for name, layouts in GRID.items():
-        hw = PRESETS[name]
-        compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
-        for m, p in layouts:
-            topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
-            for h, h_kv in HEADS:
-                for tokens in TOKENS:
-                    problem = Problem(1, tokens * m * p, h, 128, kv_heads=h_kv, causal=True)
-                    times = {}
-                    for w in windows:
-                        pred = predict(
-                            topo, problem, compute, ("charm",), options=PlanOptions(window=w)
-                        )
-                        res = pred.methods["charm"]
-                        times[w] = res.forward.makespan + res.backward.makespan
-                    best = min(times.values())
-                    shape = AttnShape(1, tokens, h, h_kv, 128, 2)
-                    cells = []
-                    for w in windows:
-                        worst[w] = max(worst[w], times[w] / best)
-                        mem = memory_ratio(Layout(m, p), shape, w)
-                        cells.append(f"{times[w] / best:.3f}, {mem:.2f}x")
-                    lines.append(
-                        f"| {name} | {m} x {p} | {h} ({h_kv}) | {tokens} | "
-                        + " | ".join(cells)
-                        + " |"
-                    )
+    for name, layout, topo, compute, h, h_kv, tokens in grid():
+        times = {w: charm_time(topo, compute, h, h_kv, tokens, window=w) for w in windows}
+        best = min(times.values())
+        shape = AttnShape(1, tokens, h, h_kv, 128, 2)
+        ring = memory(layout, shape, method="ring")
+        cells = []
+        for w in windows:
+            worst[w] = max(worst[w], times[w] / best)
+            cells.append(f"{times[w] / best:.3f}, {memory(layout, shape, window=w) / ring:.2f}x")
+        m, p = layout.num_nodes, layout.ranks_per_node
+        lines.append(
+            f"| {name} | {m} x {p} | {h} ({h_kv}) | {tokens} | " + " | ".join(cells) + " |"
+        )
     chosen = min(w for w in windows if worst[w] <= 1 + args.tolerance)
     combine_lines, combine_ratios = combine_table()
     summary = (

@@ -7,6 +7,7 @@ import pytest
 from megatron_charm.bench.accounting import dependency_bound_s, lower_bound_s, method_bytes
 from megatron_charm.plan import Layout, PlanOptions, build_plan
 from megatron_charm.plan.payloads import AttnShape
+from megatron_charm.plan.validate import validate
 
 RATE = 100e6  # bit/s
 
@@ -16,7 +17,8 @@ def _bounds(layout, causal, shape, topology, compute_s, backward, **opts):
     lb = method_bytes("charm", layout, causal, shape, topology, plan.options)
     key = "bwd" if backward else "fwd"
     byte = lower_bound_s(compute_s, lb[key].max_cross_link, RATE)
-    return plan, byte, dependency_bound_s(plan, backward, shape, topology, compute_s, RATE)
+    report = validate(plan)[backward]
+    return plan, byte, dependency_bound_s(plan, report, backward, shape, topology, compute_s, RATE)
 
 
 @pytest.mark.parametrize("layout", [Layout(2, 2), Layout(2, 4), Layout(4, 2)])
@@ -63,4 +65,4 @@ def test_rails_query_forward_pays_the_first_piece():
 def test_no_rate_is_compute_only():
     shape = AttnShape(1, 2048, 8, 8, 64, 2)
     plan = build_plan(PlanOptions(method="charm"), Layout(2, 2), True, shape)
-    assert dependency_bound_s(plan, False, shape, "shared", 0.3, 0) == 0.3
+    assert dependency_bound_s(plan, validate(plan)[0], False, shape, "shared", 0.3, 0) == 0.3

@@ -17,7 +17,7 @@ from megatron_charm.plan import (
 )
 from megatron_charm.plan.builder import ProgramBuilder, recv, send
 from megatron_charm.plan.cost import intra_send_bytes
-from megatron_charm.plan.memory import attention_memory, pass_memory
+from megatron_charm.plan.memory import pass_memory, plan_peak
 from megatron_charm.plan.types import Kind, Part, Payload
 
 SHAPE = AttnShape(b=1, s_local=4, h=2, h_kv=2, d=8, itemsize=2)
@@ -56,10 +56,8 @@ def test_unfinished_pass_is_an_internal_error():
 def _peak(method: str, name: str, **options) -> int:
     m, p, b, seq, h, d, h_kv = SHAPES[name]
     shape = AttnShape(b, seq // (m * p), h, h_kv, d, 2)
-    plan = build_plan(PlanOptions(method=method, **options), Layout(m, p), True, shape)
-    return max(
-        attention_memory(f, bw, shape)["peak"]
-        for f, bw in zip(plan.forward, plan.backward, strict=True)
+    return plan_peak(
+        build_plan(PlanOptions(method=method, **options), Layout(m, p), True, shape), shape
     )
 
 
