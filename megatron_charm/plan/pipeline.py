@@ -41,7 +41,7 @@ from typing import NamedTuple
 from megatron_charm.plan.builder import ProgramBuilder, recv, send
 from megatron_charm.plan.layout import block_parts
 from megatron_charm.plan.partners import PartnerTask, partner_tasks
-from megatron_charm.plan.types import Kind, Layout, Part, Payload, Program
+from megatron_charm.plan.types import Kind, Layout, Op, Part, Payload, Program
 
 #: Partner tasks between receiving a partner's partial and merging it (Note [Merging a round
 #: late], where the trade-off is measured).
@@ -158,7 +158,11 @@ class _Pass:
         # handle of the last one posted
         self.cross_queue: dict[int, list[list]] = {}
         self.cross_handle: dict[int, int] = {}
+        # Note [Receiving results early]: offset -> (piece, op) of its returns not posted yet
+        self.return_queue: dict[int, list[tuple[int, Op]]] = {}
         self.ahead_cache: dict[tuple, list[Part | None]] = {}
+        # the earliest round still open (Note [Foreign pieces first]); None: the current one
+        self.ahead_from: int | None = None
         # Pure lookups that every round repeats for every partner (hundreds of thousands of
         # calls per program at CP 128); none depends on this rank, so one memo serves every
         # rank's passes of the same layout and config.
@@ -325,6 +329,9 @@ class _Pass:
                 continue
             self.cross_handle[o] = self.b.exchange(channel, exchanges[0])
             self.cross_queue[o] = exchanges[1:]
+            if self.cross_result is not None:
+                self.return_queue[o] = self.returns_in_order(o)
+                self.post_returns(o, ready=-1)
 
     def chain_cross(self, rnd: list[Slot]) -> None:
         """Note [Chained cross pieces]
@@ -398,6 +405,51 @@ class _Pass:
             held += (n if at_host else 2) if n else 0
         return held
 
+    def returns_in_order(self, offset: int) -> list[tuple[int, Op]]:
+        """Note [Receiving results early]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A result can cross only when its receiver has posted the receive (gloo, and NCCL above
+        its eager size, hand data over when both sides are there). Posted as one exchange per
+        piece, (send the foreign piece's result, receive this rank's), the receive waited for
+        this rank's own foreign result: on 2 x 2 shared at 100 Mbit/s a result ready at 181 ms
+        left at 396 ms, when its receiver had finished its own foreign piece.
+
+        With two nodes every result therefore travels in an exchange of its own, in one order
+        that both ranks of the pair derive alike (by piece, the lower node's result first), and
+        a rank posts each receive as soon as everything before it in that order is posted: the
+        leading receives right after the cross inputs, the others right after the result sent
+        before them. Sends go when their piece is computed. One order on both sides keeps
+        NCCL's in-order channels matched::
+
+            node 0 rank:  send r(1).0 | recv r(0).0 | send r(1).1
+            node 1 rank:  recv r(1).0 | send r(0).0 | recv r(1).1
+                          (r(a).i: node a's result for piece i; recv r(1).0 posted at the start)
+
+        With more nodes one channel carries several offsets and the one-exchange-per-piece
+        form is kept (Note [Chained cross pieces]).
+        """
+        route = self.cross_route(offset)
+        kind = self.cross_result
+        assert kind is not None and route.src == route.dst
+        lower_first = self.layout.node(self.x) < self.layout.node(route.src)
+        ordered: list[tuple[int, Op]] = []
+        for i in range(max(len(route.mine), len(route.theirs))):
+            out, back = [], []
+            if i < len(route.theirs):
+                out = [send(route.src, kind, route.src, route.theirs[i])]
+            if i < len(route.mine):
+                held = self.cross_held(route.dst, offset, i, route.mine[i])
+                back = [recv(route.dst, kind, self.x, route.mine[i], held=held)]
+            ordered += [(i, op) for op in (out + back if lower_first else back + out)]
+        return ordered
+
+    def post_returns(self, offset: int, ready: int) -> None:
+        """Post the returns of ``offset`` whose turn has come (Note [Receiving results early]):
+        receives at once, the results of pieces up to ``ready``."""
+        queue = self.return_queue[offset]
+        while queue and (not queue[0][1].send or queue[0][0] <= ready):
+            self.b.exchange("cross.o", [queue.pop(0)[1]])
+
     def return_round(self, rnd: list[Slot]) -> None:
         """After a round: its foreign results cross back (the last piece also posts the steps
         that this rank still receives, when the two directions have different piece counts)."""
@@ -408,6 +460,9 @@ class _Pass:
                 continue
             route = self.cross_route(o)
             last = i == len(route.theirs) - 1
+            if o in self.return_queue:
+                self.post_returns(o, len(route.theirs) if last else i)
+                continue
             end = max(len(route.mine), len(route.theirs)) if last else i + 1
             self.post_cross_results(o, range(i, end))
 
@@ -416,14 +471,21 @@ class _Pass:
     def build(self) -> Program:
         rnds = self.rnds = self.rounds()
         self.post_cross_inputs(rnds[0])
-        for r, rnd in enumerate(rnds):
-            self.cur = r
-            if r + 1 < len(rnds):
-                self.post_cross_inputs(rnds[r + 1])
-            self.early_merges, self.deferred_merges = self.deferred_merges, []
-            self.intra_round(rnd)
-            self.return_round(rnd)
-            self.flush_early_merges()
+        first = 0
+        if self.foreign_inside_own(rnds):
+            # Note [Foreign pieces first]
+            def foreign() -> None:
+                self.ahead_from = 0  # the own round is still open: what it sends counts
+                self.run_round(1)
+                self.cur, self.ahead_from = 0, None
+                # its partials for this rank's own kv are merged after the own round's next
+                # block, before the own round's receives of other parts of the same tensor
+                self.early_merges, self.deferred_merges = self.deferred_merges, []
+
+            self.run_round(0, between=foreign)
+            first = 2
+        for r in range(first, len(rnds)):
+            self.run_round(r)
         for payload in self.deferred_merges:
             self.b.merge(payload)
         if self.cross_result is not None:
@@ -432,9 +494,58 @@ class _Pass:
                     self.b.merge(Payload(self.cross_result, self.x, part))
         return self.b.finish()
 
+    def foreign_inside_own(self, rnds: list[list[Slot]]) -> bool:
+        """Note [Foreign pieces first]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        With two nodes the own round comes first and the foreign pieces after it, chained (Note
+        [Chained cross pieces]). Run as written, a rank computes all of its own blocks before it
+        looks at the first foreign piece, which arrived during the own diagonal: the next piece
+        leaves, and the first piece's results start back, only after the own round, and the
+        slow link idles in between in both directions (2 x 2 shared, 100 Mbit/s: the second q
+        piece left at 330 ms instead of about 170, the first results at 495 ms).
+
+        So the forward runs the first foreign round inside the own round, right after the own
+        diagonal blocks (which need no input and hide the first piece's crossing)::
+
+            own diagonal | wait piece 1, post piece 2 | foreign piece 1 -> results back
+                         | own partner blocks | foreign piece 2 -> results back | ...
+
+        Both ranks of every channel build the same order, so the exchanges of each channel still
+        match one to one. Own tensors that the nested round sends go whole for the own round
+        too (``ahead_from``), so nothing is sent twice.
+
+        Where not (``scripts/bench/foreign_first.py``, docs/results/foreign-first.md):
+
+        * the backward: its own round's partials and the foreign bundle are then alive together,
+          +12-14% attention memory for multi-head attention, and at eight ranks per node the
+          simulator predicts the backward 1.3x slower;
+        * kv crossing (GQA): the forward returns nothing, so only the wait moves earlier;
+        * more than two nodes (every piece is posted at once) and ``combine_two_nodes``.
+        """
+        return (
+            self.layout.num_nodes == 2
+            and not self.combined
+            and len(rnds) >= 2
+            and rnds[0] == [(0, 0)]
+            and not self.bwd
+            and not self.kv_cross
+        )
+
+    def run_round(self, r: int, between: Callable[[], None] | None = None) -> None:
+        """Round ``r``: post the next round's cross inputs, the intra-node pipeline (with
+        ``between`` run after the round's own diagonal blocks), the foreign results back."""
+        rnds = self.rnds
+        self.cur = r
+        if r + 1 < len(rnds):
+            self.post_cross_inputs(rnds[r + 1])
+        self.early_merges, self.deferred_merges = self.deferred_merges, []
+        self.intra_round(rnds[r], between)
+        self.return_round(rnds[r])
+        self.flush_early_merges()
+
     # --- one round of the intra-node pipeline ---------------------------------------------------
 
-    def intra_round(self, rnd: list[Slot]) -> None:
+    def intra_round(self, rnd: list[Slot], between: Callable[[], None] | None = None) -> None:
         my_qs, my_kv = self.qsets(self.x, rnd), self.kvset(self.x, rnd)
         window = _Window(self, rnd, my_qs)
         # Exchanges go out before the diagonal block they should overlap (on CUDA a transfer
@@ -447,6 +558,8 @@ class _Pass:
         for qs in my_qs:
             if qs[0] == self.x:
                 self.compute(qs, my_kv)
+        if between is not None:
+            between()
         window.top_up(("q",))
         for qs in my_qs:
             if qs[0] != self.x:
@@ -523,7 +636,7 @@ class _Pass:
                 p, later = use(self.rnds[i]), suffix[i + 1]
                 suffix[i] = later if p is None else (p if later is None else p.union(later))
             self.ahead_cache[key] = suffix
-        return suffix[self.cur]
+        return suffix[self.cur if self.ahead_from is None else min(self.cur, self.ahead_from)]
 
     def own_kv_use(self, q_host: int, kv_rank: int, rnd: list[Slot]) -> Part | None:
         """What ``q_host``'s query sets use of ``kv_rank``'s own kv in ``rnd``."""

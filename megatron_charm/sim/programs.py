@@ -29,6 +29,10 @@ and 8x4 groups (shared and rails): ring, a2a and a2a+p2p (which move whole token
 -16%..+1%; rm+ up to +15%; merge's backward up to +25% and all_gather's up to +15% (their forwards
 are exact). Compute is exact (every causal
 block costs half a full one).
+
+Two-node charm has no such symmetry: its two nodes order their cross-node returns differently,
+the lower node's result first (Note [Receiving results early]), so it is always replayed in full
+(at most ``2 p`` ranks).
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def symmetry_of(method: str, layout: Layout, causal: bool = False) -> str | None
     none we can use."""
     if layout.num_nodes == 1 or (causal and method == "ring-contig"):
         return None
+    if method == "charm" and layout.num_nodes == 2:
+        return None  # its two nodes order their returns differently (see the Note)
     if method in ("ring", "all_gather", "a2a", "a2a+p2p", "charm", "ring-contig"):
         return "shift"
     if _pow2(layout.ranks_per_node) and _pow2(layout.cp_size):

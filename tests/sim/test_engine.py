@@ -9,7 +9,7 @@ from megatron_charm.plan.cost import plan_bytes
 from megatron_charm.plan.types import Compute, Layout, Part
 from megatron_charm.sim.compute import CalibratedCompute, FlopsCompute
 from megatron_charm.sim.engine import simulate_pass
-from megatron_charm.sim.programs import node_programs, programs
+from megatron_charm.sim.programs import node_programs, programs, symmetry_of
 from megatron_charm.sim.topology import Topology
 
 # heads that a2a can split over every CP size below (4, 6, 8, 16), GQA ratio 2
@@ -163,6 +163,12 @@ def test_fewer_cross_links_are_slower_for_charm() -> None:
 @pytest.mark.parametrize("links", ["rails", "shared", "nics2"])
 @pytest.mark.parametrize("mp", [(2, 4), (4, 2), (4, 4)])
 def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[int, int]) -> None:
+    if method == "charm" and mp[0] == 2:
+        # Note [Receiving results early]: the two nodes order their returns differently
+        assert symmetry_of(method, Layout(*mp), False) is None
+        with pytest.raises(ValueError, match="no node symmetry"):
+            node_programs(PlanOptions(method=method), Layout(*mp), False)
+        return
     full = programs(PlanOptions(method=method), Layout(*mp), False, mode="full")
     sym = node_programs(PlanOptions(method=method), Layout(*mp), False)
     assert len(sym.forward) == mp[1] and sym.exact
