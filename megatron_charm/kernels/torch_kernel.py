@@ -1,7 +1,8 @@
 """The ``torch`` block kernel: PyTorch's own attention ops, no extra package.
 
-* CPU, any float dtype: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward; bf16 and
-  fp16 blocks are computed in float32 and rounded back (see :data:`CPU_UPCAST`).
+* CPU, any float dtype: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward; fp16
+  blocks, and bf16 blocks on CPUs without bf16 arithmetic, are computed in float32 and rounded
+  back (see :data:`CPU_UPCAST`).
 * CUDA, fp16/bf16: ``_flash_attention_forward`` / ``_flash_attention_backward`` (FlashAttention-2
   inside PyTorch; native GQA).
 * CUDA, fp32: ``_scaled_dot_product_efficient_attention`` with ``compute_log_sumexp=True`` and its
@@ -60,15 +61,48 @@ def cpu_native_gqa() -> bool:
     return bool(torch.allclose(got, want, atol=1e-6))
 
 
-#: Half-precision blocks run in float32 on CPU. PyTorch's CPU flash kernel has no fast bf16/fp16
-#: path on CPUs without AVX512-BF16/AMX: on an AVX2 EPYC core (1024 tokens, 8 heads of 64,
-#: causal) bf16 took 80 ms forward and 812 ms backward, float32 40 ms and 99 ms. The half kernel
-#: accumulates in float32 too, so the results differ only in where they are rounded.
+#: Half-precision blocks run in float32 on CPU, unless the CPU computes bf16 natively
+#: (:func:`cpu_bf16_native`). PyTorch's CPU flash kernel has no fast bf16/fp16 path on CPUs
+#: without AVX512-BF16/AMX: on an AVX2 EPYC core (1024 tokens, 8 heads of 64, causal) bf16 took
+#: 80 ms forward and 812 ms backward, float32 40 ms and 99 ms. The half kernel accumulates in
+#: float32 too, so the results differ only in where they are rounded.
 CPU_UPCAST = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+#: CPU flags with which bf16 blocks run in bf16: on an AVX512-BF16 EPYC core (same block) bf16
+#: took 20 ms forward and 32 ms backward, float32 19 ms and 49 ms, before the two casts.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first processor in ``/proc/cpuinfo`` text."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_bf16_native() -> bool:
+    """Whether this CPU has bf16 arithmetic that PyTorch's CPU kernels use (AVX512-BF16 or
+    AMX-BF16, from ``/proc/cpuinfo``; ``False`` where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            text = fh.read()
+    except OSError:
+        return False
+    return bool(cpu_flags(text) & BF16_CPU_FLAGS)
+
+
+def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU path computes ``dtype`` inputs in (:data:`CPU_UPCAST`)."""
+    if dtype == torch.bfloat16 and cpu_bf16_native():
+        return dtype
+    return CPU_UPCAST.get(dtype, dtype)
 
 
 def _cpu_compute(*tensors: Tensor) -> list[Tensor]:
-    return [t.to(CPU_UPCAST.get(t.dtype, t.dtype)) for t in tensors]
+    return [t.to(cpu_compute_dtype(t.dtype)) for t in tensors]
 
 
 def _cpu_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
@@ -89,11 +123,6 @@ def cpu_forward(
         _bhsd(qc), _bhsd(kc), _bhsd(vc), 0.0, causal, attn_mask=bias, scale=scale
     )
     return _sbhd(out).to(q.dtype), lse.permute(2, 0, 1)
-
-
-def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the CPU path computes ``dtype`` inputs in (:data:`CPU_UPCAST`)."""
-    return CPU_UPCAST.get(dtype, dtype)
 
 
 def cpu_backward(

@@ -91,20 +91,51 @@ def test_zigzag_positions():
 
 
 def test_cpu_half_blocks_are_computed_in_float32_and_rounded():
-    """bf16/fp16 blocks on CPU run the float32 kernel (Note in torch_kernel.CPU_UPCAST): the same
-    numbers as the float32 call on the same values, rounded to the input dtype."""
-    from megatron_charm.kernels.torch_kernel import torch_backward, torch_forward
+    """fp16 blocks on CPU, and bf16 blocks on CPUs without bf16 arithmetic, run the float32
+    kernel (Note in torch_kernel.CPU_UPCAST): the same numbers as the float32 call on the same
+    values, rounded to the input dtype. bf16 blocks on CPUs with it run in bf16, within bf16's
+    rounding of that result."""
+    from megatron_charm.kernels.torch_kernel import (
+        cpu_bf16_native,
+        cpu_compute_dtype,
+        torch_backward,
+        torch_forward,
+    )
 
     g = torch.Generator().manual_seed(3)
     q, do = (torch.randn(16, 1, 4, 8, generator=g) for _ in range(2))
     k, v = (torch.randn(16, 1, 2, 8, generator=g) for _ in range(2))
+    assert cpu_compute_dtype(torch.float16) == torch.float32
     for dtype in (torch.bfloat16, torch.float16):
         qh, kh, vh, doh = (t.to(dtype) for t in (q, k, v, do))
         out, lse = torch_forward(qh, kh, vh, True, 0.3)
         ref_out, ref_lse = torch_forward(*(t.float() for t in (qh, kh, vh)), True, 0.3)
-        assert out.dtype == dtype and torch.equal(out, ref_out.to(dtype))
-        assert torch.equal(lse, ref_lse)
         grads = torch_backward(doh, qh, kh, vh, out, lse, True, 0.3)
         ref = torch_backward(*(t.float() for t in (doh, qh, kh, vh, out)), lse, True, 0.3)
+        if dtype == torch.bfloat16 and cpu_bf16_native():
+            assert cpu_compute_dtype(dtype) == dtype
+            assert out.dtype == dtype and lse.dtype == torch.float32
+            torch.testing.assert_close(out.float(), ref_out, atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+            for got, want in zip(grads, ref, strict=True):
+                assert got.dtype == dtype
+                torch.testing.assert_close(got.float(), want, atol=6e-2, rtol=6e-2)
+            continue
+        assert cpu_compute_dtype(dtype) == torch.float32
+        assert out.dtype == dtype and torch.equal(out, ref_out.to(dtype))
+        assert torch.equal(lse, ref_lse)
         for got, want in zip(grads, ref, strict=True):
             assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+def test_cpu_flags_name_the_bf16_instructions():
+    from megatron_charm.kernels.torch_kernel import BF16_CPU_FLAGS, cpu_flags
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t: x\n"
+    bf16 = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_tile\n"
+    assert cpu_flags(avx2) == {"fpu", "sse2", "avx", "avx2", "fma"}
+    assert not cpu_flags(avx2) & BF16_CPU_FLAGS
+    assert cpu_flags(bf16) & BF16_CPU_FLAGS == {"avx512_bf16"}
+    assert cpu_flags("no flags here") == frozenset()
+
+
