@@ -137,5 +137,3 @@ def test_cpu_flags_name_the_bf16_instructions():
     assert not cpu_flags(avx2) & BF16_CPU_FLAGS
     assert cpu_flags(bf16) & BF16_CPU_FLAGS == {"avx512_bf16"}
     assert cpu_flags("no flags here") == frozenset()
-
-
