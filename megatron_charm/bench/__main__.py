@@ -11,9 +11,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:  # internal: one rank of 'attention'
         from megatron_charm.bench.worker import main as worker_main
+        from megatron_charm.launch.call import leave_rank
 
         worker_main(argv[1])
-        return 0
+        leave_rank(0)  # Note [Leaving a rank process]
     ap = argparse.ArgumentParser(prog="megatron-charm-bench", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     from megatron_charm.bench import attention, memory, numerics, planning

@@ -8,6 +8,7 @@ folder, as with ``multiprocessing``'s spawn.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import shutil
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.launch.run import LaunchResult, run
@@ -122,3 +123,23 @@ def rank_main(payload: str) -> None:
         int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), env[ENV_INIT_METHOD]
     )
     fn(info, *pickle.loads(args))
+    leave_rank(0)
+
+
+def leave_rank(code: int = 0) -> NoReturn:
+    """End a rank process that has finished its work, without the interpreter's teardown.
+
+    Note [Leaving a rank process]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A gloo rank that returned normally was sometimes killed on its way out by "terminate
+    called without an active exception" (SIGABRT): a native thread was still joinable when
+    C++ static destructors ran, after the process group had been destroyed and every rank had
+    passed a barrier (the memory benchmark's worker, the calibrate worker; about one run in
+    three on one machine). Nothing a finished rank still needs happens in that teardown, so it
+    flushes what Python buffers (logging handlers, stdout, stderr) and leaves with
+    ``os._exit``. Work that fails raises before this and exits the usual way.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

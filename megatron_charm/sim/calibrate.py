@@ -146,7 +146,13 @@ def main(argv: list[str]) -> int:
         if raw is not None:
             with open(cfg["raw_out"], "w") as f:
                 json.dump(raw, f)
-        return 0
+        import torch.distributed as dist
+
+        from megatron_charm.launch.call import leave_rank
+
+        dist.barrier()
+        dist.destroy_process_group()
+        leave_rank(0)  # Note [Leaving a rank process]
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
