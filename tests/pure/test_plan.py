@@ -311,3 +311,43 @@ def test_validator_checks_head_groups(mutate, message):
     plan = plan_of("a2a", Layout(1, 4), True)
     with pytest.raises(ScheduleError, match=message):
         validate(_mutated(plan, 1, mutate))
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_two_node_forward_computes_the_first_foreign_piece_after_the_diagonal(p, causal):
+    # Note [Foreign pieces first]: forward only; the backward keeps its own blocks first
+    plan = plan_of("charm", Layout(2, p), causal, cross_level="q")
+    for prog in plan.forward:
+        x = prog.cp_rank
+        computes = [i for i in prog.instrs if isinstance(i, Compute)]
+        assert (computes[0].q_owner, computes[0].kv_owner) == (x, x)
+        assert plan.layout.node(computes[1].q_owner) != plan.layout.node(x)
+        if p > 1:  # some own partner block still follows the first foreign one
+            first_foreign = next(k for k, c in enumerate(computes) if c.q_owner // p != x // p)
+            assert any(c.q_owner == x for c in computes[first_foreign:])
+    for prog in plan.backward:
+        x = prog.cp_rank
+        owners = [i.q_owner for i in prog.instrs if isinstance(i, Compute)]
+        foreign = [k for k, g in enumerate(owners) if g // p != x // p]
+        assert foreign and all(g // p == x // p for g in owners[: foreign[0]])
+        assert all(g // p != x // p for g in owners[foreign[0] :])
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("backward", [False, True])
+def test_two_node_result_receives_are_posted_when_their_turn_comes(p, causal, backward):
+    # Note [Receiving results early]: one op per cross.o exchange, and a receive is never
+    # held back behind a block: it follows the pass's start or the cross.o exchange before it
+    plan = plan_of("charm", Layout(2, p), causal, cross_level="q")
+    for prog in plan.programs(backward):
+        since_last: list = []  # instructions since the previous cross.o exchange
+        for ins in prog.instrs:
+            if isinstance(ins, Exchange) and ins.channel == "cross.o":
+                assert len(ins.ops) == 1
+                if not ins.ops[0].send:
+                    assert not any(isinstance(i, Compute) for i in since_last), prog.cp_rank
+                since_last = []
+            else:
+                since_last.append(ins)
