@@ -357,7 +357,8 @@ def _charm_flags(cfg: Any) -> list[Any]:
         flags += ["--charm-ranks-per-node", p.ranks_per_node]
     if p.node_split != "host":
         flags += ["--charm-node-split", p.node_split]
-    for key in ("window", "cross_return", "cross_level", "intra_level", "memory_budget"):
+    keys = ("window", "cross_return", "cross_level", "intra_level", "foreign_q", "memory_budget")
+    for key in keys:
         if getattr(plan, key) != getattr(default, key):
             flags += ["--charm-" + key.replace("_", "-"), getattr(plan, key)]
     if plan.combine_two_nodes:

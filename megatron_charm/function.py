@@ -27,8 +27,9 @@ from megatron_charm.plan import (
 )
 from megatron_charm.plan.check_rank import check_rank_program
 from megatron_charm.plan.docmask import DocMask, MaskModel
+from megatron_charm.plan.keep import kept_pieces
 from megatron_charm.plan.layout import ZIGZAG
-from megatron_charm.plan.types import Kind, Part, Program
+from megatron_charm.plan.types import Kind, Part, Payload, Program
 from megatron_charm.plan.validate import validate
 from megatron_charm.sim.profile import Profile
 
@@ -199,10 +200,13 @@ def forward_pass(
     scale: float,
     trace: list[RunTrace] | None = None,
     mask: MaskModel | None = None,
-) -> tuple[Tensor, Tensor]:
+    keep: frozenset[Payload] = frozenset(),
+) -> tuple[Tensor, Tensor, dict[Payload, Tensor]]:
     """Run one rank's forward program. ``q [s, b, h, d]``, ``k, v [s, b, h_kv, d]`` (contiguous,
-    in the halves order of ``mask`` when one is given); returns ``out [s, b, h, d]`` in q's dtype
-    and the float32 ``lse [s, b, h]``."""
+    in the halves order of ``mask`` when one is given); returns ``out [s, b, h, d]`` in q's dtype,
+    the float32 ``lse [s, b, h]`` and the received foreign q pieces named in ``keep`` (each
+    ``[s_part, b, h, d]``; Note [Keeping foreign queries]: ``kept_pieces`` of the rank's
+    backward program), which :func:`backward_pass` takes back."""
     space = TensorSpace(
         AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size()),
         q.dtype,
@@ -210,10 +214,10 @@ def forward_pass(
     )
     x = topo.cp_rank
     inputs = {(Kind.Q, x, None): (Part.FULL, [q]), (Kind.KV, x, None): (Part.FULL, [k, v])}
-    runner = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace, mask)
+    runner = ProgramRunner(topo, program, space, kernel, scale, False, inputs, trace, mask, keep)
     accumulators = runner.run()
     out, lse = final_tensors(accumulators, Kind.O, x, q.dtype)
-    return out, lse
+    return out, lse, runner.kept
 
 
 def backward_pass(
@@ -229,9 +233,11 @@ def backward_pass(
     scale: float,
     trace: list[RunTrace] | None = None,
     mask: MaskModel | None = None,
+    kept: dict[Payload, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run one rank's backward program with the *final* ``out`` and ``lse`` of its queries
-    (shapes as :func:`forward_pass`); returns ``dq, dk, dv`` in the input dtypes."""
+    (shapes as :func:`forward_pass`) and the foreign q pieces its forward ``kept``; returns
+    ``dq, dk, dv`` in the input dtypes."""
     space = TensorSpace(
         AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size()),
         q.dtype,
@@ -243,7 +249,9 @@ def backward_pass(
         (Kind.QB, x, None): (Part.FULL, [q, dout.contiguous(), lse, row_delta(out, dout)]),
         (Kind.KV, x, None): (Part.FULL, [k, v]),
     }
-    runner = ProgramRunner(topo, program, space, kernel, scale, True, inputs, trace, mask)
+    runner = ProgramRunner(
+        topo, program, space, kernel, scale, True, inputs, trace, mask, kept or {}
+    )
     accumulators = runner.run()
     (dq,) = final_tensors(accumulators, Kind.DQ, x, q.dtype)
     dk, dv = final_tensors(accumulators, Kind.DKV, x, k.dtype)
@@ -253,8 +261,10 @@ def backward_pass(
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, topo, programs, kernel, scale, trace, mask):  # q: [s, b, h, d]
-        out, lse = forward_pass(topo, programs[0], q, k, v, kernel, scale, trace, mask)
+        keep = kept_pieces(programs[1])
+        out, lse, kept = forward_pass(topo, programs[0], q, k, v, kernel, scale, trace, mask, keep)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kept = kept  # received buffers, not part of any graph
         ctx.topo, ctx.backward_program = topo, programs[1]
         ctx.kernel, ctx.scale, ctx.trace = kernel, scale, trace
         ctx.mask = mask
@@ -277,7 +287,9 @@ class _CPAttention(torch.autograd.Function):
             ctx.scale,
             ctx.trace,
             ctx.mask,
+            ctx.kept,
         )
+        ctx.kept = None
         return dq, dk, dv, None, None, None, None, None, None
 
 

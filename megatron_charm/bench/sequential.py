@@ -88,7 +88,7 @@ def run_sequential_ring(
     x = topo.cp_rank
     blk = kernel if isinstance(kernel, BlockKernel) else select_kernel(q.device, q.dtype, kernel)
     traces: list[RunTrace] = []
-    out, lse = forward_pass(topo, sequential(plan.forward[x]), q, k, v, blk, scale, traces)
+    out, lse, _ = forward_pass(topo, sequential(plan.forward[x]), q, k, v, blk, scale, traces)
     backward_pass(topo, sequential(plan.backward[x]), q, k, v, out, lse, dout, blk, scale, traces)
     if q.is_cuda:
         torch.cuda.synchronize()

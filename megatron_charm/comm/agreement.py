@@ -93,5 +93,5 @@ def _mismatch_message(everyone: list) -> str:
         "CP ranks call cp_attention with different shapes, settings or plan options: "
         + "; ".join(diffs)
         + ". Every rank of the CP group must hold the same local sequence length (q as "
-        "[s_local, b, h, d]), dtype and options (method, window, combine_two_nodes, cross_return)"
+        "[s_local, b, h, d]), dtype and plan options (every PlanOptions field)"
     )

@@ -24,9 +24,20 @@ from megatron_charm.kernels.delta import out_for_delta
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
 from megatron_charm.plan.docmask import MaskModel
+from megatron_charm.plan.keep import held_input
 from megatron_charm.plan.memory import ExpandKey, Key, expansion_drops, release_points
 from megatron_charm.plan.payloads import group_heads
-from megatron_charm.plan.types import Compute, Exchange, Heads, Kind, Merge, Part, Program, Wait
+from megatron_charm.plan.types import (
+    Compute,
+    Exchange,
+    Heads,
+    Kind,
+    Merge,
+    Part,
+    Payload,
+    Program,
+    Wait,
+)
 
 Tensor = torch.Tensor
 
@@ -77,7 +88,10 @@ class ProgramRunner:
     one :class:`RunTrace` with its timeline, bytes and peak buffer bytes; without it, nothing is
     measured. With ``mask`` (a document mask resolved for the CP group), every compute runs the
     spans the mask leaves in its block (:mod:`megatron_charm.kernels.masked`) instead of the
-    layout's causal rule.
+    layout's causal rule. ``kept`` (Note [Keeping foreign queries]): in the forward, the foreign
+    q pieces to keep (``Kind.Q`` payloads; the runner's ``kept`` maps each to its received
+    ``[s_part, b, h, d]`` tensor at the end); in the backward, that mapping, consumed by the
+    ``DB`` receives.
 
     Note [GQA expansion]
     ~~~~~~~~~~~~~~~~~~~~
@@ -101,6 +115,7 @@ class ProgramRunner:
         inputs: dict[Key, tuple[Part, list[Tensor]]],
         trace: list[RunTrace] | None = None,
         mask: MaskModel | None = None,
+        kept: frozenset[Payload] | dict[Payload, Tensor] = frozenset(),
     ) -> None:
         self.topo = topo
         self.mask = mask
@@ -111,6 +126,8 @@ class ProgramRunner:
         self.backward = backward
         self.inputs = inputs
         self.trace = trace
+        self.keep = frozenset() if backward else frozenset(kept)
+        self.kept: dict[Payload, Tensor] = dict(kept) if backward else {}
         self.accumulators: dict[Key, Accumulator] = {}
         # handle -> (works, received (payload, buffers), sent tensors, bytes of the sent tensors
         # that this pass allocated): all kept until the Wait
@@ -162,7 +179,9 @@ class ProgramRunner:
                     tensors = acc.to_wire(op.wire)
                     allocated += _nbytes(tensors)
                 else:
-                    views = self._input(p.kind, p.owner, p.part, p.heads)
+                    views = self._input(held_input(p.kind), p.owner, p.part, p.heads)
+                    if p.kind is Kind.DB:
+                        views = views[1:]  # dout, lse, delta: the peer kept the q
                     tensors = [t.contiguous() for t in views]
                     allocated += sum(
                         _nbytes([t])
@@ -201,7 +220,12 @@ class ProgramRunner:
         for p, bufs in received:
             if p.kind.is_partial:
                 self.partials[(w.handle, p.kind, p.owner, p.heads)] = (p.part, bufs)
+            elif p.kind is Kind.DB:
+                q = self.kept.pop(Payload(Kind.Q, p.owner, p.part, p.heads))
+                self.inputs[(Kind.QB, p.owner, p.heads)] = (p.part, [q, *bufs])
             else:
+                if p in self.keep:
+                    self.kept[p] = bufs[0]
                 self.inputs[(p.kind, p.owner, p.heads)] = (p.part, bufs)
                 if p.kind == Kind.KV:
                     self.expanded.pop((p.owner, p.heads), None)
@@ -253,7 +277,11 @@ class ProgramRunner:
         self._accumulator(p.kind, p.owner, p.heads).add(part, bufs, computed=False)
 
     def _buffer_bytes(self, own: set[Key]) -> int:
-        total = sum(_nbytes(t) for k, (_, t) in self.inputs.items() if k not in own)
+        kept = {id(t) for t in self.kept.values()}
+        total = _nbytes(self.kept.values())
+        for k, (_, tensors) in self.inputs.items():
+            if k not in own:
+                total += sum(_nbytes([t]) for t in tensors if id(t) not in kept)
         for _, received, _, allocated in self.pending.values():
             total += sum(_nbytes(b) for _, b in received) + allocated
         total += sum(_nbytes(a.tensors) for a in self.accumulators.values())
@@ -296,6 +324,7 @@ class ProgramRunner:
             for owner in drops.get(i, ()):
                 self.expanded.pop(owner, None)
         assert not self.pending and not self.partials and not self.expanded
+        assert not (self.backward and self.kept), "kept q pieces the backward never used"
         if self.trace is not None:
             self.trace.append(RunTrace(self.prog.cp_rank, self.backward, self.stats, events or []))
         return self.accumulators

@@ -164,6 +164,7 @@ def _refuse_charm_flags_without_charm(args: argparse.Namespace) -> None:
             ("--charm-cross-return", _DEFAULTS.cross_return),
             ("--charm-cross-level", _DEFAULTS.cross_level),
             ("--charm-intra-level", _DEFAULTS.intra_level),
+            ("--charm-foreign-q", _DEFAULTS.foreign_q),
             ("--charm-memory-budget", _DEFAULTS.memory_budget),
             ("--charm-combine-two-nodes", False),
         )
@@ -407,6 +408,7 @@ def megatron_defaults(names: Sequence[str] | None = None) -> dict[str, Any]:
         "charm_cross_return": _DEFAULTS.cross_return,
         "charm_cross_level": _DEFAULTS.cross_level,
         "charm_intra_level": _DEFAULTS.intra_level,
+        "charm_foreign_q": _DEFAULTS.foreign_q,
         "charm_memory_budget": _DEFAULTS.memory_budget,
         "charm_combine_two_nodes": False,
     }

@@ -17,6 +17,7 @@ from megatron_charm.plan.allgather import allgather_backward, allgather_forward
 from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.cost import cross_link_bytes, intra_send_bytes
 from megatron_charm.plan.hierarchical import hierarchical_backward, hierarchical_forward
+from megatron_charm.plan.keep import keep_foreign_q
 from megatron_charm.plan.layout import (
     block_parts,
     contiguous_positions,
@@ -101,8 +102,11 @@ def rank_programs(
             window=options.window,
             combine_two_nodes=options.combine_two_nodes,
         )
+        # "dout" (q kept from the forward) schedules like "q"; keep_foreign_q then trims the
+        # bundles (Note [Keeping foreign queries])
         cfg_f, cfg_b = (
-            replace(cfg, cross=c, split=i == "split") for c, i in zip(cross, intra, strict=True)
+            replace(cfg, cross="q" if c == "dout" else c, split=i == "split")
+            for c, i in zip(cross, intra, strict=True)
         )
     else:
         cfg_f = cfg_b = PipelineConfig(split=method == "rm+", scope="full", window=options.window)
@@ -191,6 +195,8 @@ def plan_with_levels(
         else:
             fwd_t = tuple(own_wires(prog, False, compact) for prog in fwd)
             bwd_t = tuple(own_wires(prog, True, compact) for prog in bwd)
+        if cross[1] == "dout":
+            bwd_t = tuple(keep_foreign_q(f, b, layout) for f, b in zip(fwd_t, bwd_t, strict=True))
     used = sorted({i.channel for p in fwd_t + bwd_t for i in p.instrs if isinstance(i, Exchange)})
     channels = tuple((c, CHANNELS[c]) for c in used)
     return Plan(
@@ -228,7 +234,10 @@ def rank_plan(
     """
     (fwd,), (bwd,) = rank_programs(options, layout, causal, [cp_rank], cross, intra)
     compact = compact_channels(options)
-    return own_wires(fwd, False, compact), own_wires(bwd, True, compact)
+    fwd, bwd = own_wires(fwd, False, compact), own_wires(bwd, True, compact)
+    if cross[1] == "dout":
+        bwd = keep_foreign_q(fwd, bwd, layout)
+    return fwd, bwd
 
 
 def cross_levels(
@@ -284,9 +293,57 @@ def plan_levels(
     options: PlanOptions, layout: Layout, causal: bool, shape: AttnShape | None = None
 ) -> tuple[tuple[str, str], tuple[str, str]]:
     """``(cross, intra)``: charm's resolved cross and intra levels for a call
-    (:func:`cross_levels`, :func:`intra_levels`); every caller that plans resolves both here."""
+    (:func:`cross_levels`, :func:`intra_levels`, then :func:`keeps_foreign_q`, which turns a
+    backward ``q`` into ``dout``); every caller that plans resolves them here."""
     cross = cross_levels(options, layout, causal, shape)
-    return cross, intra_levels(options, layout, causal, cross, shape)
+    intra = intra_levels(options, layout, causal, cross, shape)
+    if keeps_foreign_q(options, layout, causal, cross, intra, shape):
+        cross = (cross[0], "dout")
+    return cross, intra
+
+
+def keeps_foreign_q(
+    options: PlanOptions,
+    layout: Layout,
+    causal: bool,
+    cross: tuple[str, str],
+    intra: tuple[str, str],
+    shape: AttnShape | None = None,
+) -> bool:
+    """Whether charm's backward keeps the queries that crossed nodes in the forward (backward
+    cross level ``dout``: Note [Keeping foreign queries] in :mod:`megatron_charm.plan.keep`).
+
+    Only where q crosses in both passes. ``foreign_q="auto"`` keeps unless keeping takes the
+    attention memory (the largest of the first and the last node's ranks, at most four nodes)
+    above both ``memory_budget`` times ring attention's and what resending holds: the kept
+    queries are held from the forward to the backward, and save their bytes on the backward's
+    cross links (with MHA: 2 x 2 causal, busiest cross link 10.75 -> 6.55 MB per backward at
+    s_local 2048, 8 x 64 heads; the peak grows by at most one q piece).
+    """
+    if options.method != "charm" or layout.num_nodes == 1 or cross != ("q", "q"):
+        return False
+    if options.foreign_q != "auto":
+        return options.foreign_q == "keep"
+    small = Layout(min(layout.num_nodes, 4), layout.ranks_per_node)
+    return _auto_keep(options, small, causal, intra, _unit_shape(shape))
+
+
+@lru_cache(maxsize=256)
+def _auto_keep(
+    options: PlanOptions, layout: Layout, causal: bool, intra: tuple[str, str], shape: AttnShape
+) -> bool:
+    p, last = layout.ranks_per_node, layout.num_nodes - 1
+    ranks = (*range(p), *range(last * p, (last + 1) * p))
+
+    def peak(cross: tuple[str, str]) -> int:
+        plans = (rank_plan(options, layout, causal, cross, x, intra) for x in ranks)
+        return max(attention_memory(f, b, shape)["peak"] for f, b in plans)
+
+    with collector_paused():
+        keep = peak(("q", "dout"))
+        return keep <= peak(("q", "q")) or keep <= options.memory_budget * _ring_memory(
+            layout, causal, shape
+        )
 
 
 def _unit_shape(shape: AttnShape | None) -> AttnShape:
@@ -400,6 +457,7 @@ __all__ = [
     "methods_for",
     "cross_levels",
     "intra_levels",
+    "keeps_foreign_q",
     "plan_levels",
     "plan_with_levels",
     "rank_plan",

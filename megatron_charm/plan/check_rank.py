@@ -23,6 +23,9 @@ full replay, which the tests run on a grid of layouts for every method, and whic
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from megatron_charm.plan.keep import held_input
 from megatron_charm.plan.layout import block_empty, block_parts
 from megatron_charm.plan.types import (
     Compute,
@@ -78,7 +81,7 @@ def check_rank_program(
                 if not op.send:
                     posted[ins.handle].append(p)
                 elif not p.kind.is_partial:
-                    if not has(p):
+                    if not has(replace(p, kind=held_input(p.kind))):
                         raise err(pc, f"sends {p} that it does not hold")
                 else:
                     have = acc.pop((p.kind, p.owner, p.heads), None)
@@ -94,8 +97,8 @@ def check_rank_program(
             for p in posted.pop(ins.handle):
                 if p.kind.is_partial:
                     received.add((ins.handle, p))
-                else:
-                    inputs[(p.kind, p.owner, p.heads)] = p.part
+                else:  # a DB completes the bundle with a kept q (checked by the replay)
+                    inputs[(held_input(p.kind), p.owner, p.heads)] = p.part
         elif isinstance(ins, Compute):
             if block_empty(ins.q_owner, ins.kv_owner, causal, seq_layout):
                 raise err(pc, f"computes the empty block ({ins.q_owner},{ins.kv_owner})")

@@ -17,6 +17,10 @@ instruction, the number that the executor's ``peak_buffer_bytes`` reports for th
 (the gloo tier checks the two are equal). So memory is a property of the plan, like bytes: a
 planner change can be judged, and tested, without running a kernel.
 
+Foreign q pieces kept for the backward (Note [Keeping foreign queries] in
+:mod:`megatron_charm.plan.keep`) live from their forward ``Wait`` to the end of the forward, then
+from the start of the backward to the ``Wait`` of the ``DB`` that completes their bundle.
+
 Assumptions, as in the executor: the caller's q, k, v (and the backward's dout, lse and delta) are
 contiguous ``[s, b, h, d]`` (``sbhd``; ``bshd`` callers pay layout copies outside these
 buffers); a single computed block is kept in the input dtype (``Accumulator.single_block``) and
@@ -28,6 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from megatron_charm.plan.keep import held_input, kept_pieces
 from megatron_charm.plan.payloads import AttnShape, group_heads, payload_bytes
 from megatron_charm.plan.types import (
     Compute,
@@ -62,12 +67,12 @@ def release_points(program: Program, own: set[Key], backward: bool) -> dict[int,
     for i, ins in enumerate(program.instrs):
         if isinstance(ins, Exchange):
             recv_keys[ins.handle] = [
-                (op.payload.kind, op.payload.owner, op.payload.heads)
+                (held_input(op.payload.kind), op.payload.owner, op.payload.heads)
                 for op in ins.ops
                 if not op.send and not op.payload.kind.is_partial
             ]
             used = [
-                (op.payload.kind, op.payload.owner, op.payload.heads)
+                (held_input(op.payload.kind), op.payload.owner, op.payload.heads)
                 for op in ins.ops
                 if op.send and not op.payload.kind.is_partial
             ]
@@ -129,8 +134,21 @@ class _Acc:
 
 
 class _Replay:
-    def __init__(self, program: Program, shape: AttnShape, backward: bool, expand: bool):
+    def __init__(
+        self,
+        program: Program,
+        shape: AttnShape,
+        backward: bool,
+        expand: bool,
+        kept: frozenset[Payload],
+    ):
         self.prog, self.shape, self.backward, self.expand = program, shape, backward, expand
+        self.keep = kept
+        # kept foreign q pieces (Note [Keeping foreign queries]) -> bytes; the backward starts
+        # with all of them
+        self.kept: dict[Payload, int] = {}
+        if backward:
+            self.kept = {p: payload_bytes(p, shape, Wire.INPUT) for p in kept}
         # received inputs (own ones are the caller's): key -> (part held, bytes)
         self.inputs: dict[Key, tuple[Part, int]] = {}
         self.pending: dict[int, int] = {}  # handle -> receive buffers + send copies
@@ -183,10 +201,17 @@ class _Replay:
             del self.pending[ins.handle]
             for p, wire in self.received.pop(ins.handle):
                 key = (p.kind, p.owner, p.heads)
+                nbytes = payload_bytes(p, self.shape, wire)
                 if p.kind.is_partial:
-                    self.partials[(ins.handle, key)] = payload_bytes(p, self.shape, wire)
+                    self.partials[(ins.handle, key)] = nbytes
+                elif p.kind is Kind.DB:
+                    nbytes += self.kept.pop(Payload(Kind.Q, p.owner, p.part, p.heads))
+                    self.inputs[(Kind.QB, p.owner, p.heads)] = (p.part, nbytes)
+                elif p in self.keep and not self.backward:
+                    self.kept[p] = nbytes  # held here until the backward, not by the input
+                    self.inputs[key] = (p.part, 0)
                 else:
-                    self.inputs[key] = (p.part, payload_bytes(p, self.shape, wire))
+                    self.inputs[key] = (p.part, nbytes)
                     if p.kind == Kind.KV:
                         self.expanded.pop((p.owner, p.heads), None)
         elif isinstance(ins, Compute):
@@ -219,17 +244,25 @@ class _Replay:
             + sum(a.nbytes for a in self.accs.values())
             + sum(self.partials.values())
             + sum(self.expanded.values())
+            + sum(self.kept.values())
         )
 
 
-def pass_memory(program: Program, shape: AttnShape, backward: bool, expand: bool = False) -> int:
+def pass_memory(
+    program: Program,
+    shape: AttnShape,
+    backward: bool,
+    expand: bool = False,
+    kept: frozenset[Payload] = frozenset(),
+) -> int:
     """Peak bytes that one rank's pass allocates beyond the caller's tensors (Note [Memory of a
     pass]); ``shape``: the rank's local problem; ``expand``: the kernel lacks native GQA and
-    the executor repeats kv heads (Note [GQA expansion])."""
+    the executor repeats kv heads (Note [GQA expansion]); ``kept``: the foreign q pieces kept
+    for the backward (:func:`megatron_charm.plan.keep.kept_pieces` of the rank's backward)."""
     own = own_keys(program.cp_rank, backward)
     release = release_points(program, own, backward)
     drops = expansion_drops(program) if expand else {}
-    run = _Replay(program, shape, backward, expand)
+    run = _Replay(program, shape, backward, expand, kept)
     peak = 0
     for i, ins in enumerate(program.instrs):
         run.step(ins)
@@ -239,6 +272,7 @@ def pass_memory(program: Program, shape: AttnShape, backward: bool, expand: bool
         for owner in drops.get(i, ()):
             run.expanded.pop(owner, None)
     assert not run.pending and not run.partials, f"cp_rank {program.cp_rank}: unfinished pass"
+    assert not (backward and run.kept), f"cp_rank {program.cp_rank}: kept q never used"
     return peak
 
 
@@ -251,12 +285,16 @@ def saved_bytes(shape: AttnShape) -> int:
 def attention_memory(
     forward: Program, backward: Program, shape: AttnShape, expand: bool = False
 ) -> dict[str, int]:
-    """One rank's attention memory: ``fwd`` and ``bwd`` pass peaks, ``saved`` (out, lse) and
-    ``peak = max(fwd, saved + bwd)``, as ``megatron-charm-bench memory`` reports them."""
-    fwd = pass_memory(forward, shape, False, expand)
-    bwd = pass_memory(backward, shape, True, expand)
+    """One rank's attention memory: ``fwd`` and ``bwd`` pass peaks, ``saved`` (out, lse),
+    ``kept`` (foreign q pieces held between the passes, counted in both peaks: Note [Keeping
+    foreign queries]) and ``peak = max(fwd, saved + bwd)``, as ``megatron-charm-bench memory``
+    reports them."""
+    kept = kept_pieces(backward)
+    fwd = pass_memory(forward, shape, False, expand, kept)
+    bwd = pass_memory(backward, shape, True, expand, kept)
     saved = saved_bytes(shape)
-    return {"fwd": fwd, "bwd": bwd, "saved": saved, "peak": max(fwd, saved + bwd)}
+    held = sum(payload_bytes(p, shape, Wire.INPUT) for p in kept)
+    return {"fwd": fwd, "bwd": bwd, "saved": saved, "kept": held, "peak": max(fwd, saved + bwd)}
 
 
 def plan_peak(plan: Plan, shape: AttnShape) -> int:

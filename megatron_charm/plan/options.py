@@ -39,6 +39,7 @@ TE's."""
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
 CROSS_LEVELS: tuple[str, ...] = ("auto", "q", "kv")
 INTRA_LEVELS: tuple[str, ...] = ("auto", "split", "kv")
+FOREIGN_Q: tuple[str, ...] = ("auto", "keep", "resend")
 
 
 def check_method(method: str) -> None:
@@ -89,6 +90,14 @@ class PlanOptions:
     rank's node-local links, then holds less memory (GQA models exchange kv, whose heads are
     fewer). Matters from three ranks per node on (Note [Intra level])."""
 
+    foreign_q: str = "auto"
+    """What charm's backward does with the queries that crossed nodes in the forward: ``keep``
+    them on the rank that received them, so the bundle crossing back ships dout, lse and delta
+    only (half its bytes with multi-head attention; the kept queries are held from the forward
+    to the backward), ``resend`` them with the bundle (nothing held between the passes), or
+    ``auto``: keep where the attention memory stays within ``memory_budget`` (Note [Keeping
+    foreign queries] in :mod:`megatron_charm.plan.keep`). No effect where kv crosses nodes."""
+
     memory_budget: float = 1.1
     """The attention memory (a pass's peak buffers, plus the out and lse saved for the backward)
     that charm's ``auto`` choices may use, as a multiple of ring attention's on the same problem
@@ -111,6 +120,11 @@ class PlanOptions:
             raise ValueError(
                 f"cross_level={self.cross_level!r}: expected one of {', '.join(CROSS_LEVELS)} "
                 "(set cross_level= / --cross-level)"
+            )
+        if self.foreign_q not in FOREIGN_Q:
+            raise ValueError(
+                f"foreign_q={self.foreign_q!r}: expected one of {', '.join(FOREIGN_Q)} "
+                "(set foreign_q= / --foreign-q)"
             )
         if self.intra_level not in INTRA_LEVELS:
             raise ValueError(
@@ -159,6 +173,7 @@ FLAG_HELP: dict[str, str] = {
     "cross_return": "plan option: precision of charm's node-merged results crossing nodes",
     "cross_level": "plan option: what charm ships across nodes (q, kv, or auto: fewer bytes)",
     "intra_level": "plan option: what charm exchanges inside a node (split: RM+, kv, or auto)",
+    "foreign_q": "plan option: charm's backward keeps the forward's foreign queries or resends",
     "memory_budget": "plan option: attention memory auto choices may use, x ring's (> 0)",
     "combine_two_nodes": "plan option: charm on two nodes as one pipeline (paper Algorithm 2)",
 }
@@ -177,6 +192,7 @@ def add_plan_arguments(parser, prefix: str = "", keys: tuple[str, ...] = tuple(F
         "cross_return": CROSS_RETURNS,
         "cross_level": CROSS_LEVELS,
         "intra_level": INTRA_LEVELS,
+        "foreign_q": FOREIGN_Q,
     }
     for key in keys:
         if key == "combine_two_nodes":

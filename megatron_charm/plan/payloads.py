@@ -60,6 +60,8 @@ def payload_tensors(
         return [(kv, Wire.INPUT), (kv, Wire.INPUT)]
     if kind == Kind.QB:  # q, dout, lse, delta (Note [The backward bundle])
         return [(q, Wire.INPUT), (q, Wire.INPUT), lse, lse]
+    if kind == Kind.DB:  # dout, lse, delta (Note [Keeping foreign queries])
+        return [(q, Wire.INPUT), lse, lse]
     if kind == Kind.O:
         return [(q, wire), lse]
     if kind == Kind.DQ:

@@ -167,7 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cross-level", choices=("auto", "q", "kv"), default="auto")
     ap.add_argument("--heads", type=int, default=8, help="query heads (for cross-level auto)")
     ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
-    keys = ("window", "combine_two_nodes", "cross_return", "intra_level", "memory_budget")
+    keys = (
+        "window",
+        "combine_two_nodes",
+        "cross_return",
+        "intra_level",
+        "foreign_q",
+        "memory_budget",
+    )
     add_plan_arguments(ap, keys=keys)
     ap.add_argument(
         "--validate",

@@ -47,6 +47,9 @@ class Kind(str, Enum):
     # backward query bundle: q, dout ([s_part, b, h, d] each), lse and delta (float32
     # [s_part, b, h] each; Note [The backward bundle] in megatron_charm/kernels/delta.py)
     QB = "qb"
+    # the backward bundle without q: dout, lse and delta, for a query piece that its receiver
+    # kept from the forward (Note [Keeping foreign queries] in megatron_charm/plan/keep.py)
+    DB = "db"
     DQ = "dq"  # partial gradient of a query, [s_part, b, h, d]
     DKV = "dkv"  # partial gradients of key and value, 2 x [s_part, b, h_kv, d]
 

@@ -15,7 +15,9 @@ It proves, for a plan, before anything runs on a network:
   [First contact]);
 * no partial travels in more bytes than it needs (one block in float32), and a merged partial
   travels in the input dtype only on a channel the options make compact;
-* every rank computes the same amount of work.
+* every rank computes the same amount of work;
+* a backward bundle sent without its q (``DB``) completes a q piece that its receiver received
+  in the forward from the same rank (Note [Keeping foreign queries]).
 
 :class:`Replay` is shaped like the executor (:class:`megatron_charm.comm.executor.ProgramRunner`):
 one object per rank interprets the same four instructions, on symbols instead of tensors.
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 from megatron_charm.plan import compact_channels
 from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.docmask import half_blocks
+from megatron_charm.plan.keep import held_input, kept_pieces
 from megatron_charm.plan.layout import balanced, block_cost, block_parts, computed_blocks
 from megatron_charm.plan.types import (
     Compute,
@@ -109,6 +112,10 @@ class _RankReplay:
         }
         self.accumulators: dict[Key, _Acc] = {}
         self.partials: dict[tuple[int, Kind, int, Heads | None], _Acc] = {}
+        # Note [Keeping foreign queries]: q pieces kept from the forward, by sender
+        self.kept: dict[Payload, int] = {}
+        if replay.backward:
+            self.kept = self._forward_pieces(replay.plan.forward[self.x], kept_pieces(prog))
         self.completed: set[int] = set()
         self.waited: set[int] = set()
         self.inbox: dict[int, list[tuple[Payload, _Acc | None]]] = {}
@@ -120,6 +127,18 @@ class _RankReplay:
 
     def err(self, msg: str) -> ScheduleError:
         return ScheduleError(f"cp_rank {self.x}, instr {self.pc}: {msg}")
+
+    def _forward_pieces(self, forward: Program, pieces: frozenset[Payload]) -> dict[Payload, int]:
+        """The sender of each kept piece, from the forward's receives of it (exactly one)."""
+        got: dict[Payload, list[int]] = {}
+        for ex in forward.exchanges():
+            for op in ex.ops:
+                if not op.send and op.payload in pieces:
+                    got.setdefault(op.payload, []).append(op.peer)
+        for piece in pieces:
+            if len(got.get(piece, [])) != 1:
+                raise self.err(f"keeps {piece}, received {len(got.get(piece, []))} times forward")
+        return {piece: peers[0] for piece, peers in got.items()}
 
     @property
     def finished(self) -> bool:
@@ -194,7 +213,7 @@ class _RankReplay:
                     raise self.err(f"sends the merged {p} in the input dtype on {ex.channel}")
                 messages.append(acc)
             else:
-                if not self.has(p.kind, p.owner, p.part, p.heads):
+                if not self.has(held_input(p.kind), p.owner, p.part, p.heads):
                     raise self.err(f"sends {p} that it does not hold")
                 messages.append(None)
             self.replay.report.sends.append(SendRecord(self.x, ex.channel, op.peer, p, op.wire))
@@ -215,10 +234,19 @@ class _RankReplay:
             raise self.err(f"waits twice for {w.handle}")
         self.waited.add(w.handle)
         for payload, acc in self.inbox.pop(w.handle):
-            if acc is None:
+            if acc is None and payload.kind is Kind.DB:
+                self._complete_bundle(payload)
+            elif acc is None:
                 self.inputs[(payload.kind, payload.owner, payload.heads)] = payload.part
             else:
                 self.partials[(w.handle, payload.kind, payload.owner, payload.heads)] = acc
+
+    def _complete_bundle(self, p: Payload) -> None:
+        piece = Payload(Kind.Q, p.owner, p.part, p.heads)
+        if piece not in self.kept:
+            raise self.err(f"receives {p} without its q, which it did not keep")
+        del self.kept[piece]
+        self.inputs[(Kind.QB, p.owner, p.heads)] = p.part
 
     def _compute(self, c: Compute) -> None:
         replay = self.replay
@@ -413,6 +441,9 @@ class Replay:
         if stuck:
             detail = "; ".join(self._blocked(r) for r in stuck[:4])
             raise ScheduleError(f"deadlock: {len(stuck)} rank(s) blocked: {detail}")
+        for r in self.ranks:
+            if r.kept:
+                raise ScheduleError(f"cp_rank {r.x} keeps {sorted(map(str, r.kept))} unused")
         self._final_checks()
         return self.report
 

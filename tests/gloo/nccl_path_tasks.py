@@ -104,6 +104,7 @@ def gqa_expansions(ctx, method: str, ranks_per_node: int, h: int, h_kv: int):
     from megatron_charm.function import backward_pass, forward_pass, validated_plan
     from megatron_charm.kernels import select_kernel
     from megatron_charm.plan import AttnShape, PlanOptions
+    from megatron_charm.plan.keep import kept_pieces
 
     topo = ctx.topology(ranks_per_node)
     g = torch.Generator().manual_seed(7 + topo.cp_rank)
@@ -121,9 +122,12 @@ def gqa_expansions(ctx, method: str, ranks_per_node: int, h: int, h_kv: int):
         executor.expand_kv_heads = counted
         trace: list = []
         try:
-            out, lse = forward_pass(topo, fwd, q, k, v, kern, d**-0.5, trace)
+            keep = kept_pieces(bwd)
+            out, lse, kept = forward_pass(topo, fwd, q, k, v, kern, d**-0.5, trace, keep=keep)
             per_pass = [expansions[0]]
-            grads = backward_pass(topo, bwd, q, k, v, out, lse, dout, kern, d**-0.5, trace)
+            grads = backward_pass(
+                topo, bwd, q, k, v, out, lse, dout, kern, d**-0.5, trace, kept=kept
+            )
             per_pass.append(expansions[0] - per_pass[0])
         finally:
             executor.expand_kv_heads = real_expand

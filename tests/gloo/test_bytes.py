@@ -7,6 +7,7 @@ import pytest
 
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
 from megatron_charm.plan.cost import plan_bytes
+from megatron_charm.plan.keep import kept_pieces
 from megatron_charm.plan.memory import pass_memory
 from tests.gloo import tasks
 
@@ -27,6 +28,23 @@ def test_executor_bytes_equal_plan(pools, method, p, causal):
     for x in range(n):
         assert got[x][0] == want_fwd.get(x, {}), f"forward, cp_rank {x}"
         assert got[x][1] == want_bwd.get(x, {}), f"backward, cp_rank {x}"
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("causal", [True, False])
+def test_kept_foreign_q_executor_bytes_equal_plan(pools, causal):
+    # Note [Keeping foreign queries]: with MHA the default plan keeps the forward's foreign q
+    # (causal; the full forward ships kv), and the executor sends bundles without it
+    n, p = 4, 2
+    got = pools(n).run(
+        tasks.bytes_moved, method="charm", ranks_per_node=p, causal=causal, h=4, h_kv=4
+    )
+    shape = AttnShape(b=1, s_local=8, h=4, h_kv=4, d=8, itemsize=2)
+    plan = build_plan(PlanOptions(), Layout(n // p, p), causal, shape)
+    assert plan.cross == (("q", "dout") if causal else ("kv", "q"))
+    want_fwd, want_bwd = plan_bytes(plan, shape)
+    for x in range(n):
+        assert got[x] == [want_fwd[x], want_bwd[x]], f"cp_rank {x}"
 
 
 @pytest.mark.gloo
@@ -58,6 +76,8 @@ def test_head_split_executor_bytes_equal_plan(pools, method, p):
         ("charm", 2, {}),
         ("charm", 4, {"intra_level": "split"}),
         ("charm", 4, {"intra_level": "kv"}),
+        # Note [Keeping foreign queries]: kept q pieces count in both passes
+        ("charm", 2, {"cross_level": "q", "foreign_q": "keep"}),
     ],
 )
 @pytest.mark.parametrize("causal", [True, False])
@@ -71,6 +91,7 @@ def test_executor_memory_equals_plan(pools, method, p, options, causal):
     shape = AttnShape(b=2, s_local=8, h=8, h_kv=4, d=8, itemsize=2)
     plan = build_plan(PlanOptions(method=method, **options), Layout(n // p, p), causal, shape)
     for x in range(n):
-        want = [pass_memory(plan.programs(bwd)[x], shape, bwd) for bwd in (False, True)]
+        kept = kept_pieces(plan.backward[x])
+        want = [pass_memory(plan.programs(bwd)[x], shape, bwd, kept=kept) for bwd in (False, True)]
         assert got[x] == want, f"cp_rank {x}"
         assert min(want) > 0

@@ -151,3 +151,20 @@ def test_charm_cross_levels_gqa(pools, cross_level, n, p):
     )
     for rank_results in results:
         check(rank_results)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("foreign_q", ["keep", "resend"])
+@pytest.mark.parametrize("n,p", [(4, 2), (6, 2), (8, 4), (4, 1)])
+def test_charm_foreign_q(pools, foreign_q, n, p):
+    """Note [Keeping foreign queries]: a backward that completes the bundles with the forward's
+    kept q pieces is exact, like one that ships q again."""
+    results = pools(n).run(
+        tasks.compare_with_reference,
+        method="charm",
+        ranks_per_node=p,
+        variants=VARIANTS,
+        options={"cross_level": "q", "foreign_q": foreign_q},
+    )
+    for rank_results in results:
+        check(rank_results)

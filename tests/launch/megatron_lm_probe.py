@@ -36,6 +36,7 @@ REPORTED = (
     "charm_cross_return",
     "charm_cross_level",
     "charm_intra_level",
+    "charm_foreign_q",
     "charm_memory_budget",
     "charm_combine_two_nodes",
     "charm_model_builder",

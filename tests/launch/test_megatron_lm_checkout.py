@@ -81,6 +81,8 @@ CASES: dict[str, dict] = {
             "kv",
             "--charm-intra-level",
             "split",
+            "--charm-foreign-q",
+            "resend",
             "--charm-memory-budget",
             "1.5",
             "--charm-node-split",
@@ -244,6 +246,7 @@ def test_patched_builder_swaps_in_charm_with_the_flags(probe):
         "cross_return": "input",
         "cross_level": "kv",
         "intra_level": "split",
+        "foreign_q": "resend",
         "memory_budget": 1.5,
     }
     _ok(probe, "timeout")
@@ -263,8 +266,9 @@ def test_plan_flags_reach_the_args(probe):
         args["charm_cross_return"],
         args["charm_cross_level"],
         args["charm_intra_level"],
+        args["charm_foreign_q"],
         args["charm_memory_budget"],
         args["charm_node_split"],
         args["charm_ranks_per_node"],
         args["charm_combine_two_nodes"],
-    ) == (3, "input", "kv", "split", 1.5, "numa", 4, True)
+    ) == (3, "input", "kv", "split", "resend", 1.5, "numa", 4, True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_charm.plan import METHODS, Layout, PlanOptions, build_plan
+from megatron_charm.plan.keep import held_input
 from megatron_charm.plan.types import Compute, Exchange, Kind, Merge, Program, Wait
 
 SPLITS = [(n, p) for n in range(2, 13) for p in range(1, n + 1) if n % p == 0]
@@ -32,7 +33,8 @@ def ready_points(prog: Program, backward: bool) -> list[tuple[int, int, Exchange
                     ready = max(ready, touched.pop(key, -1))
                 elif op.send and op.payload.owner != prog.cp_rank:
                     ready = max(ready, delivered[key])
-            receives[ins.handle] = [(o.payload.kind, o.payload.owner) for o in ins.ops]
+            # a DB completes a QB bundle (Note [Keeping foreign queries])
+            receives[ins.handle] = [(held_input(o.payload.kind), o.payload.owner) for o in ins.ops]
             last_on[ins.channel] = i
             out.append((i, ready, ins))
         elif isinstance(ins, Wait):

@@ -20,6 +20,7 @@ from megatron_charm.plan import (
     PlanOptions,
     compact_channels,
     cross_levels,
+    plan_levels,
     plan_with_levels,
     rank_plan,
     rank_programs,
@@ -37,7 +38,12 @@ def _cases():
     for method in METHODS:
         for m, p in LAYOUTS:
             for causal in (True, False):
-                crosses = [("q", "q"), ("kv", "kv")] if method == "charm" and m > 1 else [None]
+                # ("q", "dout"): Note [Keeping foreign queries]
+                crosses = (
+                    [("q", "q"), ("kv", "kv"), ("q", "dout")]
+                    if method == "charm" and m > 1
+                    else [None]
+                )
                 # Note [Intra level]: from three ranks per node charm may exchange kv only
                 intras = [SPLIT, ("kv", "kv")] if method == "charm" and p > 2 else [SPLIT]
                 for cross, intra in itertools.product(crosses, intras):
@@ -160,7 +166,8 @@ def test_check_catches_a_kept_partial_and_a_double_wait():
 
 def test_large_groups_plan_one_rank_and_skip_the_full_replay(monkeypatch):
     options, layout = PlanOptions(), Layout(4, 2)
-    want = plan_with_levels(options, layout, True, cross_levels(options, layout, True))
+    cross, intra = plan_levels(options, layout, True)
+    want = plan_with_levels(options, layout, True, cross, intra=intra)
 
     def no_replay(*_a, **_k):
         raise AssertionError("a group above FULL_CHECK_MAX_CP replayed the whole plan")
