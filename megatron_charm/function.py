@@ -273,7 +273,15 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors  # raises itself on a second backward, unretained
+        if ctx.kept is None:
+            # the kept pieces are released after the first backward (they are not saved
+            # tensors, which retain_graph would keep)
+            raise RuntimeError(
+                "cp_attention's backward ran twice on one forward, but its plan keeps the "
+                "forward's foreign queries for one backward only; set "
+                "PlanOptions(foreign_q='resend') (--charm-foreign-q resend) to backward twice"
+            )
         dq, dk, dv = backward_pass(
             ctx.topo,
             ctx.backward_program,
@@ -289,7 +297,7 @@ class _CPAttention(torch.autograd.Function):
             ctx.mask,
             ctx.kept,
         )
-        ctx.kept = None
+        ctx.kept = None if ctx.kept else {}
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -338,3 +338,21 @@ def peak_bytes(ctx, method: str, ranks_per_node: int | None, causal: bool, optio
     )
     out.float().sum().backward()
     return [tr.stats.peak_buffer_bytes for tr in traces]
+
+
+def backward_twice(ctx, foreign_q: str):
+    """Run cp_attention's backward twice on one forward (``retain_graph``); the second
+    backward's error message, or ``None`` when it ran."""
+    import megatron_charm as mc
+    from megatron_charm.plan import PlanOptions
+
+    topo = ctx.topology(2)
+    gen = torch.Generator().manual_seed(topo.cp_rank)
+    q, k, v = (torch.randn(1, 8, 4, 8, generator=gen).requires_grad_() for _ in range(3))
+    out = mc.cp_attention(q, k, v, topo, options=PlanOptions(foreign_q=foreign_q))
+    out.sum().backward(retain_graph=True)
+    try:
+        out.sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None

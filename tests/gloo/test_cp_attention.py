@@ -168,3 +168,12 @@ def test_charm_foreign_q(pools, foreign_q, n, p):
     )
     for rank_results in results:
         check(rank_results)
+
+
+@pytest.mark.gloo
+def test_a_second_backward_with_kept_queries_is_refused_clearly(pools):
+    """The kept pieces serve one backward; a second one (retain_graph) says which option to
+    change, on every rank and before any exchange, and resending runs it."""
+    kept = pools(4).run(tasks.backward_twice, foreign_q="keep")
+    assert all(msg is not None and "foreign_q='resend'" in msg for msg in kept), kept
+    assert pools(4).run(tasks.backward_twice, foreign_q="resend") == [None] * 4
