@@ -8,7 +8,9 @@ program order). Per method and rank it records:
   used, receive buffers in flight, accumulators, received partials);
 * ``saved``: what autograd keeps from forward to backward beyond the caller's q, k, v (out, lse;
   inputs are passed in ``sbhd`` so no layout copies are made);
-* ``bwd_peak``: the executor's backward peak;
+* ``bwd_peak``: the executor's backward peak (foreign q pieces kept from the forward, Note
+  [Keeping foreign queries], count here from the backward's start and in ``fwd_peak`` from their
+  receive, not in ``saved``);
 * ``peak``: ``max(fwd_peak, saved + bwd_peak)``, the attention's own memory at its peak, and
   ``with_inputs``: that plus q, k, v and the output gradient (identical for every method);
 * ``process_peak``: an independent measurement of the same forward and backward, the rank
@@ -71,12 +73,14 @@ def _rank_main(info: RankInfo, shape: tuple, methods: list[str], out_path: str) 
     inputs_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, dout))
     del zigzag_positions  # random local data: memory does not depend on values
     rows = {}
-    # One unmeasured forward and backward first: the first call in a process also allocates what
-    # stays (thread pools, kernel workspaces), which would count against whichever method ran
-    # first in the process peak.
-    wq, wk, wv = (t.clone().requires_grad_() for t in (q, k, v))
-    mc.cp_attention(wq, wk, wv, topo, method=methods[0], qkv_format="sbhd").backward(dout)
-    del wq, wk, wv
+    # One unmeasured forward and backward of every method first: the first call in a process
+    # also allocates what stays (thread pools, kernel workspaces), and a method's first exchange
+    # on each of its channels sets up that gloo group's buffers for good (charm and rm+ use
+    # channels that ring does not), which would count against the first call of each.
+    for method in methods:
+        wq, wk, wv = (t.clone().requires_grad_() for t in (q, k, v))
+        mc.cp_attention(wq, wk, wv, topo, method=method, qkv_format="sbhd").backward(dout)
+        del wq, wk, wv
     for method in methods:
         lq, lk, lv = (t.clone().requires_grad_() for t in (q, k, v))
 

@@ -227,7 +227,8 @@ def markdown(res: dict, cfg: dict) -> str:
         for mode in MODES:
             s = r[mode]
             cells.append(f"{s['median'] * 1e3:.0f} [{s['min'] * 1e3:.0f}-{s['max'] * 1e3:.0f}]")
-            cells.append(f"{s.get('speedup_vs_best_baseline', float('nan')):.2f}x")
+            speedup = s.get("speedup_vs_best_baseline")
+            cells.append("-" if speedup is None else f"{speedup:.2f}x")
         idle = []
         for mode in MODES:
             nc = r[mode].get("not_computing_s")
@@ -245,7 +246,9 @@ def markdown(res: dict, cfg: dict) -> str:
     bb = res.get("byte_bound_s", lb)
     lines += [
         "",
-        f"Speedup is over the faster of {', '.join(res['baselines'])} (median times).",
+        f"Speedup is over the faster of {', '.join(res['baselines'])} (median times)."
+        if res["baselines"]
+        else "No baseline ran (ring, ring-flash): no speedup.",
         f"Ring attention run sequentially: CCR fwd {res['ccr']['fwd']:.2f}, bwd "
         f"{res['ccr']['bwd']:.2f}, fwd+bwd {res['ccr']['fwdbwd']:.2f}; pure compute (slowest "
         f"rank) fwd {pc['fwd'] * 1e3:.0f} ms, fwd+bwd {pc['fwdbwd'] * 1e3:.0f} ms; communication "

@@ -223,7 +223,9 @@ class Plan:
     """``(channel name, scope)`` of every channel the programs use; scope ``intra``, ``cross`` or
     ``full`` (see :mod:`megatron_charm.comm.topology`)."""
     cross: tuple[str, str] = ("q", "q")
-    """What crosses nodes in the forward and in the backward pass (charm): ``q`` or ``kv``."""
+    """What crosses nodes in the forward and in the backward pass (charm): ``q``, ``kv``, or in
+    the backward ``dout`` (q crossed in the forward and was kept: the bundles ship dout, lse and
+    delta; Note [Keeping foreign queries])."""
     intra: tuple[str, str] = ("split", "split")
     """What charm's ranks exchange inside a node in each pass: ``split`` (RM+) or ``kv``."""
     pattern: frozenset[tuple[int, Part, int, Part]] | None = None

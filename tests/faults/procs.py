@@ -76,3 +76,13 @@ def survivors_after(marker: str, bound_s: float) -> list[int]:
         except ProcessLookupError:
             pass
     return left
+
+
+def default_signals() -> None:
+    """``preexec_fn`` for a launcher under test: SIGINT and SIGHUP back to their default action.
+
+    A shell's background jobs start with SIGINT ignored and ``nohup`` ignores SIGHUP, and the
+    launcher keeps an ignored signal ignored (its user asked for that), so without this the
+    signal tests would pass or fail with the way the test run itself was started."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)

@@ -21,7 +21,13 @@ import pytest
 
 from megatron_charm.launch import KILL_GRACE_S
 from tests.faults import trainer
-from tests.faults.procs import alive, children, processes_with, survivors_after
+from tests.faults.procs import (
+    alive,
+    children,
+    default_signals,
+    processes_with,
+    survivors_after,
+)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="scans /proc; parent-death signal is Linux-only"
@@ -54,6 +60,7 @@ def test_signal_to_the_trainer_leaves_no_process_of_the_job(tmp_path, sig, statu
     cmd += [*trainer.TINY, "--train-iters", "100000"]
     launcher = subprocess.Popen(
         cmd,
+        preexec_fn=default_signals,
         env=trainer.environ(),
         cwd=trainer.REPO,
         stdout=subprocess.DEVNULL,

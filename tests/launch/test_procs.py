@@ -24,6 +24,7 @@ from megatron_charm.launch import (
     run,
     run_function,
 )
+from tests.faults.procs import default_signals
 
 RANKS = str(Path(__file__).with_name("ranks.py"))
 RANK_SH = str(Path(__file__).with_name("rank.sh"))
@@ -126,7 +127,8 @@ def _start_launcher(
     out: Path, nproc: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, RANKS, str(out), str(nproc), str(timeout_s)], env=env)
+    cmd = [sys.executable, RANKS, str(out), str(nproc), str(timeout_s)]
+    return subprocess.Popen(cmd, env=env, preexec_fn=default_signals)
 
 
 @pytest.mark.parametrize(
