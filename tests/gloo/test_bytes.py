@@ -33,15 +33,15 @@ def test_executor_bytes_equal_plan(pools, method, p, causal):
 @pytest.mark.gloo
 @pytest.mark.parametrize("causal", [True, False])
 def test_kept_foreign_q_executor_bytes_equal_plan(pools, causal):
-    # Note [Keeping foreign queries]: with MHA the default plan keeps the forward's foreign q
-    # (causal; the full forward ships kv), and the executor sends bundles without it
+    # Note [Keeping foreign queries]: with MHA the default plan ships q in both passes and keeps
+    # the forward's foreign q (Note [Cross level]), and the executor sends bundles without it
     n, p = 4, 2
     got = pools(n).run(
         tasks.bytes_moved, method="charm", ranks_per_node=p, causal=causal, h=4, h_kv=4
     )
     shape = AttnShape(b=1, s_local=8, h=4, h_kv=4, d=8, itemsize=2)
     plan = build_plan(PlanOptions(), Layout(n // p, p), causal, shape)
-    assert plan.cross == (("q", "dout") if causal else ("kv", "q"))
+    assert plan.cross == ("q", "dout")
     want_fwd, want_bwd = plan_bytes(plan, shape)
     for x in range(n):
         assert got[x] == [want_fwd[x], want_bwd[x]], f"cp_rank {x}"

@@ -7,7 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan, plan_levels
+from megatron_charm.plan import (
+    AttnShape,
+    Layout,
+    PlanOptions,
+    build_plan,
+    plan_levels,
+    plan_with_levels,
+)
 from megatron_charm.plan.cost import cross_link_bytes
 from megatron_charm.plan.keep import kept_pieces
 from megatron_charm.plan.memory import attention_memory
@@ -97,8 +104,6 @@ def test_auto_keeps_for_mha_and_never_where_kv_crosses():
         assert plan_levels(options, layout, True, MHA)[0] == ("q", "dout")
         gqa = replace(MHA, h_kv=2)
         assert plan_levels(options, layout, True, gqa)[0] == ("kv", "kv")
-        # non-causal MHA ships kv forward: nothing to keep
-        assert plan_levels(options, layout, False, MHA)[0] == ("kv", "q")
     resend = PlanOptions(foreign_q="resend")
     assert plan_levels(resend, Layout(2, 2), True, MHA)[0] == ("q", "q")
     assert plan_levels(options, Layout(1, 4), True, MHA)[0] == ("q", "q")
@@ -117,3 +122,27 @@ def test_auto_keeps_unless_that_takes_memory_above_the_budget_and_above_resendin
 def test_foreign_q_is_validated():
     with pytest.raises(ValueError, match="foreign_q='always'.*keep, resend"):
         PlanOptions(foreign_q="always")
+
+
+@pytest.mark.parametrize("m,p", [(2, 2), (2, 4), (3, 2), (4, 4)])
+def test_auto_ships_q_in_both_passes_where_keeping_makes_that_move_less(m, p):
+    # Note [Cross level]: non-causal MHA ships kv in the forward by itself (fewer bytes there),
+    # but q in both passes, the backward keeping the queries, moves fewer over the two passes
+    layout = Layout(m, p)
+    resend = PlanOptions(foreign_q="resend")
+    assert plan_levels(resend, layout, False, MHA)[0] == ("kv", "q")
+    cross, intra = plan_levels(PlanOptions(), layout, False, MHA)
+    assert cross == ("q", "dout")
+
+    def busiest(options, levels, lv_intra):
+        plan = plan_with_levels(options, layout, False, levels, intra=lv_intra)
+        return sum(
+            max(cross_link_bytes(plan.programs(bwd), layout, MHA).values()) for bwd in (0, 1)
+        )
+
+    per_pass, per_pass_intra = plan_levels(resend, layout, False, MHA)
+    assert busiest(PlanOptions(), cross, intra) < busiest(resend, per_pass, per_pass_intra)
+    # GQA: kv in both passes still moves less; the forced levels are left alone
+    assert plan_levels(PlanOptions(), layout, False, replace(MHA, h_kv=2))[0] == ("kv", "kv")
+    kv = PlanOptions(cross_level="kv")
+    assert plan_levels(kv, layout, False, MHA)[0] == ("kv", "kv")
