@@ -70,7 +70,8 @@ class PlanOptions:
     combine_two_nodes: bool = False
     """charm on exactly two nodes: run own and foreign queries in one pipeline (the paper's
     Algorithm 2) instead of split foreign rounds. Refused on other node counts. Off by default:
-    the simulator never predicts it faster by more than 1% (docs/results/window-rule.md)."""
+    the simulator predicts it faster by more than 1% at 1 of 16 points only, and up to 1.18x
+    slower (docs/results/window-rule.md)."""
 
     cross_return: str = "input"
     """Wire precision of node-merged partial results that cross nodes (charm's returned outputs
