@@ -297,7 +297,8 @@ class _CPAttention(torch.autograd.Function):
             ctx.mask,
             ctx.kept,
         )
-        ctx.kept = None if ctx.kept else {}
+        if ctx.kept:
+            ctx.kept = None  # released: a second backward would lack them
         return dq, dk, dv, None, None, None, None, None, None
 
 

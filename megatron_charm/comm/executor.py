@@ -24,7 +24,7 @@ from megatron_charm.kernels.delta import out_for_delta
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
 from megatron_charm.plan.docmask import MaskModel
-from megatron_charm.plan.keep import held_input
+from megatron_charm.plan.keep import held_input, q_piece
 from megatron_charm.plan.memory import ExpandKey, Key, expansion_drops, release_points
 from megatron_charm.plan.payloads import group_heads
 from megatron_charm.plan.types import (
@@ -221,7 +221,7 @@ class ProgramRunner:
             if p.kind.is_partial:
                 self.partials[(w.handle, p.kind, p.owner, p.heads)] = (p.part, bufs)
             elif p.kind is Kind.DB:
-                q = self.kept.pop(Payload(Kind.Q, p.owner, p.part, p.heads))
+                q = self.kept.pop(q_piece(p))
                 self.inputs[(Kind.QB, p.owner, p.heads)] = (p.part, [q, *bufs])
             else:
                 if p in self.keep:

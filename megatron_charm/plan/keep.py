@@ -18,8 +18,9 @@ the same q piece (owner, part, heads) between the same two ranks in the same dir
 each pass. Sender and receiver see the same forward transfer, so they agree.
 
 The price is memory: a kept piece lives from its forward receive to its backward receive
-(:mod:`megatron_charm.plan.memory` counts it in both passes and between them, and
-``PlanOptions.foreign_q="auto"`` keeps only within ``memory_budget``).
+(:mod:`megatron_charm.plan.memory` counts it in both passes and between them), and
+``PlanOptions.foreign_q="auto"`` keeps unless that takes the attention memory above both
+``memory_budget`` and what resending holds (:func:`megatron_charm.plan.keeps_foreign_q`).
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ from megatron_charm.plan.types import Exchange, Kind, Layout, Payload, Program
 Move = tuple[bool, int, Payload]  # (send, peer cp_rank, q piece as a Kind.Q payload)
 
 
-def _q_piece(p: Payload) -> Payload:
+def q_piece(p: Payload) -> Payload:
+    """The q piece (a ``Kind.Q`` payload) that a bundle payload ``p`` (``QB`` or ``DB``) is of."""
     return Payload(Kind.Q, p.owner, p.part, p.heads)
 
 
 def _cross_moves(prog: Program, layout: Layout, kind: Kind) -> Counter[Move]:
     node = layout.node(prog.cp_rank)
     return Counter(
-        (op.send, op.peer, _q_piece(op.payload))
+        (op.send, op.peer, q_piece(op.payload))
         for ex in prog.exchanges()
         for op in ex.ops
         if op.payload.kind is kind and layout.node(op.peer) != node
@@ -62,7 +64,7 @@ def keep_foreign_q(forward: Program, backward: Program, layout: Layout) -> Progr
                 replace(op, payload=replace(op.payload, kind=Kind.DB))
                 if op.payload.kind is Kind.QB
                 and layout.node(op.peer) != node
-                and (op.send, op.peer, _q_piece(op.payload)) in keep
+                and (op.send, op.peer, q_piece(op.payload)) in keep
                 else op
                 for op in ins.ops
             )
@@ -75,7 +77,7 @@ def kept_pieces(backward: Program) -> frozenset[Payload]:
     """The q pieces (``Kind.Q`` payloads) that a rank keeps from its forward for ``backward``:
     one for each ``DB`` it receives."""
     return frozenset(
-        _q_piece(op.payload)
+        q_piece(op.payload)
         for ex in backward.exchanges()
         for op in ex.ops
         if not op.send and op.payload.kind is Kind.DB

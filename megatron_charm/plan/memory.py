@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_charm.plan.keep import held_input, kept_pieces
+from megatron_charm.plan.keep import held_input, kept_pieces, q_piece
 from megatron_charm.plan.payloads import AttnShape, group_heads, payload_bytes
 from megatron_charm.plan.types import (
     Compute,
@@ -205,7 +205,7 @@ class _Replay:
                 if p.kind.is_partial:
                     self.partials[(ins.handle, key)] = nbytes
                 elif p.kind is Kind.DB:
-                    nbytes += self.kept.pop(Payload(Kind.Q, p.owner, p.part, p.heads))
+                    nbytes += self.kept.pop(q_piece(p))
                     self.inputs[(Kind.QB, p.owner, p.heads)] = (p.part, nbytes)
                 elif p in self.keep and not self.backward:
                     self.kept[p] = nbytes  # held here until the backward, not by the input

@@ -96,8 +96,9 @@ class PlanOptions:
     them on the rank that received them, so the bundle crossing back ships dout, lse and delta
     only (half its bytes with multi-head attention; the kept queries are held from the forward
     to the backward), ``resend`` them with the bundle (nothing held between the passes), or
-    ``auto``: keep where the attention memory stays within ``memory_budget`` (Note [Keeping
-    foreign queries] in :mod:`megatron_charm.plan.keep`). No effect where kv crosses nodes."""
+    ``auto``: keep unless that takes the attention memory above both ``memory_budget`` and what
+    resending holds (Note [Keeping foreign queries] in :mod:`megatron_charm.plan.keep`). No
+    effect where kv crosses nodes."""
 
     memory_budget: float = 1.1
     """The attention memory (a pass's peak buffers, plus the out and lse saved for the backward)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from megatron_charm.plan import compact_channels
 from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.docmask import half_blocks
-from megatron_charm.plan.keep import held_input, kept_pieces
+from megatron_charm.plan.keep import held_input, kept_pieces, q_piece
 from megatron_charm.plan.layout import balanced, block_cost, block_parts, computed_blocks
 from megatron_charm.plan.types import (
     Compute,
@@ -198,6 +198,8 @@ class _RankReplay:
             if not 0 <= op.peer < self.replay.n or op.peer == self.x:
                 raise self.err(f"bad peer {op.peer}")
             if not op.send:
+                if op.payload.kind is Kind.DB:
+                    self._check_bundle_sender(op.payload, op.peer)
                 messages.append(None)
                 continue
             p = op.payload
@@ -241,8 +243,14 @@ class _RankReplay:
             else:
                 self.partials[(w.handle, payload.kind, payload.owner, payload.heads)] = acc
 
+    def _check_bundle_sender(self, p: Payload, peer: int) -> None:
+        """A ``DB`` comes from the rank that sent its q piece in the forward."""
+        sender = self.kept.get(q_piece(p))
+        if sender is not None and sender != peer:
+            raise self.err(f"receives {p} from {peer}, but its q came from {sender} forward")
+
     def _complete_bundle(self, p: Payload) -> None:
-        piece = Payload(Kind.Q, p.owner, p.part, p.heads)
+        piece = q_piece(p)
         if piece not in self.kept:
             raise self.err(f"receives {p} without its q, which it did not keep")
         del self.kept[piece]

@@ -19,7 +19,7 @@ from megatron_charm.plan.cost import cross_link_bytes
 from megatron_charm.plan.keep import kept_pieces
 from megatron_charm.plan.memory import attention_memory
 from megatron_charm.plan.payloads import payload_bytes
-from megatron_charm.plan.types import Kind, Wire
+from megatron_charm.plan.types import Exchange, Kind, Wire
 from megatron_charm.plan.validate import ScheduleError, validate
 
 MHA = AttnShape(b=1, s_local=2048, h=8, h_kv=8, d=64, itemsize=2)
@@ -146,3 +146,25 @@ def test_auto_ships_q_in_both_passes_where_keeping_makes_that_move_less(m, p):
     assert plan_levels(PlanOptions(), layout, False, replace(MHA, h_kv=2))[0] == ("kv", "kv")
     kv = PlanOptions(cross_level="kv")
     assert plan_levels(kv, layout, False, MHA)[0] == ("kv", "kv")
+
+
+def test_a_bundle_from_another_rank_than_its_forward_piece_fails_the_replay():
+    layout = Layout(2, 2)
+    keep = _plan("keep", layout)
+    prog = keep.backward[0]
+    # rank 0 receives its first DB from rank 2 (its counterpart); name rank 3 instead
+    instrs = list(prog.instrs)
+    for i, ins in enumerate(instrs):
+        if isinstance(ins, Exchange) and any(
+            not op.send and op.payload.kind is Kind.DB for op in ins.ops
+        ):
+            ops = tuple(
+                replace(op, peer=3) if not op.send and op.payload.kind is Kind.DB else op
+                for op in ins.ops
+            )
+            instrs[i] = replace(ins, ops=ops)
+            break
+    backward = list(keep.backward)
+    backward[0] = replace(prog, instrs=tuple(instrs))
+    with pytest.raises(ScheduleError, match="but its q came from 2 forward"):
+        validate(replace(keep, backward=tuple(backward)))
