@@ -4,10 +4,11 @@ Each :class:`Contender` owns its inputs in its native layout (``sbhd`` for ours,
 calls it; ``bshd`` for ring-flash-attention and TE), prepared once outside the timed region, and
 returns outputs and gradients in ``bshd`` so that they can be compared.
 
-* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``, ``a2a``, ``a2a+p2p``, ``ring-contig``:
-  :func:`megatron_charm.cp_attention`. ``ring-contig`` expects contiguous shards when causal: its
-  contender re-shards the zigzag inputs once, before anything is timed, and :meth:`comparable`
-  hands its results back in the zigzag layout for the agreement and reference checks.
+* ``charm``, ``rm+``, ``merge``, ``ring``, ``all_gather``, ``a2a``, ``a2a+p2p``, ``ring-contig``,
+  ``tasp``: :func:`megatron_charm.cp_attention`. ``ring-contig`` expects contiguous shards when
+  causal: its contender re-shards the zigzag inputs once, before anything is timed, and
+  :meth:`comparable` hands its results back in the zigzag layout for the agreement and reference
+  checks. ``tasp`` needs ``s_local`` divisible by ``2 * (cp_size - 1)``.
 * ``ring-flash``: ring-flash-attention's ``zigzag_ring_flash_attn_func`` (causal) or
   ``ring_flash_attn_func`` (non-causal; the zigzag variant refuses it). On CPU it runs on the
   flash-attn shim of :mod:`megatron_charm.bench.flash_shim`.
@@ -29,7 +30,7 @@ from megatron_charm.plan import PlanOptions, sequence_positions
 from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.options import PLAN_KEYS
 
-OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig")
+OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig", "tasp")
 BASELINES = ("ring-flash", "te-p2p")
 Tensor = torch.Tensor
 

@@ -30,6 +30,7 @@ from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.pipeline import PipelineConfig, pipeline_program
 from megatron_charm.plan.prune import prune_programs
 from megatron_charm.plan.ring import ring_backward, ring_forward
+from megatron_charm.plan.tasp import check_tasp_shape, tasp_backward, tasp_forward
 from megatron_charm.plan.types import Exchange, Layout, Part, Plan, Program
 from megatron_charm.plan.wire import assign_wires, own_wires
 
@@ -91,6 +92,10 @@ def rank_programs(
         return [a2a_forward(r, n, causal) for r in ranks], [
             a2a_backward(r, n, causal) for r in ranks
         ]
+    if method == "tasp":
+        return [tasp_forward(r, n, causal) for r in ranks], [
+            tasp_backward(r, n, causal) for r in ranks
+        ]
     if method == "a2a+p2p":
         return [hierarchical_forward(r, layout, causal) for r in ranks], [
             hierarchical_backward(r, layout, causal) for r in ranks
@@ -119,7 +124,10 @@ def rank_programs(
 def check_shape(options: PlanOptions, layout: Layout, shape: AttnShape) -> None:
     """Refuse a problem that ``options.method`` cannot split over ``layout``: ``a2a`` needs the
     heads to divide by the CP size, ``a2a+p2p`` by the ranks per node
-    (:func:`megatron_charm.plan.a2a.check_heads`)."""
+    (:func:`megatron_charm.plan.a2a.check_heads`); ``tasp`` needs the local sequence to divide
+    into ``cp_size - 1`` chunks of each half (:func:`megatron_charm.plan.tasp.check_tasp_shape`)."""
+    if options.method == "tasp":
+        check_tasp_shape(shape.s_local, layout.cp_size)
     if options.method == "a2a":
         check_heads(shape.h, shape.h_kv, layout.cp_size)
     elif options.method == "a2a+p2p":
@@ -186,6 +194,11 @@ def plan_with_levels(
     ``pattern``: prune the dense plan to these non-empty half blocks of a mask (Note [Pruning
     to a mask] in :mod:`megatron_charm.plan.prune`); masks that empty the same blocks share a
     plan, whatever their documents."""
+    if pattern is not None and options.method == "tasp":
+        raise ValueError(
+            "method tasp schedules dense causal or full attention only; a document mask (packed "
+            "sequences) needs another method (method= / --methods / --cp-comm-type)"
+        )
     fwd, bwd = _dense_programs(options, layout, causal, cross, intra)
     compact = compact_channels(options)
     with collector_paused():

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from megatron_charm.plan.types import Part
+from megatron_charm.plan.types import Chunk, Part
 
 ZIGZAG = "zigzag"
 CONTIGUOUS = "contiguous"
@@ -135,20 +135,33 @@ def sequence_positions(cp_rank: int, cp_size: int, seq_len: int, seq_layout: str
     return zigzag_positions(cp_rank, cp_size, seq_len)
 
 
-def part_slice(part: Part, length: int) -> slice:
-    """Slice of a local sequence of ``length`` tokens covered by ``part``."""
+def part_span(part: Part | Chunk, length: int) -> tuple[int, int]:
+    """``[start, end)`` of ``part`` in a local sequence of ``length`` tokens (a chunk is an equal
+    piece of its base part, which the caller's shape check makes divisible)."""
+    if type(part) is Chunk:
+        start, end = part_span(part.base, length)
+        size = (end - start) // part.count
+        assert size * part.count == end - start, (part, length)
+        return start + part.index * size, start + (part.index + 1) * size
     half = length // 2
     if part == Part.FULL:
-        return slice(0, length)
+        return 0, length
     if part == Part.FIRST:
-        return slice(0, half)
-    return slice(half, length)
+        return 0, half
+    return half, length
 
 
-def sub_slice(outer: Part, inner: Part, length: int) -> slice:
+def part_slice(part: Part | Chunk, length: int) -> slice:
+    """Slice of a local sequence of ``length`` tokens covered by ``part``."""
+    return slice(*part_span(part, length))
+
+
+def sub_slice(outer: Part | Chunk, inner: Part | Chunk, length: int) -> slice:
     """Slice of ``inner`` inside a tensor that holds ``outer`` of a ``length``-token sequence."""
     if not outer.contains(inner):
         raise AssertionError(f"{inner} is not inside {outer}")
     if outer == inner:
         return slice(None)
-    return part_slice(inner, length)
+    start = part_span(outer, length)[0]
+    a, b = part_span(inner, length)
+    return slice(a - start, b - start)

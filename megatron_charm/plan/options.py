@@ -18,8 +18,13 @@ METHODS: tuple[str, ...] = (
     "a2a",
     "a2a+p2p",
     "ring-contig",
+    "tasp",
 )
 """Every CP attention method the planner builds (``--cp-comm-type`` values)."""
+
+BASELINES: tuple[str, ...] = ("ring-contig", "tasp")
+"""Methods that exist to compare against (the paper's baselines): ``cp_attention``, the bench
+and the simulator run them; Megatron and our trainer do not offer them."""
 
 SEQ_LAYOUT_OF: dict[str, str] = {"ring-contig": "contiguous"}
 """Methods whose causal inputs are in the contiguous layout (Note [Contiguous layout] in
@@ -31,10 +36,12 @@ there a name that both serve keeps TE's meaning (``all_gather`` is ours only in
 ``cp_attention``, the bench and the simulator)."""
 
 MEGATRON_METHODS: tuple[str, ...] = tuple(
-    m for m in METHODS if m not in SEQ_LAYOUT_OF and m not in TE_CP_COMM_TYPES
+    m
+    for m in METHODS
+    if m not in SEQ_LAYOUT_OF and m not in TE_CP_COMM_TYPES and m not in BASELINES
 )
-"""Our methods as Megatron ``--cp-comm-type`` values: Megatron shards zigzag, and TE's names stay
-TE's."""
+"""Our methods as Megatron ``--cp-comm-type`` values: Megatron shards zigzag, TE's names stay
+TE's, and the baselines are for comparison only."""
 
 CROSS_RETURNS: tuple[str, ...] = ("fp32", "input")
 CROSS_LEVELS: tuple[str, ...] = ("auto", "q", "kv")
@@ -58,8 +65,9 @@ class PlanOptions:
     """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``),
     ``all_gather`` (Transformer Engine's ``all_gather``), ``a2a`` (Ulysses, Transformer
     Engine's ``a2a``), ``a2a+p2p`` (all-to-all inside a node, ring across nodes: Transformer
-    Engine's hierarchical ``a2a+p2p``) or ``ring-contig`` (the ring on the contiguous layout: the
-    unbalanced Ring-Attention baseline)."""
+    Engine's hierarchical ``a2a+p2p``), ``ring-contig`` (the ring on the contiguous layout: the
+    unbalanced Ring-Attention baseline) or ``tasp`` (the paper's TASP baseline: kv chunks to
+    every rank at every step, Note [TASP schedule])."""
 
     window: int = 2
     """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps

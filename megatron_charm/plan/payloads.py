@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_charm.plan.types import Heads, Kind, Part, Payload, Wire
+from megatron_charm.plan.types import Chunk, Heads, Kind, Part, Payload, Wire
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class AttnShape:
     itemsize: int = 2
     """Bytes per element of the input dtype."""
 
-    def tokens(self, part: Part) -> int:
+    def tokens(self, part: Part | Chunk) -> int:
+        if type(part) is Chunk:
+            return self.tokens(part.base) // part.count
         return self.s_local if part == Part.FULL else self.s_local // 2
 
 
@@ -44,7 +46,7 @@ def group_heads(shape: AttnShape, heads: Heads | None) -> tuple[int, int]:
 
 
 def payload_tensors(
-    kind: Kind, part: Part, shape: AttnShape, wire: Wire, heads: Heads | None = None
+    kind: Kind, part: Part | Chunk, shape: AttnShape, wire: Wire, heads: Heads | None = None
 ) -> list[tuple[Dims, Wire]]:
     """``[(dims, precision)]`` of a payload's tensors, each ``[tokens, b, heads, d]`` (the lse:
     ``[tokens, b, h]``, always float32), with ``h / n`` and ``h_kv / n`` heads for a head group

@@ -24,15 +24,54 @@ class Part(str, Enum):
 
     # Members are singletons: identity tests keep these cheap (a plan at scale calls them
     # millions of times).
-    def union(self, other: Part) -> Part:
-        return self if self is other else Part.FULL
+    def union(self, other: Part | Chunk) -> Part:
+        if self is other or self is Part.FULL:
+            return self
+        if type(other) is Chunk and other.base is self:
+            return self
+        return Part.FULL
 
-    def contains(self, other: Part) -> bool:
-        return self is Part.FULL or self is other
+    def contains(self, other: Part | Chunk) -> bool:
+        return self is Part.FULL or self is other or (type(other) is Chunk and other.base is self)
 
     @property
     def fraction(self) -> float:
         return 1.0 if self is Part.FULL else 0.5
+
+
+@dataclass(frozen=True, order=True)
+class Chunk:
+    """Piece ``index`` of ``count`` equal consecutive pieces of ``base``: the kv chunks that
+    TASP moves (Note [TASP schedule] in :mod:`megatron_charm.plan.tasp`). It stands wherever a
+    :class:`Part` does, with the same interface; only whole parts are ever merged into one."""
+
+    base: Part
+    index: int
+    count: int
+
+    @property
+    def value(self) -> str:
+        return f"{self.base.value}{self.index}/{self.count}"
+
+    @property
+    def fraction(self) -> float:
+        return self.base.fraction / self.count
+
+    def contains(self, other: Part | Chunk) -> bool:
+        return self == other
+
+    def union(self, other: Part | Chunk) -> Part | Chunk:
+        """The smallest part covering both: ``self``, ``other``, or (for two different
+        chunks) the part that holds them both, which is wider than their union."""
+        if other.contains(self):
+            return other
+        inner = other.base if type(other) is Chunk else other
+        return self.base.union(inner)
+
+
+def chunk(part: Part, index: int, count: int) -> Part | Chunk:
+    """Piece ``index`` of ``count`` of ``part``; ``part`` itself when ``count`` is 1."""
+    return part if count == 1 else Chunk(part, index, count)
 
 
 class Kind(str, Enum):
@@ -99,7 +138,7 @@ class Payload:
 
     kind: Kind
     owner: int
-    part: Part
+    part: Part | Chunk
     heads: Heads | None = None
 
     def __str__(self) -> str:
@@ -155,7 +194,7 @@ class Compute:
     q_owner: int
     kv_owner: int
     q_part: Part
-    kv_part: Part
+    kv_part: Part | Chunk
     masked: bool
     heads: Heads | None = None
 

@@ -49,6 +49,7 @@ from megatron_charm.plan.docmask import half_blocks
 from megatron_charm.plan.keep import held_input, kept_pieces, q_piece
 from megatron_charm.plan.layout import balanced, block_cost, block_parts, computed_blocks
 from megatron_charm.plan.types import (
+    Chunk,
     Compute,
     Exchange,
     Heads,
@@ -273,8 +274,9 @@ class _RankReplay:
         else:
             # a block may be computed in two halves of its queries or of its keys (never the
             # masked one)
+            # ... or in chunks of its keys (TASP, Note [TASP schedule])
             q_split = qp == Part.FULL and c.q_part != Part.FULL and c.kv_part == kp
-            kv_split = kp == Part.FULL and c.kv_part != Part.FULL and c.q_part == qp
+            kv_split = kp.contains(c.kv_part) and c.kv_part != kp and c.q_part == qp
             whole = (c.q_part, c.kv_part) == (qp, kp)
             if masked != c.masked or not (whole or ((q_split or kv_split) and not masked)):
                 raise self.err(f"block ({c.q_owner},{c.kv_owner}) uses wrong parts")
@@ -486,15 +488,18 @@ class Replay:
                     raise ScheduleError(f"block {pair} computed on head groups {_groups(by_heads)}")
                 continue
             qp, kp, _ = block_parts(*pair, causal, seq)
-            tilings = (
+            tilings = [
                 [(qp, kp)],
                 sorted((h, kp) for h in halves),
                 sorted((qp, h) for h in halves),
-            )
+            ]
+            counts = {k.count for _, k in _flat(by_heads) if type(k) is Chunk and k.base is kp}
+            tilings += [[(qp, Chunk(kp, i, count)) for i in range(count)] for count in counts]
+            tilings = [sorted(t, key=_labels) for t in tilings]
             if not _all_heads(by_heads):
                 raise ScheduleError(f"block {pair} computed on head groups {_groups(by_heads)}")
             for heads, parts in by_heads.items():
-                if sorted(parts) not in tilings:
+                if sorted(parts, key=_labels) not in tilings:
                     shown = [f"{q.value}x{k.value}" for q, k in parts]
                     raise ScheduleError(f"block {pair} on heads {heads} computed as {shown}")
         if len(self.pair_parts) != len(self.blocks):
@@ -547,6 +552,16 @@ def _all_heads(by_heads: dict) -> bool:
 
 def _groups(by_heads: dict) -> list[str]:
     return sorted(str(h) for h in by_heads)
+
+
+def _flat(by_heads: dict) -> list[tuple[Part, Part | Chunk]]:
+    """Every ``(q part, kv part)`` computed for a block, on any head group."""
+    return [qk for parts in by_heads.values() for qk in parts]
+
+
+def _labels(qk: tuple[Part, Part | Chunk]) -> tuple[str, str]:
+    """A sort key for ``(q part, kv part)`` pairs that mix parts and chunks."""
+    return qk[0].value, qk[1].value
 
 
 def replay(

@@ -318,14 +318,16 @@ def dead_rank(ctx, timeout_s: float = 5.0):
     return None, time.monotonic() - start, ""
 
 
-def peak_bytes(ctx, method: str, ranks_per_node: int | None, causal: bool, options=None):
+def peak_bytes(
+    ctx, method: str, ranks_per_node: int | None, causal: bool, options=None, s_local: int = 8
+):
     """This rank's executor ``peak_buffer_bytes`` of the forward and of the backward (sbhd
     bf16 inputs, 8 query heads over 4 kv heads)."""
     import megatron_charm as mc
     from megatron_charm.plan import PlanOptions
 
     topo = ctx.topology(ranks_per_node)
-    s_local, b, h, h_kv, d = 8, 2, 8, 4, 8
+    b, h, h_kv, d = 2, 8, 4, 8
     gen = torch.Generator().manual_seed(topo.cp_rank)
     q, k, v = (
         torch.randn(s_local, b, n, d, generator=gen).to(torch.bfloat16).requires_grad_()

@@ -95,3 +95,25 @@ def test_executor_memory_equals_plan(pools, method, p, options, causal):
         want = [pass_memory(plan.programs(bwd)[x], shape, bwd, kept=kept) for bwd in (False, True)]
         assert got[x] == want, f"cp_rank {x}"
         assert min(want) > 0
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("causal", [True, False])
+def test_tasp_executor_bytes_and_memory_equal_plan(pools, causal):
+    # Note [TASP schedule]: chunks of a third of each half at n = 4, so s_local divides by 6
+    n, s_local = 4, 12
+    got = pools(n).run(
+        tasks.bytes_moved, method="tasp", ranks_per_node=n, causal=causal, s_local=s_local
+    )
+    shape = AttnShape(b=1, s_local=s_local, h=4, h_kv=2, d=8, itemsize=2)
+    plan = build_plan(PlanOptions(method="tasp"), Layout(1, n), causal, shape)
+    want_fwd, want_bwd = plan_bytes(plan, shape)
+    for x in range(n):
+        assert got[x] == [want_fwd[x], want_bwd[x]], f"cp_rank {x}"
+    peaks = pools(n).run(
+        tasks.peak_bytes, method="tasp", ranks_per_node=n, causal=causal, s_local=s_local
+    )
+    shape = AttnShape(b=2, s_local=s_local, h=8, h_kv=4, d=8, itemsize=2)
+    for x in range(n):
+        want = [pass_memory(plan.programs(bwd)[x], shape, bwd) for bwd in (False, True)]
+        assert peaks[x] == want, f"cp_rank {x}"

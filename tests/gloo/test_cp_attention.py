@@ -62,6 +62,21 @@ def test_matches_reference(pools, n, method, p):
 
 
 @pytest.mark.gloo
+@pytest.mark.parametrize("n,s_local", [(2, 8), (3, 8), (4, 12), (6, 20)])
+def test_tasp_matches_reference(pools, n, s_local):
+    # TASP cuts each zigzag half of a rank's kv into n - 1 chunks (Note [TASP schedule])
+    results = pools(n).run(
+        tasks.compare_with_reference,
+        method="tasp",
+        ranks_per_node=n,
+        variants=VARIANTS,
+        s_local=s_local,
+    )
+    for rank_results in results:
+        check(rank_results)
+
+
+@pytest.mark.gloo
 @pytest.mark.parametrize("n,h_kv", [(2, 2), (4, 4)], ids=["n2-gqa", "n4-mha"])
 def test_a2a_matches_reference(pools, n, h_kv):
     """Ulysses splits the heads over the group: h = 4 with GQA on two ranks, MHA on four."""

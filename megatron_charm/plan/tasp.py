@@ -1,0 +1,136 @@
+"""TASP, the paper's topology-aware baseline (Wang et al., 2025, arXiv:2509.26541), on our planner.
+
+Note [TASP schedule]
+~~~~~~~~~~~~~~~~~~~~
+Our reading of TASP: ring attention's kv all-gather uses one link per rank at each of its
+``n - 1`` steps, while an NVSwitch (or any fully connected) node offers ``n - 1``. TASP cuts each
+rank's kv into ``n - 1`` chunks and runs ``n - 1`` rings at once, ring ``j`` on the ``j``-th
+cycle of a Hamiltonian decomposition of the complete directed graph on the ranks: those cycles
+use every ordered pair of ranks exactly once, so at every step every link carries exactly one
+chunk and no two rings share a link. After ``n - 1`` steps every rank has seen every chunk, as
+after a ring's ``n - 1`` steps. Its bytes per rank equal the ring's; its steps are as many; what
+changes is that they spread over all links. The paper measures TASP's forward only (its code
+has no backward) and needs the sequence divisible by ``n (n - 1)``.
+
+We schedule the same link pattern with each chunk sent straight from its owner: at step ``t``
+rank ``x`` sends chunk ``t`` of its kv to every other rank and receives chunk ``t`` of every other
+rank's kv. Each ordered pair again carries one chunk per step, so every link carries the same
+bytes at every step as under the Hamiltonian rings. A decomposition does not exist for 4 and 6
+ranks (Tillson, 1980), so the relayed form cannot run on our 2 x 2 testbed; the direct form runs
+at every size. Like our all-gather, a chunk holds only the part of the kv its receiver uses
+under the zigzag layout (:func:`megatron_charm.plan.layout.block_parts`): chunks of the first
+half go to higher ranks. n = 4 (3 chunks), rank 1, causal::
+
+    forward    post step 0: kv1.first0/3 ->2,->3  kv1.full0/3 ->0;  <-0 kv0.first0/3
+                            <-2 kv2.full0/3  <-3 kv3.full0/3
+               post step 1 likewise; compute q1 x kv1 (causal)
+               step t = 0, 1, 2: compute q1 x chunk t of kv0, kv3, kv2; wait for step t + 1,
+               then post step t + 2
+
+    backward   the same kv steps; after the computes of step t, post every dk/dv chunk partial
+               straight back to its owner and receive this rank's chunk t partials; merge them
+               one step later (the reduce-scatter of Note [All-gather schedule], in steps)
+
+Two steps are in flight at once (double buffering), so a rank holds two steps' chunks: two
+blocks' worth of kv, as a ring holds. Off-diagonal blocks are unmasked in the zigzag layout, so
+a chunk needs no mask of its own; the diagonal block is the own kv, which never travels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from megatron_charm.plan.builder import ProgramBuilder, recv, send
+from megatron_charm.plan.layout import block_parts
+from megatron_charm.plan.types import Chunk, Kind, Part, Payload, Program, chunk
+
+KV = "full.kv"
+GRAD = "full.o"
+
+
+def check_tasp_shape(s_local: int, cp_size: int) -> None:
+    """Refuse a local sequence that TASP cannot cut into ``cp_size - 1`` chunks of each zigzag
+    half."""
+    pieces = 2 * max(cp_size - 1, 1)
+    if s_local % pieces:
+        raise ValueError(
+            f"method tasp cuts each rank's kv into cp_size - 1 = {cp_size - 1} chunks of each "
+            f"zigzag half: the local sequence s_local={s_local} must be divisible by "
+            f"2 * (cp_size - 1) = {pieces} (the global one by {pieces * cp_size}); change the "
+            "sequence length, the context-parallel size or the method (method= / --methods)"
+        )
+
+
+def _kv_chunk(q_owner: int, kv_owner: int, causal: bool, step: int, cp_size: int) -> Part | Chunk:
+    return chunk(block_parts(q_owner, kv_owner, causal)[1], step, cp_size - 1)
+
+
+def _post_step(b: ProgramBuilder, step: int, cp_size: int, causal: bool) -> int:
+    x = b.cp_rank
+    peers = [(x + o) % cp_size for o in range(1, cp_size)]
+    sources = [(x - o) % cp_size for o in range(1, cp_size)]
+    return b.exchange(
+        KV,
+        [send(y, Kind.KV, x, _kv_chunk(y, x, causal, step, cp_size)) for y in peers]
+        + [recv(y, Kind.KV, y, _kv_chunk(x, y, causal, step, cp_size)) for y in sources],
+    )
+
+
+def _kv_steps(b: ProgramBuilder, cp_size: int, causal: bool, q_kind: Kind) -> Iterator[int]:
+    """Post the kv steps two ahead (double buffering) around the computes; yield after each
+    step's computes so the backward can return that step's partials."""
+    x, steps = b.cp_rank, cp_size - 1
+    handles = [_post_step(b, t, cp_size, causal) for t in range(min(steps, 2))]
+    b.compute(x, x, *block_parts(x, x, causal), q_kind=q_kind)
+    for t in range(steps):
+        for o in range(1, cp_size):
+            y = (x - o) % cp_size
+            q_part = block_parts(x, y, causal)[0]
+            b.compute(x, y, q_part, _kv_chunk(x, y, causal, t, cp_size), False, q_kind=q_kind)
+        yield t
+        if t + 2 < steps:
+            # step t + 1 replaces step t's chunks as it lands: wait for it before the next
+            # step's buffers are posted, so two steps are held at a time, as a ring holds two kv
+            b.wait(handles[t + 1])
+            handles.append(_post_step(b, t + 2, cp_size, causal))
+
+
+def tasp_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
+    """Forward program of ``cp_rank`` (Note [TASP schedule])."""
+    b = ProgramBuilder(cp_rank)
+    for _ in _kv_steps(b, cp_size, causal, Kind.Q):
+        pass
+    return b.finish()
+
+
+def tasp_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
+    """Backward program of ``cp_rank``: the forward's kv steps, each followed by returning the
+    step's dk/dv chunk partials to their owners (Note [TASP schedule])."""
+    x = cp_rank
+    b = ProgramBuilder(x)
+    steps = cp_size - 1
+    for t in _kv_steps(b, cp_size, causal, Kind.QB):
+        # one exchange per peer: a rank receives its own chunk's partial from every peer, and
+        # an exchange delivers one partial of an owner
+        for o in range(1, cp_size):
+            y, z = (x - o) % cp_size, (x + o) % cp_size
+            b.exchange(
+                GRAD,
+                [
+                    send(y, Kind.DKV, y, _kv_chunk(x, y, causal, t, cp_size)),
+                    recv(z, Kind.DKV, x, _kv_chunk(z, x, causal, t, cp_size), held=1),
+                ],
+            )
+        # one step behind: the partials of step t - 1 have had a step's compute to arrive
+        if t > 0:
+            _merge_step(b, t - 1, cp_size, causal)
+    if steps:
+        _merge_step(b, steps - 1, cp_size, causal)
+    return b.finish()
+
+
+def _merge_step(b: ProgramBuilder, step: int, cp_size: int, causal: bool) -> None:
+    x = b.cp_rank
+    for o in range(1, cp_size):
+        z = (x + o) % cp_size
+        b.merge(Payload(Kind.DKV, x, _kv_chunk(z, x, causal, step, cp_size)))
