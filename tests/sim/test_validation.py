@@ -17,6 +17,18 @@ def test_paper_rows_and_comparison() -> None:
     assert comps[1].predicted > 1.0  # charm beats ring across nodes on H20 links
 
 
+def test_tasp_rows_of_table_5() -> None:
+    # the paper's TASP forward (Table 5) on 2 x 8 H100; its sequences divide by n (n - 1)
+    row = next(r for r in PAPER_ROWS if r.gpus == (2, 8) and r.seq == 13440)
+    assert row.tasp_fwd == pytest.approx(49.27)
+    comps = compare_row(row, efficiency=0.2, cross_links="rails")
+    tasp = next(c for c in comps if c.method == "tasp")
+    assert tasp.paper == pytest.approx(72.65 / 49.27)
+    # one NIC per GPU: TASP's all-to-all spreads each step over every rail, ring uses one
+    assert tasp.predicted > 1.0
+    assert [c.method for c in compare_row(row, 0.2, "rails", tasp=False)] == ["charm", "charm"]
+
+
 def _result(fwd_ms: dict[str, float]) -> dict:
     return {
         "layout": [2, 2],
