@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from megatron_charm.plan.options import PlanOptions
+from megatron_charm.plan.options import BASELINES, PlanOptions
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Layout
 from megatron_charm.sim.profile import Profile, load_profile
@@ -95,7 +95,7 @@ def choose_method(
     )
     pred = predict(prof.topology(m, p), problem, prof.compute_model(), options=options)
     adv = advise(pred)
-    totals = {name: mp.total for name, mp in pred.methods.items() if name != "ring-contig"}
+    totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
     choice = AutoChoice(adv.method, totals, prof.name, tuple(adv.reasons))
     _CACHE[key] = (profile, choice)
     log.info("megatron-charm: %s", choice.describe())

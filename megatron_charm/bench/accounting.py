@@ -117,6 +117,30 @@ def zigzag_ring_bytes(layout: Layout, shape: AttnShape, topology: str) -> dict[s
     return out
 
 
+def llama3_bytes(layout: Layout, shape: AttnShape, topology: str) -> dict[str, LinkBytes]:
+    """ring-flash-attention's Llama 3 variant, counted as direct transfers: the forward gathers
+    every rank's whole kv on every rank; the backward gathers it again and reduce-scatters dk, dv
+    in the input dtype (each rank gets its own rows from every other rank)."""
+    n = layout.cp_size
+    kv = 2 * shape.s_local * shape.b * shape.h_kv * shape.d * shape.itemsize
+    out = {}
+    for name, per_pair in (("fwd", kv), ("bwd", 2 * kv)):
+        intra = cross = 0
+        links: dict[tuple[int, int, int], int] = defaultdict(int)
+        for r in range(n):
+            for peer in range(n):
+                src, dst = layout.node(r), layout.node(peer)
+                if peer == r:
+                    continue
+                if src == dst:
+                    intra += per_pair
+                else:
+                    cross += per_pair
+                    links[_link(layout, src, dst, peer, topology)] += per_pair
+        out[name] = LinkBytes(intra, cross, max(links.values(), default=0))
+    return out
+
+
 def lower_bound_s(compute_s: float, max_cross_link_bytes: int, cross_bps: float) -> float:
     """``max(pure compute time, busiest cross link's bytes / its bandwidth)`` in seconds."""
     if cross_bps <= 0:

@@ -93,6 +93,124 @@ def _flash_attn_backward(
     return (dout.float() * out.float()).sum(-1).transpose(1, 2)
 
 
+def _sequence_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One sequence of a varlen call: ``q [s_q, h, d]``, ``k, v [s_k, h_kv, d]`` ->
+    ``(out [s_q, h, d], lse float32 [s_q, h])``. Causal masking is aligned at the bottom right,
+    as flash-attn does when ``s_q < s_k``: the last query sees every key. That is a block of
+    keys every query sees, then a causal square, computed apart and merged by their lse."""
+    sq, sk = q.shape[0], k.shape[0]
+    one = lambda t: t.unsqueeze(1)  # noqa: E731 - [s, 1, h, d] for the block kernel
+    if not causal:
+        out, lse = cpu_forward(one(q), one(k), one(v), False, scale)
+        return out[:, 0], lse[:, 0]
+    if sq > sk:
+        raise ValueError("the CPU flash-attn shim's causal varlen needs s_q <= s_k per sequence")
+    prefix = sk - sq
+    out, lse = cpu_forward(one(q), one(k[prefix:]), one(v[prefix:]), True, scale)
+    out, lse = out[:, 0], lse[:, 0]
+    if prefix:
+        o2, l2 = cpu_forward(one(q), one(k[:prefix]), one(v[:prefix]), False, scale)
+        o2, l2 = o2[:, 0], l2[:, 0]
+        total = torch.logaddexp(lse, l2)
+        w1, w2 = (torch.exp(x - total).unsqueeze(-1) for x in (lse, l2))
+        out = (out.float() * w1 + o2.float() * w2).to(q.dtype)
+        lse = total
+    return out, lse
+
+
+def _flash_attn_varlen_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    return_softmax: bool = False,
+    block_table: Tensor | None = None,
+    leftpad_k: Tensor | None = None,
+    seqused_k: Tensor | None = None,
+) -> tuple[Tensor, Tensor, None, None]:
+    """Packed sequences: ``q [total_q, h, d]``, ``k, v [total_k, h_kv, d]``, sequence ``i`` at
+    rows ``cu_seqlens[i]:cu_seqlens[i + 1]``; returns ``(out [total_q, h, d], lse float32
+    [h, total_q], None, None)`` like flash-attn 2.6+."""
+    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    t0 = time.perf_counter()
+    outs, lses = [], []
+    for (a, b), (c, d) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
+        out, lse = _sequence_forward(q[a:b], k[c:d], v[c:d], causal, softmax_scale)
+        outs.append(out)
+        lses.append(lse)
+    KERNEL_SECONDS[0] += time.perf_counter() - t0
+    return torch.cat(outs), torch.cat(lses).transpose(0, 1).contiguous(), None, None
+
+
+def _flash_attn_varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    dq: Tensor | None,
+    dk: Tensor | None,
+    dv: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    rng_state: Tensor | None = None,
+) -> Tensor:
+    """Write the gradients of a varlen call (shapes as :func:`_flash_attn_varlen_forward`,
+    ``softmax_lse [h, total_q]``) into ``dq, dk, dv``; returns ``delta [h, total_q]``."""
+    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    t0 = time.perf_counter()
+    one = lambda t: t.unsqueeze(1)  # noqa: E731
+    lse_all = softmax_lse.transpose(0, 1)
+    for (a, b), (c, d) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
+        sq, sk = b - a, d - c
+        prefix = sk - sq if causal else 0
+        # the blocks of the forward, each with the merged out and lse (flash-attn's contract)
+        blocks = [(prefix, sk, causal)] + ([(0, prefix, False)] if prefix else [])
+        gq = torch.zeros(q[a:b].shape, dtype=torch.float32)
+        gk, gv = (torch.zeros(k[c:d].shape, dtype=torch.float32) for _ in range(2))
+        for lo, hi, masked in blocks:
+            g = cpu_backward(
+                one(dout[a:b]), one(q[a:b]), one(k[c + lo : c + hi]), one(v[c + lo : c + hi]),
+                one(out[a:b]), one(lse_all[a:b]), masked, softmax_scale,
+            )  # fmt: skip
+            gq += g[0][:, 0].float()
+            gk[lo:hi] += g[1][:, 0].float()
+            gv[lo:hi] += g[2][:, 0].float()
+        for dst, grad, rows in ((dq, gq, (a, b)), (dk, gk, (c, d)), (dv, gv, (c, d))):
+            if dst is not None:
+                dst[rows[0] : rows[1]].copy_(grad)
+    KERNEL_SECONDS[1] += time.perf_counter() - t0
+    return (dout.float() * out.float()).sum(-1).transpose(0, 1)
+
+
+def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 def _check_plain(dropout_p, left, right, softcap, alibi) -> None:
     if dropout_p or left != -1 or right != -1 or softcap or alibi is not None:
         raise ValueError(
@@ -107,6 +225,8 @@ def _shim_modules() -> dict[str, types.ModuleType]:
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     iface._flash_attn_forward = _flash_attn_forward
     iface._flash_attn_backward = _flash_attn_backward
+    iface._flash_attn_varlen_forward = _flash_attn_varlen_forward
+    iface._flash_attn_varlen_backward = _flash_attn_varlen_backward
     pkg.flash_attn_interface = iface
     return {"flash_attn": pkg, "flash_attn.flash_attn_interface": iface}
 
@@ -168,6 +288,54 @@ def load_zigzag_ring(use_shim: bool) -> tuple[Callable, Callable]:
     return zz.zigzag_ring_flash_attn_func, ring.ring_flash_attn_func
 
 
+def _check_varlen(gen: torch.Generator) -> float:
+    """Largest difference of the varlen shim from float64 autograd: two packed sequences whose
+    queries are the last rows of their keys (as ring-flash-attention's llama3 variant calls it),
+    GQA, causal (aligned at the bottom right) and full."""
+    h, h_kv, d, scale = 4, 2, 16, 0.25
+    lens_q, lens_k = (5, 7), (9, 7)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()]) for x in (lens_q, lens_k))
+    worst = 0.0
+    for causal in (False, True):
+        q, dout = (torch.randn(sum(lens_q), h, d, generator=gen) for _ in range(2))
+        k, v = (torch.randn(sum(lens_k), h_kv, d, generator=gen) for _ in range(2))
+        out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 9, 9, 0.0, scale, causal)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_varlen_backward(
+            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, 9, 9, 0.0, scale, causal
+        )
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        outs, lses = [], []
+        for (a, b), (c, e) in zip(_spans(cu_q), _spans(cu_k), strict=True):
+            qi = ref[0][a:b].transpose(0, 1)
+            ki, vi = (t[c:e].repeat_interleave(h // h_kv, 1).transpose(0, 1) for t in ref[1:])
+            scores = qi @ ki.transpose(1, 2) * scale
+            if causal:
+                rows, cols = torch.arange(b - a)[:, None], torch.arange(e - c)[None, :]
+                scores = scores.masked_fill(cols > rows + (e - c) - (b - a), float("-inf"))
+            lses.append(scores.logsumexp(-1))
+            outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        ref_out = torch.cat(outs)
+        ref_out.backward(dout.double())
+        pairs = [(out, ref_out), (lse, torch.cat(lses, dim=1))]
+        pairs += [(g, t.grad) for g, t in zip((dq, dk, dv), ref, strict=True)]
+        for got, want in pairs:
+            worst = max(worst, (got.double() - want.detach()).abs().max().item())
+    return worst
+
+
+@functools.cache
+def load_llama3(use_shim: bool) -> tuple[Callable, Callable]:
+    """``(llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func)`` from
+    ring-flash-attention (its kv all-gather variant, one head group of kv at a time), loaded
+    like :func:`load_zigzag_ring`."""
+    load_zigzag_ring(use_shim)  # leaves the package (or its stub) in sys.modules
+    ctx = installed() if use_shim else contextlib.nullcontext()
+    with ctx:
+        mod = importlib.import_module("ring_flash_attn.llama3_flash_attn_varlen")
+    return mod.llama3_flash_attn_prepare_cu_seqlens, mod.llama3_flash_attn_varlen_func
+
+
 def check_shim(seed: int = 0) -> float:
     """Compare the shim's forward and backward with the float64 reference; return the largest
     difference (raises ``AssertionError`` above the float32 tolerance). Runs in float32 with GQA
@@ -196,6 +364,7 @@ def check_shim(seed: int = 0) -> float:
         ]
         for got, ref in pairs:
             worst = max(worst, (got.double() - ref.double()).abs().max().item())
+    worst = max(worst, _check_varlen(gen))
     KERNEL_SECONDS[0] = KERNEL_SECONDS[1] = 0.0
     if worst > 1e-4:
         raise AssertionError(f"flash-attn CPU shim differs from the reference by {worst:.2e}")

@@ -12,6 +12,10 @@ returns outputs and gradients in ``bshd`` so that they can be compared.
 * ``ring-flash``: ring-flash-attention's ``zigzag_ring_flash_attn_func`` (causal) or
   ``ring_flash_attn_func`` (non-causal; the zigzag variant refuses it). On CPU it runs on the
   flash-attn shim of :mod:`megatron_charm.bench.flash_shim`.
+* ``ring-flash-llama3``: ring-flash-attention's ``llama3_flash_attn_varlen_func``, the kv
+  all-gather of Llama 3 (one kv head at a time, the next head's gather overlapping the current
+  head's compute) on the contiguous layout, ``b = 1``; its contender re-shards like
+  ``ring-contig``'s. On CPU it runs on the shim's varlen functions.
 * ``te-p2p``: Transformer Engine's ``attn_forward_func_with_cp(cp_comm_type="p2p")``, CUDA only,
   imported lazily.
 """
@@ -31,7 +35,7 @@ from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.options import PLAN_KEYS
 
 OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig", "tasp")
-BASELINES = ("ring-flash", "te-p2p")
+BASELINES = ("ring-flash", "ring-flash-llama3", "te-p2p")
 Tensor = torch.Tensor
 
 
@@ -185,6 +189,53 @@ class RingFlash(Contender):
         return out, self.q.grad, self.k.grad, self.v.grad
 
 
+class RingFlashLlama3(Contender):
+    """ring-flash-attention's Llama 3 variant on this rank's contiguous shard, as one packed
+    sequence ``[s_local, h, d]`` (``b`` must be 1: the variant packs samples back to back and
+    splits the packed sequence, not each sample, over the ranks)."""
+
+    def __init__(self, name, inp, causal, scale, topo, use_shim: bool) -> None:
+        super().__init__(name, inp, causal, scale)
+        from megatron_charm.bench.flash_shim import load_llama3
+
+        if inp.q.shape[0] != 1:
+            raise ValueError(
+                f"ring-flash-llama3 runs one sequence per call here, but --batch is "
+                f"{inp.q.shape[0]}; set --batch 1 or leave it out of --methods"
+            )
+        prepare, self.fn = load_llama3(use_shim)
+        self.topo = topo
+        n, x = topo.cp_size, topo.cp_rank
+        q, k, v, dout = (
+            reshard(t, topo, "zigzag", "contiguous")[0] for t in (inp.q, inp.k, inp.v, inp.dout)
+        )
+        self.q, self.k, self.v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        self.dout = dout
+        seq = q.shape[0] * n
+        cu = torch.tensor([0, seq], dtype=torch.int32, device=q.device)
+        self.cu_q, self.cu_k, self.max_q, self.max_k, self.k_slice = prepare(cu, causal, x, n)
+
+    def _call(self) -> Tensor:
+        return self.fn(
+            self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k,
+            heads_k_stride=1, local_k_slice=self.k_slice, softmax_scale=self.scale,
+            causal=self.causal, group=self.topo.cp_group,
+        )  # fmt: skip
+
+    def forward(self) -> Tensor:
+        return self._call().unsqueeze(0)
+
+    def forward_backward(self):
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        out = self._call()
+        out.backward(self.dout)
+        return tuple(t.unsqueeze(0) for t in (out, self.q.grad, self.k.grad, self.v.grad))
+
+    def comparable(self, results):
+        return tuple(reshard(t, self.topo, "contiguous", "zigzag") for t in results)
+
+
 #: Where TE keeps ``attn_forward_func_with_cp`` (it moved in TE 2.2).
 TE_CP_MODULES = (
     "transformer_engine.pytorch.attention.dot_product_attention.context_parallel",
@@ -275,6 +326,8 @@ def make_contender(name: str, inp: Inputs, causal: bool, scale: float, topo, opt
         )
     if name == "ring-flash":
         return RingFlash(name, inp, causal, scale, use_shim=not inp.q.is_cuda)
+    if name == "ring-flash-llama3":
+        return RingFlashLlama3(name, inp, causal, scale, topo, use_shim=not inp.q.is_cuda)
     if name == "te-p2p":
         return TransformerEngineP2P(name, inp, causal, scale, topo)
     raise ValueError(

@@ -10,6 +10,7 @@ import statistics
 from megatron_charm.bench.accounting import (
     classify,
     dependency_bound_s,
+    llama3_bytes,
     lower_bound_s,
     method_bytes,
     method_plan,
@@ -100,6 +101,8 @@ def summarise(raw: dict, cfg: dict) -> dict:
     for name in methods:
         if name in ("ring-flash", "te-p2p"):
             lb = zigzag_ring_bytes(layout, shape, topology)
+        elif name == "ring-flash-llama3":
+            lb = llama3_bytes(layout, shape, topology)
         elif name == "charm":
             lb = charm_lb
         else:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 from megatron_charm.plan import METHODS, PlanOptions
-from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
+from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, FlopsCompute
 from megatron_charm.sim.predict import Prediction, Problem, advise, predict
 from megatron_charm.sim.profile import Profile, load_profile
@@ -172,7 +172,7 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
             "hardware numbers: the flags given, not measured here; run `megatron-charm-sim "
             "calibrate` on the cluster and pass --profile for predictions you can check"
         )
-    others = [mp.total for m, mp in pred.methods.items() if m != choice and m != "ring-contig"]
+    others = [mp.total for m, mp in pred.methods.items() if m != choice and m not in BASELINES]
     margin = min(others) / pred.methods[choice].total if others else 1.0
     if profile.measured:
         err = profile.known_error or 0.0
@@ -200,7 +200,7 @@ def format_table(pred: Prediction) -> str:
         f"{'method':<11} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
         f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",
     ]
-    order = ["ring", "ring-contig", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"]
+    order = ["ring", "ring-contig", "tasp", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"]
     order = [m for m in order if m in pred.methods]
     for name in order:
         mp = pred.methods[name]
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(pred.to_dict(), indent=2, default=str))
     else:
         fastest = min(
-            (m for m in pred.methods if m != "ring-contig"), key=lambda m: pred.methods[m].total
+            (m for m in pred.methods if m not in BASELINES), key=lambda m: pred.methods[m].total
         )
         print(format_table(pred))
         print(uncertainty(pred, fastest, profile))

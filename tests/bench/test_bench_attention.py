@@ -117,6 +117,30 @@ def test_attention_benchmark_runs_ring_contig(tmp_path):
         assert sum(contig["fwdbwd"]["sent_bytes"][p].values()) == b["intra"] + b["cross"]
 
 
+@pytest.mark.parametrize("causal", ["--causal", "--no-causal"])
+def test_attention_benchmark_runs_ring_flash_llama3_and_tasp(tmp_path, causal):
+    # ring-flash-attention's Llama 3 variant (varlen, on the shim's varlen functions, contiguous
+    # shards) and TASP (s_local divisible by 2 * (3 - 1)) both match the float64 reference
+    out = tmp_path / "res.json"
+    main(
+        [
+            "attention",
+            "--launcher", "loopback",
+            "--nodes", "1", "--ranks-per-node", "3", "--methods", "ring,ring-flash-llama3,tasp",
+            "--seq-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--batch", "1", causal,
+            "--iters", "1", "--warmup", "0", "--reference", "--quiet", "--timeout", "50",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"ring", "ring-flash-llama3", "tasp"}
+    for name in ("ring-flash-llama3", "tasp"):
+        res = methods[name]
+        assert max(res["ref_err"].values()) < 0.1, (name, res["ref_err"])
+        assert max(res["agree"].values()) < 0.05, (name, res["agree"])
+
+
 def test_numerics_method_entries_carry_plan_options():
     from megatron_charm.bench.numerics import method_options
     from megatron_charm.plan import PlanOptions
