@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first, so that nothing pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,dev]'
-	# The outside baseline of the attention benchmark; --no-deps: it declares a CUDA torch.
-	$(PY) -m pip install -q --no-deps ring-flash-attn==0.1.8
+	# The outside baselines of the attention benchmark; --no-deps: they declare CUDA packages
+	# (a CUDA torch, flash-attn), which the CPU flash-attn shim stands in for.
+	$(PY) -m pip install -q --no-deps ring-flash-attn==0.1.8 yunchang==0.6.4
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -211,6 +211,13 @@ def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def _not_shimmed(*args, **kwargs):
+    raise RuntimeError(
+        "the CPU flash-attn shim provides the low-level _flash_attn_* functions only; "
+        "flash_attn_func needs the real flash-attn on CUDA"
+    )
+
+
 def _check_plain(dropout_p, left, right, softcap, alibi) -> None:
     if dropout_p or left != -1 or right != -1 or softcap or alibi is not None:
         raise ValueError(
@@ -222,6 +229,9 @@ def _check_plain(dropout_p, left, right, softcap, alibi) -> None:
 def _shim_modules() -> dict[str, types.ModuleType]:
     pkg = types.ModuleType("flash_attn")
     pkg.__path__ = []  # a package, so that submodule imports resolve through sys.modules
+    # the release whose signatures the shim follows (yunchang branches on it)
+    pkg.__version__ = "2.6.3"
+    pkg.flash_attn_func = _not_shimmed
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     iface._flash_attn_forward = _flash_attn_forward
     iface._flash_attn_backward = _flash_attn_backward
@@ -334,6 +344,20 @@ def load_llama3(use_shim: bool) -> tuple[Callable, Callable]:
     with ctx:
         mod = importlib.import_module("ring_flash_attn.llama3_flash_attn_varlen")
     return mod.llama3_flash_attn_prepare_cu_seqlens, mod.llama3_flash_attn_varlen_func
+
+
+@functools.cache
+def load_usp(use_shim: bool) -> types.ModuleType:
+    """yunchang (USP: Ulysses inside a group times a ring across groups), imported with the shim
+    in place on CPU. Install it with ``pip install --no-deps yunchang==0.6.4``."""
+    if importlib.util.find_spec("yunchang") is None:
+        raise RuntimeError(
+            "yunchang is not installed: pip install --no-deps yunchang==0.6.4 (make setup "
+            "installs it), or leave usp out of --methods"
+        )
+    ctx = installed() if use_shim else contextlib.nullcontext()
+    with ctx:
+        return importlib.import_module("yunchang")
 
 
 def check_shim(seed: int = 0) -> float:

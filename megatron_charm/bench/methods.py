@@ -16,6 +16,10 @@ returns outputs and gradients in ``bshd`` so that they can be compared.
   all-gather of Llama 3 (one kv head at a time, the next head's gather overlapping the current
   head's compute) on the contiguous layout, ``b = 1``; its contender re-shards like
   ``ring-contig``'s. On CPU it runs on the shim's varlen functions.
+* ``usp``: yunchang's ``LongContextAttention`` (USP): Ulysses inside each node times
+  ring-flash-attention's zigzag ring (``basic`` ring when not causal) across nodes, on yunchang's
+  own shard layout (``zigzag_extract_local``); its contender re-shards like ``ring-contig``'s.
+  Needs the heads divisible by the ranks per node; on CPU it runs on the flash-attn shim.
 * ``te-p2p``: Transformer Engine's ``attn_forward_func_with_cp(cp_comm_type="p2p")``, CUDA only,
   imported lazily.
 """
@@ -35,7 +39,7 @@ from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.options import PLAN_KEYS
 
 OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig", "tasp")
-BASELINES = ("ring-flash", "ring-flash-llama3", "te-p2p")
+BASELINES = ("ring-flash", "ring-flash-llama3", "usp", "te-p2p")
 Tensor = torch.Tensor
 
 
@@ -236,6 +240,83 @@ class RingFlashLlama3(Contender):
         return tuple(reshard(t, self.topo, "contiguous", "zigzag") for t in results)
 
 
+def gather_positions(t: Tensor, topo, have: Tensor, want: Tensor) -> Tensor:
+    """This rank's shard ``t [b, s_local, ...]``, which holds global positions ``have``, as the
+    shard holding ``want``. Collective (an all-gather of the whole sequence): for set-up and
+    checks, not for timed calls."""
+    n = topo.cp_size
+    t = t.detach().contiguous()
+    shards = [torch.empty_like(t) for _ in range(n)]
+    where = [torch.empty_like(have) for _ in range(n)]
+    dist.all_gather(shards, t, group=topo.cp_group)
+    dist.all_gather(where, have.contiguous(), group=topo.cp_group)
+    whole = torch.empty((t.shape[0], t.shape[1] * n, *t.shape[2:]), dtype=t.dtype, device=t.device)
+    for shard, pos in zip(shards, where, strict=True):
+        whole[:, pos] = shard
+    return whole[:, want].contiguous()
+
+
+class USP(Contender):
+    """yunchang's USP on the benchmark's node split: a Ulysses group per node (``ud`` = ranks
+    per node), a ring over the nodes (``rd``). yunchang builds its groups over the whole world,
+    so the benchmark's world must be the CP group (it is)."""
+
+    def __init__(self, name, inp, causal, scale, topo, use_shim: bool) -> None:
+        super().__init__(name, inp, causal, scale)
+        from megatron_charm.bench.flash_shim import load_usp
+
+        if inp.q.dtype == torch.float32:
+            # its ring backward starts its float32 accumulators as dq_buffer.to(torch.float32),
+            # the kernel's own buffer when that is float32 already, which later blocks overwrite
+            raise ValueError(
+                "usp (yunchang 0.6.4) computes wrong gradients on float32 inputs: its ring "
+                "backward's float32 accumulators alias the kernel's output buffers; run it with "
+                "--dtype bf16 or fp16, or leave usp out of --methods"
+            )
+        yc = load_usp(use_shim)
+        n, rd = topo.cp_size, topo.layout.num_nodes
+        ud = topo.layout.ranks_per_node
+        h, h_kv = inp.q.shape[2], inp.k.shape[2]
+        if h % ud or h_kv % ud:
+            raise ValueError(
+                f"usp splits the heads over the ranks of a node: h={h} and h_kv={h_kv} must be "
+                f"divisible by ranks_per_node={ud}; change --heads/--kv-heads or leave usp out "
+                "of --methods"
+            )
+        if dist.get_world_size() != n:
+            raise ValueError("usp builds its groups over the whole world: run it with one CP group")
+        yc.set_seq_parallel_pg(ud, rd, dist.get_rank(), n)
+        kind = "zigzag" if causal else "basic"
+        self.topo = topo
+        self.attn = yc.LongContextAttention(ring_impl_type=kind)
+        seq = inp.q.shape[1] * n
+        where = torch.arange(seq, device=inp.q.device).view(1, seq, 1)
+        self.mine = yc.EXTRACT_FUNC_DICT[kind](where, dist.get_rank(), n, rd, ud).view(-1)
+        self.zigzag = inp.idx.to(inp.q.device).view(-1)
+        q, k, v, dout = (
+            gather_positions(t, topo, self.zigzag, self.mine)
+            for t in (inp.q, inp.k, inp.v, inp.dout)
+        )
+        self.q, self.k, self.v = (t.clone().requires_grad_() for t in (q, k, v))
+        self.dout = dout
+
+    def _call(self) -> Tensor:
+        return self.attn(self.q, self.k, self.v, softmax_scale=self.scale, causal=self.causal)
+
+    def forward(self) -> Tensor:
+        return self._call()
+
+    def forward_backward(self):
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        out = self._call()
+        out.backward(self.dout)
+        return out, self.q.grad, self.k.grad, self.v.grad
+
+    def comparable(self, results):
+        return tuple(gather_positions(t, self.topo, self.mine, self.zigzag) for t in results)
+
+
 #: Where TE keeps ``attn_forward_func_with_cp`` (it moved in TE 2.2).
 TE_CP_MODULES = (
     "transformer_engine.pytorch.attention.dot_product_attention.context_parallel",
@@ -326,6 +407,8 @@ def make_contender(name: str, inp: Inputs, causal: bool, scale: float, topo, opt
         )
     if name == "ring-flash":
         return RingFlash(name, inp, causal, scale, use_shim=not inp.q.is_cuda)
+    if name == "usp":
+        return USP(name, inp, causal, scale, topo, use_shim=not inp.q.is_cuda)
     if name == "ring-flash-llama3":
         return RingFlashLlama3(name, inp, causal, scale, topo, use_shim=not inp.q.is_cuda)
     if name == "te-p2p":

@@ -103,6 +103,11 @@ def summarise(raw: dict, cfg: dict) -> dict:
             lb = zigzag_ring_bytes(layout, shape, topology)
         elif name == "ring-flash-llama3":
             lb = llama3_bytes(layout, shape, topology)
+        elif name == "usp":
+            # the same algorithm as our a2a+p2p (Ulysses in a node, zigzag ring across nodes),
+            # counted by its plan; yunchang's ring sends whole kv blocks where ours sends the
+            # half a receiver uses, so its cross bytes are at least these
+            lb = method_bytes("a2a+p2p", layout, cfg["causal"], shape, topology, opts, mask)
         elif name == "charm":
             lb = charm_lb
         else:

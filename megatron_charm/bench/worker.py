@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+#: Outside implementations that run on the flash-attn shim on CPU (checked before timing).
+SHIMMED = ("ring-flash", "ring-flash-llama3", "usp")
+
+
 def make_inputs(cfg: dict, cp_rank: int, cp_size: int, device: torch.device) -> Inputs:
     """This rank's zigzag share of a seeded global problem (identical on every rank)."""
     from megatron_charm.plan import zigzag_positions
@@ -144,7 +148,7 @@ def _timed(contender, backward: bool, device: torch.device) -> dict:
             for tr in traces
             for kind, ch, s, e in tr.events
         ]
-    elif contender.name.startswith("ring-flash") and device.type == "cpu":
+    elif contender.name in SHIMMED and device.type == "cpu":
         rec["compute"] = sum(flash_shim.KERNEL_SECONDS) - sum(k0)
     return rec
 
@@ -178,7 +182,7 @@ def run(cfg: dict) -> dict | None:
     inp = make_inputs(cfg, cp_rank, cp_size, device)
 
     shim_err = None
-    if any(m.startswith("ring-flash") for m in cfg["methods"]) and device.type == "cpu":
+    if any(m in SHIMMED for m in cfg["methods"]) and device.type == "cpu":
         from megatron_charm.bench.flash_shim import check_shim
 
         shim_err = check_shim()  # before anything is timed; raises if wrong

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megatron_charm.bench.__main__ import main
 from megatron_charm.bench.accounting import method_bytes
@@ -139,6 +140,37 @@ def test_attention_benchmark_runs_ring_flash_llama3_and_tasp(tmp_path, causal):
         res = methods[name]
         assert max(res["ref_err"].values()) < 0.1, (name, res["ref_err"])
         assert max(res["agree"].values()) < 0.05, (name, res["agree"])
+
+
+@pytest.mark.parametrize("causal", ["--causal", "--no-causal"])
+def test_attention_benchmark_runs_usp(tmp_path, causal):
+    # yunchang's USP (Ulysses in each node x zigzag ring across nodes) on the flash-attn shim,
+    # on its own shard layout: within the bf16 reference tolerance, like ring
+    out = tmp_path / "res.json"
+    main(
+        [
+            "attention",
+            "--launcher", "loopback",
+            "--nodes", "2", "--ranks-per-node", "2", "--methods", "ring,usp",
+            "--seq-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--batch", "1", "--dtype", "bf16", causal,
+            "--iters", "1", "--warmup", "0", "--reference", "--quiet", "--timeout", "50",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    methods = json.loads(out.read_text())["methods"]
+    usp, ring = methods["usp"]["ref_err"], methods["ring"]["ref_err"]
+    for name in ("out", "dq", "dk", "dv"):
+        assert usp[name] < 4 * ring[name] + 1e-2, (name, usp, ring)
+
+
+def test_usp_refuses_float32():
+    from megatron_charm.bench.methods import USP, Inputs
+
+    t = torch.zeros(1, 8, 4, 16)
+    inp = Inputs(t, t, t, t, torch.arange(8))
+    with pytest.raises(ValueError, match="float32"):
+        USP("usp", inp, True, 0.25, topo=None, use_shim=True)
 
 
 def test_numerics_method_entries_carry_plan_options():
