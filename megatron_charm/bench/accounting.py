@@ -94,6 +94,22 @@ def method_bytes(
     }
 
 
+def _tally(
+    layout: Layout, topology: str, transfers: list[tuple[int, int]], nbytes: int
+) -> LinkBytes:
+    """Link bytes of ``nbytes`` sent along each ``(cp_rank, peer)`` of ``transfers``."""
+    intra = cross = 0
+    links: dict[tuple[int, int, int], int] = defaultdict(int)
+    for r, peer in transfers:
+        src, dst = layout.node(r), layout.node(peer)
+        if src == dst:
+            intra += nbytes
+        else:
+            cross += nbytes
+            links[_link(layout, src, dst, peer, topology)] += nbytes
+    return LinkBytes(intra, cross, max(links.values(), default=0))
+
+
 def zigzag_ring_bytes(layout: Layout, shape: AttnShape, topology: str) -> dict[str, LinkBytes]:
     """ring-flash-attention's zigzag ring: every rank sends its full kv to the next rank ``n-1``
     times forward; backward the same kv plus float32 dk, dv ``n`` times (read from its source;
@@ -101,20 +117,11 @@ def zigzag_ring_bytes(layout: Layout, shape: AttnShape, topology: str) -> dict[s
     n = layout.cp_size
     kv = 2 * shape.s_local * shape.b * shape.h_kv * shape.d * shape.itemsize
     dkv32 = 2 * shape.s_local * shape.b * shape.h_kv * shape.d * 4
-    out = {}
-    for name, per_hop in (("fwd", kv * (n - 1)), ("bwd", kv * (n - 1) + dkv32 * n)):
-        intra = cross = 0
-        links: dict[tuple[int, int, int], int] = defaultdict(int)
-        for r in range(n):
-            peer = (r + 1) % n
-            src, dst = layout.node(r), layout.node(peer)
-            if src == dst:
-                intra += per_hop
-            else:
-                cross += per_hop
-                links[_link(layout, src, dst, peer, topology)] += per_hop
-        out[name] = LinkBytes(intra, cross, max(links.values(), default=0))
-    return out
+    hops = [(r, (r + 1) % n) for r in range(n)]
+    return {
+        name: _tally(layout, topology, hops, per_hop)
+        for name, per_hop in (("fwd", kv * (n - 1)), ("bwd", kv * (n - 1) + dkv32 * n))
+    }
 
 
 def llama3_bytes(layout: Layout, shape: AttnShape, topology: str) -> dict[str, LinkBytes]:
@@ -123,22 +130,10 @@ def llama3_bytes(layout: Layout, shape: AttnShape, topology: str) -> dict[str, L
     in the input dtype (each rank gets its own rows from every other rank)."""
     n = layout.cp_size
     kv = 2 * shape.s_local * shape.b * shape.h_kv * shape.d * shape.itemsize
-    out = {}
-    for name, per_pair in (("fwd", kv), ("bwd", 2 * kv)):
-        intra = cross = 0
-        links: dict[tuple[int, int, int], int] = defaultdict(int)
-        for r in range(n):
-            for peer in range(n):
-                src, dst = layout.node(r), layout.node(peer)
-                if peer == r:
-                    continue
-                if src == dst:
-                    intra += per_pair
-                else:
-                    cross += per_pair
-                    links[_link(layout, src, dst, peer, topology)] += per_pair
-        out[name] = LinkBytes(intra, cross, max(links.values(), default=0))
-    return out
+    pairs = [(r, peer) for r in range(n) for peer in range(n) if peer != r]
+    return {
+        name: _tally(layout, topology, pairs, per) for name, per in (("fwd", kv), ("bwd", 2 * kv))
+    }
 
 
 def lower_bound_s(compute_s: float, max_cross_link_bytes: int, cross_bps: float) -> float:

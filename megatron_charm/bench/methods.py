@@ -64,12 +64,24 @@ class Contender:
         self.name, self.causal, self.scale = name, causal, scale
         self.inp = inp
 
+    def _call(self) -> Tensor:
+        """One call of the implementation on this contender's own inputs."""
+        raise NotImplementedError
+
     def forward(self) -> Tensor:
         raise NotImplementedError
 
     def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(out, dq, dk, dv)`` in ``bshd``."""
         raise NotImplementedError
+
+    def _autograd(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor):
+        """``(out, dq, dk, dv)`` of one call of ``_call`` on the leaf tensors ``q, k, v``."""
+        for t in (q, k, v):
+            t.grad = None
+        out = self._call()
+        out.backward(dout)
+        return out, q.grad, k.grad, v.grad
 
     def comparable(self, results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """``results`` of :meth:`forward_backward` as rows of this rank's zigzag shard (the
@@ -186,11 +198,7 @@ class RingFlash(Contender):
         return self._call()
 
     def forward_backward(self):
-        for t in (self.q, self.k, self.v):
-            t.grad = None
-        out = self._call()
-        out.backward(self.inp.dout)
-        return out, self.q.grad, self.k.grad, self.v.grad
+        return self._autograd(self.q, self.k, self.v, self.inp.dout)
 
 
 class RingFlashLlama3(Contender):
@@ -230,11 +238,7 @@ class RingFlashLlama3(Contender):
         return self._call().unsqueeze(0)
 
     def forward_backward(self):
-        for t in (self.q, self.k, self.v):
-            t.grad = None
-        out = self._call()
-        out.backward(self.dout)
-        return tuple(t.unsqueeze(0) for t in (out, self.q.grad, self.k.grad, self.v.grad))
+        return tuple(t.unsqueeze(0) for t in self._autograd(self.q, self.k, self.v, self.dout))
 
     def comparable(self, results):
         return tuple(reshard(t, self.topo, "contiguous", "zigzag") for t in results)
@@ -307,11 +311,7 @@ class USP(Contender):
         return self._call()
 
     def forward_backward(self):
-        for t in (self.q, self.k, self.v):
-            t.grad = None
-        out = self._call()
-        out.backward(self.dout)
-        return out, self.q.grad, self.k.grad, self.v.grad
+        return self._autograd(self.q, self.k, self.v, self.dout)
 
     def comparable(self, results):
         return tuple(gather_positions(t, self.topo, self.mine, self.zigzag) for t in results)
