@@ -91,3 +91,15 @@ def test_not_a_megatron_method():
     from megatron_charm.plan.options import BASELINES, MEGATRON_METHODS
 
     assert "tasp" in BASELINES and "tasp" not in MEGATRON_METHODS
+
+
+def test_large_groups_check_each_rank_alone():
+    # above FULL_CHECK_MAX_CP each rank plans and checks only its own programs
+    from megatron_charm.function import FULL_CHECK_MAX_CP, checked_programs
+
+    n = FULL_CHECK_MAX_CP + 2
+    shape = AttnShape(b=1, s_local=2 * (n - 1), h=8, h_kv=8, d=16)
+    for x in (0, n - 1):
+        fwd, bwd = checked_programs(PlanOptions(method="tasp"), Layout(2, n // 2), True, x, shape)
+        assert fwd.cp_rank == bwd.cp_rank == x
+        assert len(fwd.exchanges()) == n - 1
