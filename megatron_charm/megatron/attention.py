@@ -24,7 +24,7 @@ from megatron_charm.megatron.groups import get_charm_topology
 from megatron_charm.megatron.masks import documents_from_attention_mask, thd_mask
 from megatron_charm.plan import PlanOptions
 from megatron_charm.plan.docmask import DocMask
-from megatron_charm.plan.options import MEGATRON_METHODS, SEQ_LAYOUT_OF
+from megatron_charm.plan.options import BASELINES, MEGATRON_METHODS, SEQ_LAYOUT_OF
 
 #: Values of ``cp_comm_type`` served by this module: the methods on Megatron's zigzag layout, and
 #: ``auto`` (one of every method of ours, picked per layer shape by the simulator on a profile).
@@ -56,6 +56,12 @@ def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | N
             "Megatron shards the sequence zigzag (get_batch_on_this_cp_rank); it is a baseline "
             "for cp_attention and the simulator. Use --cp-comm-type ring for the ring on "
             "Megatron's layout."
+        )
+    if method in BASELINES:
+        raise ValueError(
+            f"cp_comm_type={method!r} is a baseline for cp_attention, the benchmark and the "
+            "simulator (the paper's TASP), not served in Megatron; use one of "
+            f"{', '.join(CHARM_METHODS)} with --cp-comm-type."
         )
     if method not in CHARM_METHODS:
         raise ValueError(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from megatron_charm.auto import AUTO
 from megatron_charm.nodes import NODE_SPLITS
-from megatron_charm.plan.options import MEGATRON_METHODS, SEQ_LAYOUT_OF
+from megatron_charm.plan.options import BASELINES, MEGATRON_METHODS, SEQ_LAYOUT_OF
 
 if TYPE_CHECKING:
     from megatron_charm.train.config import Config
@@ -91,6 +91,12 @@ def _check_choices(cfg: Config) -> None:
             f"parallel.cp_comm_type={p.cp_comm_type!r} expects {SEQ_LAYOUT_OF[p.cp_comm_type]} "
             "sequence shards, but Megatron shards the sequence zigzag; set "
             "parallel.cp_comm_type=ring for the ring on Megatron's layout."
+        )
+    if p.cp_comm_type in BASELINES:
+        raise ValueError(
+            f"parallel.cp_comm_type={p.cp_comm_type!r} is a baseline for cp_attention, the "
+            "benchmark and the simulator (the paper's TASP), not a method to train with; choose "
+            f"one of {', '.join(CHARM_COMM_TYPES)}."
         )
     if p.cp_comm_type not in CHARM_COMM_TYPES + TE_COMM_TYPES:
         raise ValueError(

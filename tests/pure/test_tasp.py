@@ -103,3 +103,14 @@ def test_large_groups_check_each_rank_alone():
         fwd, bwd = checked_programs(PlanOptions(method="tasp"), Layout(2, n // 2), True, x, shape)
         assert fwd.cp_rank == bwd.cp_rank == x
         assert len(fwd.exchanges()) == n - 1
+
+
+def test_trainer_and_megatron_module_refuse_tasp():
+    from megatron_charm.megatron.attention import CHARM_METHODS, resolve_method
+    from megatron_charm.train.config import load_config
+
+    with pytest.raises(ValueError, match=r"parallel.cp_comm_type='tasp' is a baseline"):
+        load_config(None, ["parallel.cp_comm_type=tasp"])
+    assert "tasp" not in CHARM_METHODS
+    with pytest.raises(ValueError, match=r"cp_comm_type='tasp' is a baseline.*--cp-comm-type"):
+        resolve_method("tasp", None, None)
