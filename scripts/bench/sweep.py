@@ -53,12 +53,37 @@ def point_cmd(p, out_json: str, iters: int, methods: str) -> list[str]:
     ]  # fmt: skip
 
 
+PEERS = "charm,ring,ring-flash,ring-flash-llama3,usp,all_gather,a2a,a2a+p2p,tasp".split(",")
+
+
+def fitting(p, methods: list[str]) -> list[str]:
+    """The methods of ``methods`` that can run point ``p``: the head splits need the heads to
+    divide (a2a by the CP size; a2a+p2p and usp by the ranks per node), TASP's chunks the local
+    sequence, and the Llama 3 variant one sample per call."""
+    lay, _, _, b, s, h, _ = p
+    m, rpn = (int(x) for x in lay.split("x"))
+    n = m * rpn
+    skip = {
+        "a2a": h % n != 0,
+        "a2a+p2p": h % rpn != 0,
+        "usp": h % rpn != 0,
+        "tasp": s % (2 * (n - 1)) != 0,
+        "ring-flash-llama3": b != 1,
+    }
+    return [x for x in methods if not skip.get(x, False)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "results", "sweep"))
     ap.add_argument("--only", default=None, help="run only points whose name contains this")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--methods", default="charm,ring,ring-flash")
+    ap.add_argument(
+        "--methods",
+        default="charm,ring,ring-flash",
+        help="comma list, or 'peers' for every method of the peers comparison; each point "
+        "runs those that fit it",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -70,7 +95,8 @@ def main() -> int:
         if args.only and args.only not in name:
             continue
         out_json = os.path.join(args.out, name + ".json")
-        cmd = point_cmd(p, out_json, args.iters, args.methods)
+        wanted = PEERS if args.methods == "peers" else args.methods.split(",")
+        cmd = point_cmd(p, out_json, args.iters, ",".join(fitting(p, wanted)))
         print(" ".join(cmd[1:]), flush=True)
         if args.dry_run:
             continue
