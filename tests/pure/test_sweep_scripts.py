@@ -1,0 +1,39 @@
+"""The peers sweep's method filter and table (scripts/bench/sweep.py, peers_table.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peers_keep_only_the_methods_whose_split_divides():
+    sweep = _load("sweep")
+    two_by_two = ("2x2", "shared", True, 1, 516, 4, "100mbit")  # 516 = 6 x 86: tasp fits
+    assert sweep.fitting(two_by_two, sweep.PEERS) == sweep.PEERS
+    two_by_four = ("2x4", "rails", True, 2, 512, 4, "100mbit")
+    kept = sweep.fitting(two_by_four, sweep.PEERS)
+    # 4 heads over 8 ranks (a2a), 512 tokens into 2 x 7 chunks (tasp), batch 2 (llama3)
+    assert set(sweep.PEERS) - set(kept) == {"a2a", "tasp", "ring-flash-llama3"}
+
+
+def test_peers_table_names_the_fastest_peer():
+    table = _load("peers_table").table
+
+    def res(**ms):
+        methods = {
+            m: {mode: {"median": t / 1e3} for mode in ("fwd", "fwdbwd")} for m, t in ms.items()
+        }
+        return {"ccr": {"fwdbwd": 0.5}, "methods": methods}
+
+    text = table([("p", res(charm=100, ring=300, a2a=150))])
+    row = text.splitlines()[2]
+    assert "a2a / a2a" in row and "1.50x / 1.50x" in row
