@@ -89,6 +89,19 @@ class Contender:
         return results
 
 
+def _whole(t: Tensor, topo, where: list[Tensor]) -> Tensor:
+    """The whole sequence ``[b, s_local * n, ...]`` from every rank's shard like ``t``, rank
+    ``r``'s holding the global positions ``where[r]``. Collective (an all-gather)."""
+    t = t.detach().contiguous()
+    shards = [torch.empty_like(t) for _ in range(topo.cp_size)]
+    dist.all_gather(shards, t, group=topo.cp_group)
+    seq = t.shape[1] * topo.cp_size
+    whole = torch.empty((t.shape[0], seq, *t.shape[2:]), dtype=t.dtype, device=t.device)
+    for shard, pos in zip(shards, where, strict=True):
+        whole[:, pos] = shard
+    return whole
+
+
 def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
     """This rank's shard ``t [b, s_local, ...]`` in sequence layout ``src`` as its shard in
     layout ``dst`` (``zigzag`` or ``contiguous``). Collective over the CP group (an all-gather
@@ -96,15 +109,22 @@ def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
     n, x = topo.cp_size, topo.cp_rank
     if src == dst or n == 1:
         return t
-    t = t.detach()
     seq = t.shape[1] * n
-    shards = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(shards, t.contiguous(), group=topo.cp_group)
-    whole = torch.empty((t.shape[0], seq, *t.shape[2:]), dtype=t.dtype, device=t.device)
-    for r, shard in enumerate(shards):
-        whole[:, torch.tensor(sequence_positions(r, n, seq, src), device=t.device)] = shard
-    mine = torch.tensor(sequence_positions(x, n, seq, dst), device=t.device)
-    return whole[:, mine].contiguous()
+
+    def positions(r: int, layout: str) -> Tensor:
+        return torch.tensor(sequence_positions(r, n, seq, layout), device=t.device)
+
+    whole = _whole(t, topo, [positions(r, src) for r in range(n)])
+    return whole[:, positions(x, dst)].contiguous()
+
+
+def gather_positions(t: Tensor, topo, have: Tensor, want: Tensor) -> Tensor:
+    """This rank's shard ``t [b, s_local, ...]``, which holds global positions ``have``, as the
+    shard holding ``want``, for layouts that :func:`reshard` does not name (every rank's
+    ``have`` is gathered too). Collective: for set-up and checks, not for timed calls."""
+    where = [torch.empty_like(have) for _ in range(topo.cp_size)]
+    dist.all_gather(where, have.contiguous(), group=topo.cp_group)
+    return _whole(t, topo, where)[:, want].contiguous()
 
 
 def plan_options(cfg: dict) -> PlanOptions:
@@ -242,22 +262,6 @@ class RingFlashLlama3(Contender):
 
     def comparable(self, results):
         return tuple(reshard(t, self.topo, "contiguous", "zigzag") for t in results)
-
-
-def gather_positions(t: Tensor, topo, have: Tensor, want: Tensor) -> Tensor:
-    """This rank's shard ``t [b, s_local, ...]``, which holds global positions ``have``, as the
-    shard holding ``want``. Collective (an all-gather of the whole sequence): for set-up and
-    checks, not for timed calls."""
-    n = topo.cp_size
-    t = t.detach().contiguous()
-    shards = [torch.empty_like(t) for _ in range(n)]
-    where = [torch.empty_like(have) for _ in range(n)]
-    dist.all_gather(shards, t, group=topo.cp_group)
-    dist.all_gather(where, have.contiguous(), group=topo.cp_group)
-    whole = torch.empty((t.shape[0], t.shape[1] * n, *t.shape[2:]), dtype=t.dtype, device=t.device)
-    for shard, pos in zip(shards, where, strict=True):
-        whole[:, pos] = shard
-    return whole[:, want].contiguous()
 
 
 class USP(Contender):

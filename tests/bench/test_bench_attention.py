@@ -94,21 +94,27 @@ def test_link_bytes_follow_the_cross_level_the_call_uses():
         assert charm[name].max_cross_link <= ring[name].max_cross_link, name
 
 
-def test_attention_benchmark_runs_ring_contig(tmp_path):
-    # ring-contig re-shards the zigzag inputs to contiguous ones and its results back: it agrees
-    # with the zigzag ring, and it sends the same bytes as its plan.
+def _small_run(tmp_path, *flags: str) -> dict:
+    """The methods' results of one tiny loopback benchmark with the reference check."""
     out = tmp_path / "res.json"
     main(
         [
-            "attention",
-            "--launcher", "loopback",
-            "--nodes", "1", "--ranks-per-node", "2", "--methods", "ring,ring-contig",
-            "--seq-local", "32", "--heads", "2", "--head-dim", "16", "--batch", "1",
+            "attention", "--launcher", "loopback", *flags,
             "--iters", "1", "--warmup", "0", "--reference", "--quiet", "--timeout", "50",
             "--json", str(out),
         ]
     )  # fmt: skip
-    methods = json.loads(out.read_text())["methods"]
+    return json.loads(out.read_text())["methods"]
+
+
+def test_attention_benchmark_runs_ring_contig(tmp_path):
+    # ring-contig re-shards the zigzag inputs to contiguous ones and its results back: it agrees
+    # with the zigzag ring, and it sends the same bytes as its plan.
+    methods = _small_run(
+        tmp_path,
+        "--nodes", "1", "--ranks-per-node", "2", "--methods", "ring,ring-contig",
+        "--seq-local", "32", "--heads", "2", "--head-dim", "16", "--batch", "1",
+    )  # fmt: skip
     assert set(methods) == {"ring", "ring-contig"}
     contig = methods["ring-contig"]
     assert max(contig["ref_err"].values()) < 0.1, contig["ref_err"]
@@ -122,19 +128,12 @@ def test_attention_benchmark_runs_ring_contig(tmp_path):
 def test_attention_benchmark_runs_ring_flash_llama3_and_tasp(tmp_path, causal):
     # ring-flash-attention's Llama 3 variant (varlen, on the shim's varlen functions, contiguous
     # shards) and TASP (s_local divisible by 2 * (3 - 1)) both match the float64 reference
-    out = tmp_path / "res.json"
-    main(
-        [
-            "attention",
-            "--launcher", "loopback",
-            "--nodes", "1", "--ranks-per-node", "3", "--methods", "ring,ring-flash-llama3,tasp",
-            "--seq-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-            "--batch", "1", causal,
-            "--iters", "1", "--warmup", "0", "--reference", "--quiet", "--timeout", "50",
-            "--json", str(out),
-        ]
+    methods = _small_run(
+        tmp_path,
+        "--nodes", "1", "--ranks-per-node", "3", "--methods", "ring,ring-flash-llama3,tasp",
+        "--seq-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+        "--batch", "1", causal,
     )  # fmt: skip
-    methods = json.loads(out.read_text())["methods"]
     assert set(methods) == {"ring", "ring-flash-llama3", "tasp"}
     for name in ("ring-flash-llama3", "tasp"):
         res = methods[name]
@@ -146,19 +145,12 @@ def test_attention_benchmark_runs_ring_flash_llama3_and_tasp(tmp_path, causal):
 def test_attention_benchmark_runs_usp(tmp_path, causal):
     # yunchang's USP (Ulysses in each node x zigzag ring across nodes) on the flash-attn shim,
     # on its own shard layout: within the bf16 reference tolerance, like ring
-    out = tmp_path / "res.json"
-    main(
-        [
-            "attention",
-            "--launcher", "loopback",
-            "--nodes", "2", "--ranks-per-node", "2", "--methods", "ring,usp",
-            "--seq-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-            "--batch", "1", "--dtype", "bf16", causal,
-            "--iters", "1", "--warmup", "0", "--reference", "--quiet", "--timeout", "50",
-            "--json", str(out),
-        ]
+    methods = _small_run(
+        tmp_path,
+        "--nodes", "2", "--ranks-per-node", "2", "--methods", "ring,usp",
+        "--seq-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+        "--batch", "1", "--dtype", "bf16", causal,
     )  # fmt: skip
-    methods = json.loads(out.read_text())["methods"]
     usp, ring = methods["usp"]["ref_err"], methods["ring"]["ref_err"]
     for name in ("out", "dq", "dk", "dv"):
         assert usp[name] < 4 * ring[name] + 1e-2, (name, usp, ring)

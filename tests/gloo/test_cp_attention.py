@@ -35,6 +35,11 @@ for n, splits in LAYOUTS.items():
         CASES.append((n, "ring-contig", n))  # on contiguous shards (tests.gloo.reference)
     if n == 4:  # a2a inside nodes of 2 (h = 4 and h_kv = 2 split over 2), ring across nodes
         CASES.append((n, "a2a+p2p", 2))
+    if n != 8:
+        CASES.append((n, "tasp", n))
+
+# TASP cuts each zigzag half of a rank's kv into n - 1 chunks (Note [TASP schedule])
+TASP_S_LOCAL = {2: 8, 3: 8, 4: 12, 6: 20}
 
 
 def check(results):
@@ -54,21 +59,11 @@ def check(results):
 @pytest.mark.gloo
 @pytest.mark.parametrize("n,method,p", CASES, ids=[f"n{n}-{m}-{n // p}x{p}" for n, m, p in CASES])
 def test_matches_reference(pools, n, method, p):
-    results = pools(n).run(
-        tasks.compare_with_reference, method=method, ranks_per_node=p, variants=VARIANTS
-    )
-    for rank_results in results:
-        check(rank_results)
-
-
-@pytest.mark.gloo
-@pytest.mark.parametrize("n,s_local", [(2, 8), (3, 8), (4, 12), (6, 20)])
-def test_tasp_matches_reference(pools, n, s_local):
-    # TASP cuts each zigzag half of a rank's kv into n - 1 chunks (Note [TASP schedule])
+    s_local = TASP_S_LOCAL[n] if method == "tasp" else 8
     results = pools(n).run(
         tasks.compare_with_reference,
-        method="tasp",
-        ranks_per_node=n,
+        method=method,
+        ranks_per_node=p,
         variants=VARIANTS,
         s_local=s_local,
     )
