@@ -2,7 +2,8 @@
 
 ring-flash-attention imports ``_flash_attn_forward`` and ``_flash_attn_backward`` from
 ``flash_attn.flash_attn_interface``. On CPU there is no flash-attn; this module provides the two
-functions (flash-attn >= 2.6 signatures, keyword-called by ring-flash-attention) over our own
+functions (flash-attn 2.7/2.8 signatures, checked against the released sources in
+tests/contract/test_flash_shim_contract.py; keyword-called by ring-flash-attention) over our own
 CPU block kernel (PyTorch's CPU flash-attention ops; the same kernel as our methods, so the
 comparison is of schedules), and installs them as ``flash_attn.flash_attn_interface`` in
 ``sys.modules`` only inside :func:`installed`. It is benchmark code: the library never imports it.
@@ -47,7 +48,7 @@ def _flash_attn_forward(
     alibi_slopes: Tensor | None = None,
     return_softmax: bool = False,
 ) -> tuple[Tensor, Tensor, None, None]:
-    """``(out [b, s_q, h, d], lse float32 [b, h, s_q], None, None)`` like flash-attn 2.6+."""
+    """``(out [b, s_q, h, d], lse float32 [b, h, s_q], None, None)`` like flash-attn 2.7+."""
     _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     t0 = time.perf_counter()
     # our own CPU block kernel, so that both sides of a comparison compute alike
@@ -139,11 +140,13 @@ def _flash_attn_varlen_forward(
     block_table: Tensor | None = None,
     leftpad_k: Tensor | None = None,
     seqused_k: Tensor | None = None,
+    zero_tensors: bool = False,
 ) -> tuple[Tensor, Tensor, None, None]:
     """Packed sequences: ``q [total_q, h, d]``, ``k, v [total_k, h_kv, d]``, sequence ``i`` at
     rows ``cu_seqlens[i]:cu_seqlens[i + 1]``; returns ``(out [total_q, h, d], lse float32
-    [h, total_q], None, None)`` like flash-attn 2.6+."""
+    [h, total_q], None, None)`` like flash-attn 2.7+."""
     _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _check_packed_only(block_table, leftpad_k, seqused_k, zero_tensors)
     t0 = time.perf_counter()
     outs, lses = [], []
     for (a, b), (c, d) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
@@ -177,10 +180,12 @@ def _flash_attn_varlen_backward(
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
     rng_state: Tensor | None = None,
+    zero_tensors: bool = False,
 ) -> Tensor:
     """Write the gradients of a varlen call (shapes as :func:`_flash_attn_varlen_forward`,
     ``softmax_lse [h, total_q]``) into ``dq, dk, dv``; returns ``delta [h, total_q]``."""
     _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _check_packed_only(None, None, None, zero_tensors)
     t0 = time.perf_counter()
     one = lambda t: t.unsqueeze(1)  # noqa: E731
     lse_all = softmax_lse.transpose(0, 1)
@@ -211,6 +216,14 @@ def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def _check_packed_only(block_table, leftpad_k, seqused_k, zero_tensors) -> None:
+    if block_table is not None or leftpad_k is not None or seqused_k is not None or zero_tensors:
+        raise ValueError(
+            "the CPU flash-attn shim's varlen functions take plain packed sequences only (no "
+            "block_table, leftpad_k, seqused_k or zero_tensors); run the real flash-attn on CUDA"
+        )
+
+
 def _not_shimmed(*args, **kwargs):
     raise RuntimeError(
         "the CPU flash-attn shim provides the low-level _flash_attn_* functions only; "
@@ -230,7 +243,7 @@ def _shim_modules() -> dict[str, types.ModuleType]:
     pkg = types.ModuleType("flash_attn")
     pkg.__path__ = []  # a package, so that submodule imports resolve through sys.modules
     # the release whose signatures the shim follows (yunchang branches on it)
-    pkg.__version__ = "2.6.3"
+    pkg.__version__ = "2.8.3"
     pkg.flash_attn_func = _not_shimmed
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     iface._flash_attn_forward = _flash_attn_forward
