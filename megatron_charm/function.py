@@ -250,7 +250,7 @@ def backward_pass(
         (Kind.KV, x, None): (Part.FULL, [k, v]),
     }
     runner = ProgramRunner(
-        topo, program, space, kernel, scale, True, inputs, trace, mask, kept or {}
+        topo, program, space, kernel, scale, True, inputs, trace, mask, kept or {}, out
     )
     accumulators = runner.run()
     (dq,) = final_tensors(accumulators, Kind.DQ, x, q.dtype)

@@ -91,7 +91,9 @@ class ProgramRunner:
     layout's causal rule. ``kept`` (Note [Keeping foreign queries]): in the forward, the foreign
     q pieces to keep (``Kind.Q`` payloads; the runner's ``kept`` maps each to its received
     ``[s_part, b, h, d]`` tensor at the end); in the backward, that mapping, consumed by the
-    ``DB`` receives.
+    ``DB`` receives. ``own_out`` (backward): the caller's final ``out [s, b, h, d]`` of this
+    rank's queries, which its own blocks give the kernel in place of the stand-in built from
+    ``delta`` (Note [The backward bundle]).
 
     Note [GQA expansion]
     ~~~~~~~~~~~~~~~~~~~~
@@ -116,8 +118,10 @@ class ProgramRunner:
         trace: list[RunTrace] | None = None,
         mask: MaskModel | None = None,
         kept: frozenset[Payload] | dict[Payload, Tensor] = frozenset(),
+        own_out: Tensor | None = None,
     ) -> None:
         self.topo = topo
+        self.own_out = own_out
         self.mask = mask
         self.prog = program
         self.space = space
@@ -260,7 +264,7 @@ class ProgramRunner:
             acc.add(c.q_part, [out, lse], computed=True)
             return
         q, dout, lse, delta = q_in
-        out = out_for_delta(dout, delta)  # Note [The backward bundle]
+        out = self._out(c, dout, delta)
         if spans is None:
             dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
         else:
@@ -270,6 +274,16 @@ class ProgramRunner:
             dk, dv = (fold_kv_heads(g, h_kv) for g in (dk, dv))
         self._accumulator(Kind.DQ, c.q_owner, c.heads).add(c.q_part, [dq], computed=True)
         self._accumulator(Kind.DKV, c.kv_owner, c.heads).add(c.kv_part, [dk, dv], computed=True)
+
+    def _out(self, c: Compute, dout: Tensor, delta: Tensor) -> Tensor:
+        """What the kernel gets as ``out`` of the block's queries: the caller's own ``out``, or
+        a stand-in with the bundle's row sums (Note [The backward bundle])."""
+        own = self.own_out
+        if own is None or c.q_owner != self.prog.cp_rank:
+            return out_for_delta(dout, delta)
+        if c.heads is not None:
+            own = own[:, :, c.heads.of(own.shape[2])]
+        return part_of(own, Part.FULL, c.q_part, self.space.shape.s_local)
 
     def _merge(self, m: Merge) -> None:
         p = m.payload

@@ -144,6 +144,30 @@ def bytes_moved(
     return [dict(tr.stats.bytes_sent) for tr in traces]
 
 
+def stand_in_calls(ctx, method: str, ranks_per_node: int | None) -> int:
+    """How many blocks of this rank's backward built the stand-in for ``out`` from ``delta``
+    (Note [The backward bundle]); blocks of the rank's own queries use the real ``out``."""
+    import megatron_charm as mc
+    from megatron_charm.comm import executor
+
+    calls = 0
+    real = executor.out_for_delta
+
+    def counting(dout, delta):
+        nonlocal calls
+        calls += 1
+        return real(dout, delta)
+
+    topo = ctx.topology(ranks_per_node)
+    q, k, v = (torch.randn(1, 8, 4, 8, requires_grad=True) for _ in range(3))
+    executor.out_for_delta = counting
+    try:
+        mc.cp_attention(q, k, v, topo, method=method, causal=True).sum().backward()
+    finally:
+        executor.out_for_delta = real
+    return calls
+
+
 def link_profile(slow: bool):
     """A 2 x 2 profile on which ``auto`` picks charm (``slow`` cross links) or all_gather (fast
     ones) for 4 query heads over 2 kv heads (tests/sim/test_profile.py checks the choices)."""

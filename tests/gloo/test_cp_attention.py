@@ -187,3 +187,11 @@ def test_a_second_backward_with_kept_queries_is_refused_clearly(pools):
     kept = pools(4).run(tasks.backward_twice, foreign_q="keep")
     assert all(msg is not None and "foreign_q='resend'" in msg for msg in kept), kept
     assert pools(4).run(tasks.backward_twice, foreign_q="resend") == [None] * 4
+
+
+@pytest.mark.gloo
+def test_own_blocks_use_the_real_out(pools):
+    """Ring's backward computes only the rank's own queries, so no block builds the stand-in for
+    out (Note [The backward bundle]); CHARM+'s foreign queries do."""
+    assert pools(4).run(tasks.stand_in_calls, method="ring", ranks_per_node=2) == [0] * 4
+    assert all(n > 0 for n in pools(4).run(tasks.stand_in_calls, method="charm", ranks_per_node=2))
