@@ -144,6 +144,10 @@ def summarise(raw: dict, cfg: dict) -> dict:
             per_it = list(zip(*(r["recs"][name][mode] for r in ranks), strict=True))
             walls = [max(x["wall"] for x in it) for it in per_it]
             res[mode] = _spread(walls)
+            if "cpu" in per_it[0][0]:
+                # process CPU time (all threads) summed over ranks: on an oversubscribed CPU
+                # testbed it, not the wall time, says how much work a method does
+                res[mode]["cpu_s"] = _med([sum(x["cpu"] for x in it) for it in per_it])
             if "compute" in per_it[0][0]:
                 idle = [
                     _med([it[j]["wall"] - it[j]["compute"] for it in per_it])
@@ -270,6 +274,18 @@ def markdown(res: dict, cfg: dict) -> str:
             f" (cross-link time {ct['fwd'] * 1e3:.0f} / {ct['fwdbwd'] * 1e3:.0f} ms)."
             if ct["fwd"] is not None
             else " (no cross rate: compute only)."
+        ),
+        *(
+            [
+                "Process CPU time per call, summed over ranks (ms, fwd / fwd+bwd): "
+                + ", ".join(
+                    f"{n} {r['fwd']['cpu_s'] * 1e3:.0f} / {r['fwdbwd']['cpu_s'] * 1e3:.0f}"
+                    for n, r in res["methods"].items()
+                )
+                + "."
+            ]
+            if all("cpu_s" in r["fwd"] for r in res["methods"].values())
+            else []
         ),
         *(
             [

@@ -66,6 +66,7 @@ def test_attention_benchmark_2x1(tmp_path):
         for mode in ("fwd", "fwdbwd"):
             assert r[mode]["n"] == 2 and 0 < r[mode]["min"] <= r[mode]["median"]
             assert r[mode]["bound_ratio"] > 0
+            assert r[mode]["cpu_s"] > 0  # every rank's process CPU time, summed
         # bf16 inputs: every method is as close to float64 attention as bf16 outputs allow.
         assert max(r["ref_err"].values()) < 0.1, (name, r["ref_err"])
     # The outside baseline agrees with ours (bf16 rounding of out and grads).
