@@ -23,6 +23,7 @@ from megatron_charm.kernels import BlockKernel
 from megatron_charm.kernels.delta import out_for_delta
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
+from megatron_charm.plan.coalesce import coalesced_runs
 from megatron_charm.plan.docmask import MaskModel
 from megatron_charm.plan.keep import held_input, q_piece
 from megatron_charm.plan.memory import ExpandKey, Key, expansion_drops, release_points
@@ -73,6 +74,19 @@ class RunTrace:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _cat(tensors: list[Tensor]) -> Tensor:
+    """Tensors joined along the tokens (dim 0); a single one as it is."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _split(t: Tensor, sizes: list[int], kept: bool) -> list[Tensor]:
+    """``t`` cut along the tokens. ``kept``: accumulators keep the pieces as they are (one
+    block each), so each gets storage of its own, and releasing one frees its bytes."""
+    if len(sizes) == 1:
+        return [t]
+    return [p.clone() if kept else p for p in t.split(sizes)]
 
 
 class DistributedError(RuntimeError):
@@ -264,7 +278,7 @@ class ProgramRunner:
             acc.add(c.q_part, [out, lse], computed=True)
             return
         q, dout, lse, delta = q_in
-        out = self._out(c, dout, delta)
+        out = self._out(c.q_owner, c.q_part, c.heads, dout, delta)
         if spans is None:
             dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
         else:
@@ -275,15 +289,53 @@ class ProgramRunner:
         self._accumulator(Kind.DQ, c.q_owner, c.heads).add(c.q_part, [dq], computed=True)
         self._accumulator(Kind.DKV, c.kv_owner, c.heads).add(c.kv_part, [dk, dv], computed=True)
 
-    def _out(self, c: Compute, dout: Tensor, delta: Tensor) -> Tensor:
-        """What the kernel gets as ``out`` of the block's queries: the caller's own ``out``, or
-        a stand-in with the bundle's row sums (Note [The backward bundle])."""
+    def _out(
+        self, q_owner: int, q_part: Part, heads: Heads | None, dout: Tensor, delta: Tensor
+    ) -> Tensor:
+        """What the kernel gets as ``out`` of a query piece: the caller's own ``out``, or a
+        stand-in with the bundle's row sums (Note [The backward bundle])."""
         own = self.own_out
-        if own is None or c.q_owner != self.prog.cp_rank:
+        if own is None or q_owner != self.prog.cp_rank:
             return out_for_delta(dout, delta)
-        if c.heads is not None:
-            own = own[:, :, c.heads.of(own.shape[2])]
-        return part_of(own, Part.FULL, c.q_part, self.space.shape.s_local)
+        if heads is not None:
+            own = own[:, :, heads.of(own.shape[2])]
+        return part_of(own, Part.FULL, q_part, self.space.shape.s_local)
+
+    def _compute_run(self, run: list[Compute]) -> None:
+        """Blocks forming a product of unmasked blocks, as one kernel call (Note [Coalesced
+        blocks]): out/lse or dq split per query piece, dk/dv per kv piece."""
+        heads = run[0].heads
+        q_parts = {c.q_owner: c.q_part for c in run}
+        kv_parts = {c.kv_owner: c.kv_part for c in run}
+        qkind = Kind.QB if self.backward else Kind.Q
+        q_in = [self._input(qkind, z, part, heads) for z, part in q_parts.items()]
+        kv_in = [self._kv(y, part, heads) for y, part in kv_parts.items()]
+        q_sizes = [t[0].shape[0] for t in q_in]
+        kv_sizes = [t[0].shape[0] for t in kv_in]
+        k, v = (_cat([t[i] for t in kv_in]) for i in (0, 1))
+        # a piece that met several blocks holds a merged result, which the plan's wires carry
+        # in float32 (Note [Wire precision]): it joins its accumulator as a merged partial does
+        one_block_q, one_block_kv = len(kv_parts) == 1, len(q_parts) == 1
+        if not self.backward:
+            out, lse = self.kernel.forward(_cat([t[0] for t in q_in]), k, v, False, self.scale)
+            outs, lses = (_split(t, q_sizes, one_block_q) for t in (out, lse))
+            for (z, part), o, m in zip(q_parts.items(), outs, lses, strict=True):
+                self._accumulator(Kind.O, z, heads).add(part, [o, m], computed=one_block_q)
+            return
+        outs = [
+            self._out(z, part, heads, t[1], t[3])
+            for (z, part), t in zip(q_parts.items(), q_in, strict=True)
+        ]
+        q, dout, lse = (_cat([t[i] for t in q_in]) for i in (0, 1, 2))
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, _cat(outs), lse, False, self.scale)
+        if self.expand:
+            h_kv = group_heads(self.space.shape, heads)[1]
+            dk, dv = (fold_kv_heads(g, h_kv) for g in (dk, dv))
+        for (z, part), g in zip(q_parts.items(), _split(dq, q_sizes, one_block_q), strict=True):
+            self._accumulator(Kind.DQ, z, heads).add(part, [g], computed=one_block_q)
+        dks, dvs = (_split(t, kv_sizes, one_block_kv) for t in (dk, dv))
+        for (y, part), gk, gv in zip(kv_parts.items(), dks, dvs, strict=True):
+            self._accumulator(Kind.DKV, y, heads).add(part, [gk, gv], computed=one_block_kv)
 
     def _merge(self, m: Merge) -> None:
         p = m.payload
@@ -291,16 +343,30 @@ class ProgramRunner:
         self._accumulator(p.kind, p.owner, p.heads).add(part, bufs, computed=False)
 
     def _buffer_bytes(self, own: set[Key]) -> int:
+        # runs after every instruction of a traced pass: plain loops over ``nbytes``
         kept = {id(t) for t in self.kept.values()}
-        total = _nbytes(self.kept.values())
+        total = 0
+        for t in self.kept.values():
+            total += t.nbytes
         for k, (_, tensors) in self.inputs.items():
             if k not in own:
-                total += sum(_nbytes([t]) for t in tensors if id(t) not in kept)
+                for t in tensors:
+                    if id(t) not in kept:
+                        total += t.nbytes
         for _, received, _, allocated in self.pending.values():
-            total += sum(_nbytes(b) for _, b in received) + allocated
-        total += sum(_nbytes(a.tensors) for a in self.accumulators.values())
-        total += sum(_nbytes(b) for _, b in self.partials.values())
-        total += sum(_nbytes(t) for t in self.expanded.values())
+            total += allocated
+            for _, bufs in received:
+                for t in bufs:
+                    total += t.nbytes
+        for acc in self.accumulators.values():
+            for t in acc.tensors:
+                total += t.nbytes
+        for _, bufs in self.partials.values():
+            for t in bufs:
+                total += t.nbytes
+        for tensors in self.expanded.values():
+            for t in tensors:
+                total += t.nbytes
         return total
 
     def _step(self, ins) -> None:
@@ -318,25 +384,33 @@ class ProgramRunner:
         own = set(self.inputs)
         release = release_points(self.prog, own, self.backward)
         drops = expansion_drops(self.prog) if self.expand else {}
+        runs = {} if self.mask is not None else coalesced_runs(self.prog.instrs)
         events: list[tuple[str, str, float, float]] | None = None
         if self.trace is not None:
             events = []
-        for i, ins in enumerate(self.prog.instrs):
-            if events is None:
-                self._step(ins)
+        instrs = self.prog.instrs
+        i = 0
+        while i < len(instrs):
+            ins = instrs[i]
+            end = runs.get(i, i + 1)
+            t0 = time.perf_counter() if events is not None else 0.0
+            if end > i + 1:
+                self._compute_run(list(instrs[i:end]))
             else:
-                t0 = time.perf_counter()
                 self._step(ins)
+            if events is not None:
                 channel = getattr(ins, "channel", "")
                 if isinstance(ins, Wait):
                     channel = self.exchanges[ins.handle].channel
                 events.append((type(ins).__name__, channel, t0, time.perf_counter()))
                 peak = self._buffer_bytes(own)
                 self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, peak)
-            for key in release.get(i, ()):
-                self.inputs.pop(key, None)
-            for owner in drops.get(i, ()):
-                self.expanded.pop(owner, None)
+            for j in range(i, end):
+                for key in release.get(j, ()):
+                    self.inputs.pop(key, None)
+                for owner in drops.get(j, ()):
+                    self.expanded.pop(owner, None)
+            i = end
         assert not self.pending and not self.partials and not self.expanded
         assert not (self.backward and self.kept), "kept q pieces the backward never used"
         if self.trace is not None:

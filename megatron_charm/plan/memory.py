@@ -12,6 +12,11 @@ that the program fixes (no timing enters):
     partial          Wait ............ Merge
     expanded kv      first Compute ................... last Compute (GQA without native GQA)
 
+A run of computes that the executor does as one call (Note [Coalesced blocks] in
+:mod:`megatron_charm.plan.coalesce`) counts as one instruction: each of its query and kv pieces
+updates its accumulator once, and the inputs whose last use lies inside the run are released at
+its end.
+
 :func:`pass_memory` replays a program over these rules and returns the largest total after any
 instruction, the number that the executor's ``peak_buffer_bytes`` reports for the same program
 (the gloo tier checks the two are equal). So memory is a property of the plan, like bytes: a
@@ -32,6 +37,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from megatron_charm.plan.coalesce import coalesced_runs
 from megatron_charm.plan.keep import held_input, kept_pieces, q_piece
 from megatron_charm.plan.payloads import AttnShape, group_heads, payload_bytes
 from megatron_charm.plan.types import (
@@ -215,19 +221,29 @@ class _Replay:
                     if p.kind == Kind.KV:
                         self.expanded.pop((p.owner, p.heads), None)
         elif isinstance(ins, Compute):
-            if self.expand and (ins.kv_owner, ins.heads) not in self.expanded:
-                self.expanded[(ins.kv_owner, ins.heads)] = self._expanded_bytes(ins)
-            if self.backward:
-                self._add((Kind.DQ, ins.q_owner, ins.heads), ins.q_part, True)
-                self._add((Kind.DKV, ins.kv_owner, ins.heads), ins.kv_part, True)
-            else:
-                self._add((Kind.O, ins.q_owner, ins.heads), ins.q_part, True)
+            self.computes([ins])
         else:
             assert isinstance(ins, Merge)
             p = ins.payload
             key = (p.kind, p.owner, p.heads)
             del self.partials[(ins.handle, key)]
             self._add(key, p.part, False)
+
+    def computes(self, run: list[Compute]) -> None:
+        """One kernel call: a block, or a run of them (Note [Coalesced blocks]), which updates
+        each query piece's and each kv piece's accumulator once."""
+        for c in run:
+            if self.expand and (c.kv_owner, c.heads) not in self.expanded:
+                self.expanded[(c.kv_owner, c.heads)] = self._expanded_bytes(c)
+        q_parts = {(c.q_owner, c.heads): c.q_part for c in run}
+        kv_parts = {(c.kv_owner, c.heads): c.kv_part for c in run}
+        # a piece that met several blocks joins its accumulator as a merged partial (float32)
+        for (owner, heads), part in q_parts.items():
+            key = (Kind.DQ if self.backward else Kind.O, owner, heads)
+            self._add(key, part, len(kv_parts) == 1)
+        if self.backward:
+            for (owner, heads), part in kv_parts.items():
+                self._add((Kind.DKV, owner, heads), part, len(q_parts) == 1)
 
     def _expanded_bytes(self, c: Compute) -> int:
         """k and v of the kv set as held here, repeated to the group's query heads."""
@@ -254,23 +270,33 @@ def pass_memory(
     backward: bool,
     expand: bool = False,
     kept: frozenset[Payload] = frozenset(),
+    coalesce: bool = True,
 ) -> int:
     """Peak bytes that one rank's pass allocates beyond the caller's tensors (Note [Memory of a
     pass]); ``shape``: the rank's local problem; ``expand``: the kernel lacks native GQA and
     the executor repeats kv heads (Note [GQA expansion]); ``kept``: the foreign q pieces kept
-    for the backward (:func:`megatron_charm.plan.keep.kept_pieces` of the rank's backward)."""
+    for the backward (:func:`megatron_charm.plan.keep.kept_pieces` of the rank's backward);
+    ``coalesce``: the executor runs products of blocks as one call (Note [Coalesced blocks];
+    not under a document mask)."""
     own = own_keys(program.cp_rank, backward)
     release = release_points(program, own, backward)
     drops = expansion_drops(program) if expand else {}
+    runs = coalesced_runs(program.instrs) if coalesce else {}
     run = _Replay(program, shape, backward, expand, kept)
-    peak = 0
-    for i, ins in enumerate(program.instrs):
-        run.step(ins)
+    peak, i, instrs = 0, 0, program.instrs
+    while i < len(instrs):
+        end = runs.get(i, i + 1)
+        if end > i + 1:
+            run.computes(list(instrs[i:end]))
+        else:
+            run.step(instrs[i])
         peak = max(peak, run.total())
-        for key in release.get(i, ()):
-            run.inputs.pop(key, None)
-        for owner in drops.get(i, ()):
-            run.expanded.pop(owner, None)
+        for j in range(i, end):
+            for key in release.get(j, ()):
+                run.inputs.pop(key, None)
+            for owner in drops.get(j, ()):
+                run.expanded.pop(owner, None)
+        i = end
     assert not run.pending and not run.partials, f"cp_rank {program.cp_rank}: unfinished pass"
     assert not (backward and run.kept), f"cp_rank {program.cp_rank}: kept q never used"
     return peak

@@ -1,0 +1,69 @@
+"""Runs of block computes that one kernel call can do (pure; no torch).
+
+Note [Coalesced blocks]
+~~~~~~~~~~~~~~~~~~~~~~~
+A plan computes attention block by block: one ``Compute`` per query piece and kv piece, so that
+each block can start as soon as its two inputs are in. Where consecutive computes need no such
+gap, because their blocks form a full product ``Z x Y`` of unmasked blocks on one head group
+(every query piece of ``Z`` against every kv piece of ``Y``, each pair once), the executor runs
+them as one kernel call on the concatenated pieces::
+
+    compute q0.second x kv4.full          q = [q0.second; q1.second]     (tokens concatenated)
+    compute q1.second x kv4.full    ->    kv = [kv4.full; kv5.full]
+    compute q0.second x kv5.full          one unmasked block; out/dq split per query piece,
+    compute q1.second x kv5.full          dk/dv per kv piece
+
+Attention over a concatenation of keys is the merge of the attention over each (that is what
+merging partials computes), and a query's dq sums over keys, a key's dk/dv over queries, so the
+result is the same up to rounding, with one accumulator update per piece instead of one per
+block. Fewer, larger calls cost less per FLOP on every device: on a GPU fewer launches and more
+tiles in flight, on CPU less work outside the kernel. A causal (``masked``) block is never
+coalesced: its mask is on local positions, which a concatenation would shift. Under a document
+mask the executor runs every block's spans as before.
+
+The plan does not change: the validator, the byte accounting and the simulator see the same
+blocks. :func:`megatron_charm.plan.memory.pass_memory` replays a run as the executor does (one
+accumulator update per piece, inputs released at the run's end); the concatenated copies of the
+inputs are transient workspace of the call, like the kernel's own, and are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megatron_charm.plan.types import Compute, Instr
+
+
+def _is_product(run: Sequence[Compute]) -> bool:
+    q_parts: dict[int, object] = {}
+    kv_parts: dict[int, object] = {}
+    pairs = set()
+    for c in run:
+        if q_parts.setdefault(c.q_owner, c.q_part) != c.q_part:
+            return False
+        if kv_parts.setdefault(c.kv_owner, c.kv_part) != c.kv_part:
+            return False
+        pairs.add((c.q_owner, c.kv_owner))
+    return len(pairs) == len(run) == len(q_parts) * len(kv_parts)
+
+
+def coalesced_runs(instrs: Sequence[Instr]) -> dict[int, int]:
+    """``start -> end`` (exclusive) of every run of two or more consecutive computes that one
+    kernel call does (Note [Coalesced blocks]); each run is the longest product from its start."""
+    runs: dict[int, int] = {}
+    i, n = 0, len(instrs)
+    while i < n:
+        first = instrs[i]
+        end = i + 1
+        if isinstance(first, Compute) and not first.masked:
+            j = i + 1
+            while j < n:
+                c = instrs[j]
+                if not isinstance(c, Compute) or c.masked or c.heads != first.heads:
+                    break
+                j += 1
+            end = next((e for e in range(j, i + 1, -1) if _is_product(instrs[i:e])), i + 1)
+        if end - i >= 2:
+            runs[i] = end
+        i = end
+    return runs
