@@ -53,6 +53,11 @@ class _MergeCost:
     def slowdown(self, backward: bool) -> float:
         return 1.0
 
+    def call_overhead(self, backward: bool) -> float:
+        """The fixed seconds of one kernel call inside :meth:`block_time`, which a run of
+        blocks that the executor does as one call pays once (Note [Coalesced blocks])."""
+        return 0.0
+
 
 @dataclass(frozen=True)
 class FlopsCompute(_MergeCost):
@@ -76,6 +81,9 @@ class FlopsCompute(_MergeCost):
                 "pass --tflops and --efficiency accordingly"
             )
 
+    def call_overhead(self, backward: bool) -> float:
+        return self.block_overhead
+
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         rate = self.tflops * 1e12 * self.efficiency
         return block_flops(ins, shape, backward, self.bwd_ratio) / rate + self.block_overhead
@@ -93,6 +101,9 @@ class CalibratedCompute(_MergeCost):
     """Memory bandwidth for merges, GB/s (a CPU's effective copy rate by default)."""
     block_overhead: float = 0.0
     """Fixed seconds per block."""
+
+    def call_overhead(self, backward: bool) -> float:
+        return self.block_overhead
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         full = self.bwd_block if backward else self.fwd_block
@@ -132,6 +143,9 @@ class FittedCompute(_MergeCost):
             raise ValueError("per-block overheads must be >= 0 seconds; fix the profile")
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
+
+    def call_overhead(self, backward: bool) -> float:
+        return self.bwd_overhead if backward else self.fwd_overhead
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         flops = block_flops(ins, shape, backward)

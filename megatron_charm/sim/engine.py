@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megatron_charm.plan.bulk import collector_paused
+from megatron_charm.plan.coalesce import coalesced_runs
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Merge, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
@@ -191,7 +192,12 @@ class Engine:
         # (a block's time depends on its parts, mask and heads only, in every compute model).
         sizes, links, blocks, merges = self._sizes, self._links, self._blocks, self._merges
         exact, unmatched_cross = self.progs.exact, self.progs.unmatched_cross
-        for ins in prog.instrs:
+        # blocks after the first of a coalesced run share its kernel call (Note [Coalesced
+        # blocks]): each still takes its FLOPs' time, the call's fixed cost is paid once
+        runs = coalesced_runs(prog.instrs)
+        joined = {i for start, end in runs.items() for i in range(start + 1, end)}
+        overhead = self.compute.call_overhead(self.backward)
+        for index, ins in enumerate(prog.instrs):
             if isinstance(ins, Exchange):
                 transfers = []
                 for op in ins.ops:
@@ -233,7 +239,7 @@ class Engine:
                 took = blocks.get(block_key)
                 if took is None:
                     took = blocks[block_key] = self.compute.block_time(ins, shape, self.backward)
-                costs.append(took)
+                costs.append(took - overhead if index in joined else took)
             elif isinstance(ins, Merge):
                 took = merges.get(ins.payload)
                 if took is None:

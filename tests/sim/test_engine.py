@@ -219,3 +219,23 @@ def test_block_area_matches_planner_cost() -> None:
                 ins = Compute(x, y, *block_parts(x, y, causal))
                 assert block_area(ins, SHAPE) == block_cost(x, y, causal)
     assert Part.FIRST.fraction == 0.5
+
+
+def test_a_coalesced_run_pays_the_call_overhead_once() -> None:
+    # Note [Coalesced blocks]: the executor runs a2a+p2p's cross step as one call per rank, so
+    # a per-block fixed cost is paid per call, not per block of the plan
+    from megatron_charm.plan.coalesce import coalesced_runs
+
+    options, layout = PlanOptions(method="a2a+p2p"), Layout(2, 4)
+    progs = programs(options, layout, True, mode="full")
+    overhead = 1e-3
+    slow = FlopsCompute(tflops=100.0, efficiency=0.5, mem_bw=1000.0, block_overhead=overhead)
+    for backward in (False, True):
+        base = simulate_pass(progs, topo(2, 4), SHAPE, COMPUTE, backward)
+        paid = simulate_pass(progs, topo(2, 4), SHAPE, slow, backward)
+        progs_of = progs.backward if backward else progs.forward
+        for prog, r0, r1 in zip(progs_of, base.ranks, paid.ranks, strict=True):
+            computes = len(prog.computes())
+            calls = computes - sum(e - s - 1 for s, e in coalesced_runs(prog.instrs).items())
+            assert calls < computes
+            assert r1.busy - r0.busy == pytest.approx(overhead * calls)
