@@ -14,7 +14,9 @@ travels, causal or not: the head split leaves no part of the sequence unused.
 The attention over the gathered sequence is computed as the ``n x n`` blocks of the zigzag layout
 (:func:`megatron_charm.plan.layout.block_parts`), each on ``1/n`` of the heads: the same work as a
 rank's ``n`` full blocks. The own block comes first, and each arriving owner is paired with every
-owner received before it, so compute overlaps the transfers. The results of a head group are
+owner received before it (its row, its column, its own block), so compute overlaps the
+transfers; blocks with equal parts sit next to each other, which the executor runs as one call
+(Note [Coalesced blocks]). The results of a head group are
 complete only when every kv has arrived; the last owner's blocks are therefore computed in the
 order the results go back, each result posted as soon as it is complete, so the returns overlap
 the tail of the compute. n = 4, rank 1 (head group 1, ``h1``)::
@@ -101,8 +103,12 @@ class _Blocks:
         """Every block among the owners but the last, each once both of its inputs are in."""
         seen: list[int] = []
         for new in owners[:-1]:
-            for y in seen:
+            # its row (needs its q), its column (its kv), then its own block, each in owner
+            # order: consecutive blocks with equal parts are one kernel call (Note [Coalesced
+            # blocks])
+            for y in sorted(seen):
                 self(new, y)
+            for y in sorted(seen):
                 self(y, new)
             self(new, new)
             seen.append(new)
@@ -140,7 +146,7 @@ def _compute_and_return(cp_rank: int, cp_size: int, causal: bool, backward: bool
     # the last owner completes every result: its row first (its own result goes back first,
     # at o = 1), then each other owner's block right before that owner's return
     if cp_size > 1:
-        for y in owners:
+        for y in sorted(owners):
             block(last, y)
         _return(b, result, 1, cp_size)
         for o in range(2, cp_size):
