@@ -18,7 +18,18 @@ Latencies and the merge bandwidth are fixed assumptions (``--intra-lat-us``, ``-
 
 With ``--profile PROFILE.json`` (from ``megatron-charm-sim calibrate`` on the same testbed) none of
 that is read from the results: links and compute come from the profile alone, so every row is
-predicted without looking at its own measurements.
+predicted without looking at its own measurements. Results measured at other cross-link rates
+than the profile (a sweep) take ``--profile-rate`` (the tc rate the profile was calibrated at):
+each result's cross link is then the profile's measured rate scaled by the result's configured
+rate over that one, so the goodput the calibration measured carries over.
+
+A profile describes the testbed it was calibrated on; a result may come from another shape of
+the same testbed. :func:`profile_for` adapts it, from the result's own configuration only: its
+link sharing (``rails``: one link per rank; ``shared``: one per node), and, because every rank of
+the testbed runs on one host, its compute: a result with more ranks than the calibration shares
+the same cores among more processes, so each rank's block and merge rates scale by the ratio of
+the rank counts (the calibration's ranks already fill the host's cores on the 2-core machine
+this testbed targets).
 
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
@@ -29,7 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import PLAN_KEYS
@@ -38,7 +49,8 @@ from megatron_charm.plan.types import Kind, Layout, Part, Payload, Wire
 from megatron_charm.sim.compute import CalibratedCompute, ComputeModel
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, load_profile
-from megatron_charm.sim.topology import Topology
+from megatron_charm.sim.topology import Topology, parse_gpus
+from megatron_charm.testbed.config import parse_rate
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -63,6 +75,26 @@ def _probe_rates(probe: dict) -> tuple[float | None, float | None]:
         elif ph.get("name") == "cross":
             cross = ph.get("per_link_bps", ph["aggregate_bps"]) / 8
     return intra, cross
+
+
+def profile_for(profile: Profile, result: dict, profile_rate: str | None = None) -> Profile:
+    """``profile`` adapted to the testbed shape of ``result`` (see the module docstring)."""
+    cfg = result["config"]
+    m, p = result["layout"]
+    nics = 0 if cfg.get("topology", "shared") == "rails" else 1
+    cross = profile.cross_bw
+    rate = float(result.get("cross_bps") or 0)
+    if profile_rate and rate > 0:
+        cross *= rate / parse_rate(profile_rate, "--profile-rate")
+    compute = dict(profile.compute)
+    pm, pp = parse_gpus(profile.gpus)
+    share = (m * p) / (pm * pp)
+    if share > 1 and compute.get("kind") == "fitted":
+        for key in ("fwd_flops_per_s", "bwd_flops_per_s", "mem_bw"):
+            compute[key] = compute[key] / share
+        for key in ("fwd_overhead", "bwd_overhead"):
+            compute[key] = compute[key] * share
+    return replace(profile, cross_bw=cross, nics_per_node=nics, compute=compute)
 
 
 def calibrate(
@@ -221,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cross-lat-us", type=float, default=200.0)
     ap.add_argument("--merge-gbps", type=float, default=5.0)
     ap.add_argument("--profile", help="predict from this calibrate profile alone (no per-row data)")
+    ap.add_argument(
+        "--profile-rate",
+        help="tc rate the profile was calibrated at (e.g. 100mbit): scale its cross link to "
+        "each result's configured rate",
+    )
     ap.add_argument("--out", help="write the Markdown here")
     args = ap.parse_args(argv)
     probe = None
@@ -236,9 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parts, n_ok, n_20, n = [], 0, 0, 0
     n_auto = 0
+    base = kw["profile"]
+    if args.profile_rate and base is None:
+        raise ValueError("--profile-rate scales a profile's cross link: pass --profile too")
     for path in args.results:
         with open(path) as fh:
             result = json.load(fh)
+        if base is not None:
+            kw["profile"] = profile_for(base, result, args.profile_rate)
         cal = calibrate(result, probe, **kw)
         rows = compare(result, cal=cal)
         n += len(rows)

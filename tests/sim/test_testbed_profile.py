@@ -1,0 +1,56 @@
+"""megatron_charm.sim.testbed: a testbed profile adapted to another shape of the same testbed."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_charm.sim.profile import Profile
+from megatron_charm.sim.testbed import profile_for
+
+PROFILE = Profile(
+    name="measured 2x2 gloo cpu bf16",
+    measured=True,
+    gpus="2x2",
+    intra_bw=5.0,
+    cross_bw=0.0146,
+    intra_lat=2e-4,
+    cross_lat=0.0,
+    nics_per_node=1,
+    fabric="nvlink",
+    compute={
+        "kind": "fitted",
+        "fwd_flops_per_s": 6e10,
+        "bwd_flops_per_s": 7e10,
+        "fwd_overhead": 0.0,
+        "bwd_overhead": 3e-3,
+        "mem_bw": 20.0,
+    },
+)
+
+
+def _result(m, p, topology="shared", rate=100e6):
+    return {"config": {"topology": topology}, "layout": [m, p], "cross_bps": rate}
+
+
+def test_same_shape_keeps_the_profile():
+    same = profile_for(PROFILE, _result(2, 2), "100mbit")
+    assert same.cross_bw == pytest.approx(PROFILE.cross_bw)
+    assert same.compute == PROFILE.compute and same.nics_per_node == 1
+
+
+def test_rails_and_the_rate_come_from_the_result():
+    got = profile_for(PROFILE, _result(2, 2, "rails", 400e6), "100mbit")
+    assert got.nics_per_node == 0  # one link per rank
+    assert got.cross_bw == pytest.approx(4 * PROFILE.cross_bw)
+    assert got.topology(2, 4).cross_links == "rails"
+    # without the calibration's rate the profile's own link stays
+    assert profile_for(PROFILE, _result(2, 2, rate=400e6)).cross_bw == PROFILE.cross_bw
+
+
+def test_more_ranks_on_the_host_share_its_compute():
+    got = profile_for(PROFILE, _result(2, 4), "100mbit").compute
+    assert got["fwd_flops_per_s"] == pytest.approx(3e10)
+    assert got["bwd_overhead"] == pytest.approx(6e-3)
+    assert got["mem_bw"] == pytest.approx(10.0)
+    # fewer ranks than the calibration: the cores were already full, nothing changes
+    assert profile_for(PROFILE, _result(1, 2), "100mbit").compute == PROFILE.compute
