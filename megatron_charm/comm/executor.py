@@ -23,7 +23,7 @@ from megatron_charm.kernels import BlockKernel
 from megatron_charm.kernels.delta import out_for_delta
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
-from megatron_charm.plan.coalesce import coalesced_runs
+from megatron_charm.plan.coalesce import steps
 from megatron_charm.plan.docmask import MaskModel
 from megatron_charm.plan.keep import held_input, q_piece
 from megatron_charm.plan.memory import ExpandKey, Key, expansion_drops, release_points
@@ -384,15 +384,12 @@ class ProgramRunner:
         own = set(self.inputs)
         release = release_points(self.prog, own, self.backward)
         drops = expansion_drops(self.prog) if self.expand else {}
-        runs = {} if self.mask is not None else coalesced_runs(self.prog.instrs)
         events: list[tuple[str, str, float, float]] | None = None
         if self.trace is not None:
             events = []
         instrs = self.prog.instrs
-        i = 0
-        while i < len(instrs):
+        for i, end in steps(instrs, coalesce=self.mask is None):
             ins = instrs[i]
-            end = runs.get(i, i + 1)
             t0 = time.perf_counter() if events is not None else 0.0
             if end > i + 1:
                 self._compute_run(list(instrs[i:end]))
@@ -410,7 +407,6 @@ class ProgramRunner:
                     self.inputs.pop(key, None)
                 for owner in drops.get(j, ()):
                     self.expanded.pop(owner, None)
-            i = end
         assert not self.pending and not self.partials and not self.expanded
         assert not (self.backward and self.kept), "kept q pieces the backward never used"
         if self.trace is not None:

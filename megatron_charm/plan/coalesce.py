@@ -29,7 +29,7 @@ inputs are transient workspace of the call, like the kernel's own, and are not c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from megatron_charm.plan.types import Compute, Instr
 
@@ -67,3 +67,15 @@ def coalesced_runs(instrs: Sequence[Instr]) -> dict[int, int]:
             runs[i] = end
         i = end
     return runs
+
+
+def steps(instrs: Sequence[Instr], coalesce: bool = True) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each step of a pass in order: one instruction, or a run of computes
+    that one kernel call does (``coalesce``). Inputs whose last use lies in a step are released
+    after it, by the executor and by the memory replay alike."""
+    runs = coalesced_runs(instrs) if coalesce else {}
+    i = 0
+    while i < len(instrs):
+        end = runs.get(i, i + 1)
+        yield i, end
+        i = end

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_charm.plan.coalesce import coalesced_runs
+from megatron_charm.plan.coalesce import steps
 from megatron_charm.plan.keep import held_input, kept_pieces, q_piece
 from megatron_charm.plan.payloads import AttnShape, group_heads, payload_bytes
 from megatron_charm.plan.types import (
@@ -281,11 +281,9 @@ def pass_memory(
     own = own_keys(program.cp_rank, backward)
     release = release_points(program, own, backward)
     drops = expansion_drops(program) if expand else {}
-    runs = coalesced_runs(program.instrs) if coalesce else {}
     run = _Replay(program, shape, backward, expand, kept)
-    peak, i, instrs = 0, 0, program.instrs
-    while i < len(instrs):
-        end = runs.get(i, i + 1)
+    peak, instrs = 0, program.instrs
+    for i, end in steps(instrs, coalesce):
         if end > i + 1:
             run.computes(list(instrs[i:end]))
         else:
@@ -296,7 +294,6 @@ def pass_memory(
                 run.inputs.pop(key, None)
             for owner in drops.get(j, ()):
                 run.expanded.pop(owner, None)
-        i = end
     assert not run.pending and not run.partials, f"cp_rank {program.cp_rank}: unfinished pass"
     assert not (backward and run.kept), f"cp_rank {program.cp_rank}: kept q never used"
     return peak
