@@ -197,6 +197,22 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return 0.0, num / sum(wi * x * x for wi, x in zip(w, xs, strict=True))
 
 
+def fit_link(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """:func:`fit_line` for transfer samples ``(bytes, seconds)``: while the fit needs a negative
+    latency, the smallest transfer is dropped and the rest refit (down to the two largest). A
+    small transfer that beats the large ones' rate (a traffic shaper's burst, a cache) says
+    nothing about the link's sustained rate, which the attention's transfers see, and pulling
+    the line through the origin would raise the rate by it. Returns ``(latency, seconds per
+    byte)``."""
+    pairs = sorted(zip(xs, ys, strict=True))
+    while len(pairs) > 2:
+        a, b = fit_line([x for x, _ in pairs], [y for _, y in pairs])
+        if a > 0:
+            return a, b
+        pairs = pairs[1:]
+    return fit_line([x for x, _ in pairs], [y for _, y in pairs])
+
+
 def max_rel_residual(xs: list[float], ys: list[float], a: float, b: float) -> float:
     return max(abs(a + b * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0)
 
@@ -238,7 +254,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         if not samples:
             continue
         xs, ys = [s["bytes"] for s in samples], [s["s"] for s in samples]
-        lat, inv_bw = fit_line(xs, ys)
+        lat, inv_bw = fit_link(xs, ys)
         links[cls] = (lat, 1.0 / inv_bw / 1e9)
         err[cls] = max_rel_residual(xs, ys, lat, inv_bw)
     # A missing class (one node, or one rank per node) keeps the other's numbers: it is never

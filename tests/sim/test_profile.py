@@ -15,6 +15,7 @@ from megatron_charm.sim.compute import FittedCompute
 from megatron_charm.sim.profile import (
     block_flops_full,
     fit_line,
+    fit_link,
     fit_profile,
     load_profile,
     preset_profile,
@@ -72,6 +73,20 @@ def test_fit_line_recovers_a_line_and_keeps_the_intercept_non_negative() -> None
     assert a == 0.0 and b > 0
     with pytest.raises(ValueError, match="positive samples"):
         fit_line([1.0], [0.0])
+
+
+def test_a_shapers_burst_does_not_raise_the_fitted_link_rate() -> None:
+    # 12.5 MB/s, no latency, but the smallest transfer rides a token bucket's burst (the testbed
+    # measured 18 MB/s for 64 KiB): the sustained rate is the large transfers'
+    xs = [65536.0, 262144.0, 1048576.0, 4194304.0]
+    ys = [x / 12.5e6 for x in xs]
+    ys[0] = xs[0] / 18.4e6
+    lat, inv_bw = fit_link(xs, ys)
+    assert 1.0 / inv_bw == pytest.approx(12.5e6, rel=1e-3) and lat == 0.0
+    assert 1.0 / fit_line(xs, ys)[1] > 13e6  # a fit through every sample is raised by it
+    # a real latency is kept
+    lat, inv_bw = fit_link(xs, [2e-4 + x / 12.5e6 for x in xs])
+    assert lat == pytest.approx(2e-4) and 1.0 / inv_bw == pytest.approx(12.5e6)
 
 
 def test_fit_profile_recovers_the_machine_that_made_the_samples() -> None:
