@@ -261,34 +261,6 @@ class ProgramRunner:
             full = self.expanded[(owner, heads)] = [expand_kv_heads(t, h) for t in tensors]
         return [part_of(t, held, part, self.space.shape.s_local) for t in full]
 
-    def _compute(self, c: Compute) -> None:
-        qkind = Kind.QB if self.backward else Kind.Q
-        q_in = self._input(qkind, c.q_owner, c.q_part, c.heads)
-        k, v = self._kv(c.kv_owner, c.kv_part, c.heads)
-        spans = None
-        if self.mask is not None:
-            half = self.space.shape.s_local // 2
-            spans = self.mask.spans(c.q_owner, c.q_part, c.kv_owner, c.kv_part, half)
-        if not self.backward:
-            if spans is None:
-                out, lse = self.kernel.forward(q_in[0], k, v, c.masked, self.scale)
-            else:
-                out, lse = masked_forward(self.kernel, q_in[0], k, v, spans, self.scale)
-            acc = self._accumulator(Kind.O, c.q_owner, c.heads)
-            acc.add(c.q_part, [out, lse], computed=True)
-            return
-        q, dout, lse, delta = q_in
-        out = self._out(c.q_owner, c.q_part, c.heads, dout, delta)
-        if spans is None:
-            dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, c.masked, self.scale)
-        else:
-            dq, dk, dv = masked_backward(self.kernel, dout, q, k, v, out, lse, spans, self.scale)
-        if self.expand:
-            h_kv = group_heads(self.space.shape, c.heads)[1]
-            dk, dv = (fold_kv_heads(g, h_kv) for g in (dk, dv))
-        self._accumulator(Kind.DQ, c.q_owner, c.heads).add(c.q_part, [dq], computed=True)
-        self._accumulator(Kind.DKV, c.kv_owner, c.heads).add(c.kv_part, [dk, dv], computed=True)
-
     def _out(
         self, q_owner: int, q_part: Part, heads: Heads | None, dout: Tensor, delta: Tensor
     ) -> Tensor:
@@ -301,10 +273,12 @@ class ProgramRunner:
             own = own[:, :, heads.of(own.shape[2])]
         return part_of(own, Part.FULL, q_part, self.space.shape.s_local)
 
-    def _compute_run(self, run: list[Compute]) -> None:
-        """Blocks forming a product of unmasked blocks, as one kernel call (Note [Coalesced
-        blocks]): out/lse or dq split per query piece, dk/dv per kv piece."""
-        heads = run[0].heads
+    def _compute(self, run: list[Compute]) -> None:
+        """One kernel call: a single block, or blocks forming a product of unmasked blocks
+        (Note [Coalesced blocks]) with out/lse or dq split per query piece and dk/dv per kv
+        piece. Only a single block is causal or runs under a document mask."""
+        first, heads = run[0], run[0].heads
+        assert len(run) == 1 or not (first.masked or self.mask is not None), "masked run"
         q_parts = {c.q_owner: c.q_part for c in run}
         kv_parts = {c.kv_owner: c.kv_part for c in run}
         qkind = Kind.QB if self.backward else Kind.Q
@@ -313,11 +287,19 @@ class ProgramRunner:
         q_sizes = [t[0].shape[0] for t in q_in]
         kv_sizes = [t[0].shape[0] for t in kv_in]
         k, v = (_cat([t[i] for t in kv_in]) for i in (0, 1))
+        spans = None
+        if self.mask is not None:
+            c, half = first, self.space.shape.s_local // 2
+            spans = self.mask.spans(c.q_owner, c.q_part, c.kv_owner, c.kv_part, half)
         # a piece that met several blocks holds a merged result, which the plan's wires carry
         # in float32 (Note [Wire precision]): it joins its accumulator as a merged partial does
         one_block_q, one_block_kv = len(kv_parts) == 1, len(q_parts) == 1
         if not self.backward:
-            out, lse = self.kernel.forward(_cat([t[0] for t in q_in]), k, v, False, self.scale)
+            q = _cat([t[0] for t in q_in])
+            if spans is None:
+                out, lse = self.kernel.forward(q, k, v, first.masked, self.scale)
+            else:
+                out, lse = masked_forward(self.kernel, q, k, v, spans, self.scale)
             outs, lses = (_split(t, q_sizes, one_block_q) for t in (out, lse))
             for (z, part), o, m in zip(q_parts.items(), outs, lses, strict=True):
                 self._accumulator(Kind.O, z, heads).add(part, [o, m], computed=one_block_q)
@@ -327,7 +309,11 @@ class ProgramRunner:
             for (z, part), t in zip(q_parts.items(), q_in, strict=True)
         ]
         q, dout, lse = (_cat([t[i] for t in q_in]) for i in (0, 1, 2))
-        dq, dk, dv = self.kernel.backward(dout, q, k, v, _cat(outs), lse, False, self.scale)
+        out = _cat(outs)
+        if spans is None:
+            dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, first.masked, self.scale)
+        else:
+            dq, dk, dv = masked_backward(self.kernel, dout, q, k, v, out, lse, spans, self.scale)
         if self.expand:
             h_kv = group_heads(self.space.shape, heads)[1]
             dk, dv = (fold_kv_heads(g, h_kv) for g in (dk, dv))
@@ -375,7 +361,7 @@ class ProgramRunner:
         elif isinstance(ins, Wait):
             self._wait(ins)
         elif isinstance(ins, Compute):
-            self._compute(ins)
+            self._compute([ins])
         else:
             self._merge(ins)
 
@@ -392,7 +378,7 @@ class ProgramRunner:
             ins = instrs[i]
             t0 = time.perf_counter() if events is not None else 0.0
             if end > i + 1:
-                self._compute_run(list(instrs[i:end]))
+                self._compute(list(instrs[i:end]))
             else:
                 self._step(ins)
             if events is not None:
