@@ -24,8 +24,9 @@ each result's cross link is then the profile's measured rate scaled by the resul
 rate over that one, so the goodput the calibration measured carries over.
 
 A profile describes the testbed it was calibrated on; a result may come from another shape of
-the same testbed. :func:`profile_for` adapts it, from the result's own configuration only: its
-link sharing (``rails``: one link per rank; ``shared``: one per node), and, because every rank of
+the same testbed. :func:`profile_for` adapts it, from the result's own configuration only: the
+sharing of its shaped cross link (``rails``: one link per rank; ``shared``: one per node; an
+unshaped loopback result keeps the profile's), and, because every rank of
 the testbed runs on one host, its compute: a result with more ranks than the calibration shares
 the same cores among more processes, so each rank's block and merge rates scale by the ratio of
 the rank counts (the calibration's ranks already fill the host's cores on the 2-core machine
@@ -81,11 +82,12 @@ def profile_for(profile: Profile, result: dict, profile_rate: str | None = None)
     """``profile`` adapted to the testbed shape of ``result`` (see the module docstring)."""
     cfg = result["config"]
     m, p = result["layout"]
-    nics = 0 if cfg.get("topology", "shared") == "rails" else 1
-    cross = profile.cross_bw
+    nics, cross = profile.nics_per_node, profile.cross_bw
     rate = float(result.get("cross_bps") or 0)
-    if profile_rate and rate > 0:
-        cross *= rate / parse_rate(profile_rate, "--profile-rate")
+    if rate > 0:  # a shaped cross link: its sharing is the result's testbed topology
+        nics = 0 if cfg.get("topology", "shared") == "rails" else 1
+        if profile_rate:
+            cross *= rate / parse_rate(profile_rate, "--profile-rate")
     compute = dict(profile.compute)
     pm, pp = parse_gpus(profile.gpus)
     share = (m * p) / (pm * pp)

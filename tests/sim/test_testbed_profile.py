@@ -45,6 +45,9 @@ def test_rails_and_the_rate_come_from_the_result():
     assert got.topology(2, 4).cross_links == "rails"
     # without the calibration's rate the profile's own link stays
     assert profile_for(PROFILE, _result(2, 2, rate=400e6)).cross_bw == PROFILE.cross_bw
+    # an unshaped (loopback) result has no cross link of its testbed: the profile's sharing stays
+    railed = profile_for(PROFILE, _result(2, 2, "rails", 400e6))
+    assert profile_for(railed, _result(2, 2, "shared", 0.0), "100mbit").nics_per_node == 0
 
 
 def test_more_ranks_on_the_host_share_its_compute():
