@@ -35,7 +35,7 @@ def test_a_repeated_pair_is_not_a_product():
     assert coalesced_runs([_c(0, 4), _c(0, 4)]) == {}
 
 
-def test_every_block_of_a_plan_is_in_exactly_one_call():
+def test_runs_of_real_plans_are_unmasked_products_of_one_head_group():
     shape = AttnShape(1, 16, 8, 8, 8, 2)
     for method, layout in (
         ("a2a+p2p", Layout(2, 4)),
@@ -45,10 +45,17 @@ def test_every_block_of_a_plan_is_in_exactly_one_call():
         s = AttnShape(1, 12, 8, 8, 8, 2) if method == "tasp" else shape
         plan = build_plan(PlanOptions(method=method), layout, True, s)
         for prog in (*plan.forward, *plan.backward):
-            runs = coalesced_runs(prog.instrs)
-            covered = [i for start, end in runs.items() for i in range(start, end)]
-            assert len(covered) == len(set(covered))
-            assert all(isinstance(prog.instrs[i], Compute) for i in covered)
+            for start, end in coalesced_runs(prog.instrs).items():
+                run = prog.instrs[start:end]
+                assert all(isinstance(c, Compute) and not c.masked for c in run)
+                assert len({c.heads for c in run}) == 1
+                q = {(c.q_owner, c.q_part) for c in run}
+                kv = {(c.kv_owner, c.kv_part) for c in run}
+                # one part per owner, and every (query piece, kv piece) pair exactly once
+                assert len(q) == len({z for z, _ in q}) and len(kv) == len({y for y, _ in kv})
+                assert sorted((c.q_owner, c.kv_owner) for c in run) == sorted(
+                    (z, y) for z, _ in q for y, _ in kv
+                )
     # the cross step of a2a+p2p on 2 x 4: every query piece of the node against every kv piece
     # of the other node, one call instead of 16
     prog = build_plan(PlanOptions(method="a2a+p2p"), Layout(2, 4), True, shape).backward[0]
