@@ -11,7 +11,7 @@ import pytest
 
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan, cross_levels
 from megatron_charm.plan.cost import cross_link_bytes
-from megatron_charm.plan.types import Kind, Part
+from megatron_charm.plan.types import Compute, Kind, Part, Wait
 
 H = 16
 RATIOS = [1, 2, 4, 8, H]
@@ -85,3 +85,18 @@ def test_kv_level_keeps_queries_inside_nodes_and_kv_crosses_once(mp, causal):
             assert len(per_node) == m - 1
             for parts in per_node.values():
                 assert sum(part.fraction for part in parts) <= 1.0 and len(set(parts)) == len(parts)
+
+
+@pytest.mark.parametrize("mp", [(2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kv_level_backward_computes_its_own_diagonal_before_any_wait(mp, causal):
+    # Note [Own diagonal ahead]: the own block needs no input, so no rank's backward starts by
+    # waiting for the first kv piece to cross
+    plan = build_plan(PlanOptions(cross_level="kv"), Layout(*mp), causal)
+    assert plan.cross[1] == "kv"
+    for prog in plan.backward:
+        first = next(i for i in prog.instrs if isinstance(i, (Compute, Wait)))
+        assert isinstance(first, Compute), (prog.cp_rank, first)
+        assert first.q_owner == first.kv_owner == prog.cp_rank
+        owns = [i for i in prog.instrs if isinstance(i, Compute) and i.q_owner == i.kv_owner]
+        assert owns == [first]  # and it is not computed a second time
