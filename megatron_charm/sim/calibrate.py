@@ -93,6 +93,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "nodes": args.nodes,
         "ranks_per_node": None if args.launcher == "env" else args.ranks_per_node,
+        # every rank on this host, sharing its cores (Note [Ranks sharing a host])
+        "one_host": args.device == "cpu" and args.launcher != "env",
         "timeout_s": args.timeout,
     }
 
@@ -169,6 +171,7 @@ def main(argv: list[str]) -> int:
             json.dump(raw, f, indent=1)
     profile = fit_profile(raw, fabric=args.fabric)
     samples = ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
+    samples += ("one_host", "host_cores", "threads")
     profile = replace(
         profile,
         provenance={

@@ -1,7 +1,12 @@
 """One rank of ``megatron-charm-sim calibrate``: time kernels, merges and P2P transfers.
 
-Every rank runs the kernel and merge timings at once, as they do in training (on a shared CPU
-they contend for cores, on GPUs they do not), and the slowest rank's median counts. P2P timings
+Every rank runs the kernel and merge timings at once, as they do in training (GPUs, or hosts
+whose sharing the profile does not model), and the slowest rank's median counts. Where every
+rank runs on one host (``one_host``: the loopback and testbed launchers on CPU) they take turns
+instead, one rank timing while the others wait, and the simulator shares the host's cores
+between the ranks computing at each moment (Note [Ranks sharing a host] in
+:mod:`megatron_charm.sim.engine`): timed together, four ranks on two cores overlap by chance,
+and two calibrations of the same machine disagreed by up to 2x on one block size. P2P timings
 are ping-pongs (half the round trip) between CP rank 0 and a rank on its own node (intra) and
 on the next node (cross), while the other ranks wait. The concurrent timing runs every local
 index of node 0 against its counterpart on node 1 at once (Note [Fitting a profile] in
@@ -14,6 +19,7 @@ the transfers take). Rank 0 returns the samples; the others return ``None``.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
@@ -39,6 +45,27 @@ def _median_time(fn, reps: int, device: torch.device) -> float:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _timed(fn, cfg: dict, device: torch.device) -> float:
+    """Median seconds of ``fn`` on this rank: every rank at once, or with ``cfg["one_host"]``
+    one rank at a time while the others wait at a barrier (the module docstring)."""
+    if not cfg.get("one_host"):
+        return _median_time(fn, cfg["reps"], device)
+    seconds = 0.0
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn == dist.get_rank():
+            seconds = _median_time(fn, cfg["reps"], device)
+    dist.barrier()
+    return seconds
+
+
+def _host_cores() -> int:
+    """Cores this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _slowest(value: float) -> float:
@@ -74,9 +101,9 @@ def time_kernels(cfg: dict, device: torch.device) -> list[dict]:
     for tokens in cfg["tokens"]:
         fwd_call, bwd_call = _block_calls(cfg, device, tokens, seed=0)
         dist.barrier()
-        fwd = _median_time(fwd_call, cfg["reps"], device)
+        fwd = _timed(fwd_call, cfg, device)
         dist.barrier()
-        bwd = _median_time(bwd_call, cfg["reps"], device)
+        bwd = _timed(bwd_call, cfg, device)
         samples.append(
             {
                 "batch": cfg["batch"],
@@ -101,7 +128,7 @@ def time_merges(cfg: dict, device: torch.device) -> list[dict]:
         lse, lse_b = (torch.randn(tokens, b, h, device=device) for _ in range(2))
         merge_partial(out, lse, out_b, lse_b)
         dist.barrier()
-        t = _median_time(partial(merge_partial, out, lse, out_b, lse_b), cfg["reps"], device)
+        t = _timed(partial(merge_partial, out, lse, out_b, lse_b), cfg, device)
         samples.append({"bytes": out_b.nbytes + lse_b.nbytes, "s": _slowest(t)})
     return samples
 
@@ -174,6 +201,8 @@ def time_kernels_under_traffic(
     link = raw["p2p"].get("cross" if m > 1 else "intra") or [{"bytes": 1, "s": 1e-3}]
     one_way = max(s["s"] * nbytes / s["bytes"] for s in link)  # pessimistic for 1 MiB
     busy = cfg["reps"] * (solo["fwd_s"] + solo["bwd_s"]) + 1.0
+    if cfg.get("one_host"):  # the ranks take turns (_timed)
+        busy *= dist.get_world_size()
     # Both sides of a pair must run the same number of ping-pongs (each two one-way times, 1.5x
     # the kernel timings): agree on the largest estimate.
     counts: list = [None] * dist.get_world_size()
@@ -199,8 +228,8 @@ def time_kernels_under_traffic(
     dist.barrier()
     worker = threading.Thread(target=stream, args=(count,), daemon=True)
     worker.start()
-    fwd = _median_time(fwd_call, cfg["reps"], device)
-    bwd = _median_time(bwd_call, cfg["reps"], device)
+    fwd = _timed(fwd_call, cfg, device)
+    bwd = _timed(bwd_call, cfg, device)
     worker.join()
     dist.barrier()
     return {
@@ -225,6 +254,9 @@ def run(cfg: dict) -> dict | None:
         "device": device.type,
         "dtype": cfg["dtype"],
         "backend": topo.backend,
+        "one_host": bool(cfg.get("one_host")),
+        "host_cores": _host_cores(),
+        "threads": cfg.get("threads", 1),
         "kernel": time_kernels(cfg, device),
         "merge": time_merges(cfg, device),
     }

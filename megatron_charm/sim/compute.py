@@ -58,6 +58,11 @@ class _MergeCost:
         blocks that the executor does as one call pays once (Note [Coalesced blocks])."""
         return 0.0
 
+    def host_slots(self) -> float:
+        """How many ranks can compute at full speed at once when every rank of the group shares
+        one host's cores (Note [Ranks sharing a host]); 0: each rank has its own device."""
+        return 0.0
+
 
 @dataclass(frozen=True)
 class FlopsCompute(_MergeCost):
@@ -130,6 +135,11 @@ class FittedCompute(_MergeCost):
     its rank has an exchange in flight (:meth:`slowdown`)."""
     bwd_slowdown: float = 1.0
     """The same for backward blocks."""
+    shared_slots: float = 0.0
+    """Ranks that the shared host runs at full speed at once (its cores over each rank's
+    threads) when every rank of the group runs on one host, as on the CPU testbed: block times
+    are then one rank's alone, and ranks computing together share the host (Note [Ranks
+    sharing a host]). 0: each rank computes on its own device (GPUs)."""
 
     def __post_init__(self) -> None:
         rates = (self.fwd_flops_per_s, self.bwd_flops_per_s, self.mem_bw)
@@ -143,6 +153,14 @@ class FittedCompute(_MergeCost):
             raise ValueError("per-block overheads must be >= 0 seconds; fix the profile")
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
+        if not self.shared_slots >= 0:
+            raise ValueError(
+                f"shared_slots={self.shared_slots}: expected >= 0 ranks (0: no shared host); "
+                "fix the profile"
+            )
+
+    def host_slots(self) -> float:
+        return self.shared_slots
 
     def call_overhead(self, backward: bool) -> float:
         return self.bwd_overhead if backward else self.fwd_overhead

@@ -12,6 +12,9 @@ Every rank is one compute stream that runs its program in order:
   starts while the rank has an exchange in flight takes the compute model's ``slowdown`` times
   as long (transfers take CPU cores or GPU SMs; 1 unless a calibrated profile measured it).
 
+Where every rank runs on one host (a calibrated CPU testbed: the compute model's
+``host_slots()`` > 0), ranks also share its cores: Note [Ranks sharing a host].
+
 Communication follows the rule that :func:`megatron_charm.plan.validate.replay` checks
 symbolically (NCCL's strict ordering), with time: the exchanges of one rank on one channel run one
 after another in posting order (one communicator, one stream), an exchange *starts* when it is
@@ -39,6 +42,26 @@ from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import Topology
 
 _RESUME, _ACTIVATE, _FINISH = 0, 1, 2
+#: The shared host's cores as a resource, and the handle that marks a block's "transfer" on it.
+_HOST, _COMPUTE = ("host", 0), -1
+
+# Note [Ranks sharing a host]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On the CPU testbed every rank of every emulated node runs on one host: four ranks of one
+# thread each on two cores compute at half speed while all four compute, and at full speed while
+# two of them wait for a transfer. A fixed block time cannot say both, and whichever the
+# calibration measured, it mispredicts the other. So a calibrated CPU profile times each block
+# with one rank computing at a time, and records how many ranks the host runs at full speed at
+# once (``FittedCompute.shared_slots``: cores over threads per rank). The replay then runs each
+# block and merge as a flow of "seconds alone" on one host resource of that capacity, shared
+# equally by the ranks computing at that moment (at most full speed each), the same sharing
+# that links get:
+#
+#     ranks computing   1     2     3      4          (2 slots)
+#     speed of each     1     1     2/3    1/2
+#
+# When only one node's ranks are replayed (Note [Node symmetry]) they get their share of the
+# host. Profiles of GPUs (each rank its own device) have no slots and keep fixed block times.
 
 
 class Transfer(NamedTuple):
@@ -152,6 +175,12 @@ class Engine:
         self.record = record
         self.slowdown = compute.slowdown(backward)
         programs = progs.backward if backward else progs.forward
+        self._capacity: dict[tuple[str, int], float] = {}
+        self.host: tuple | None = None
+        slots = compute.host_slots()
+        if slots > 0:  # Note [Ranks sharing a host]
+            self._capacity[_HOST] = slots * len(programs) / layout.cp_size
+            self.host = (_HOST,)
         self.cp_ranks = [p.cp_rank for p in programs]
         self.index = {r: i for i, r in enumerate(self.cp_ranks)}
         self.results = [RankResult(r, 0.0, 0.0, 0.0) for r in self.cp_ranks]
@@ -159,7 +188,6 @@ class Engine:
         self._sizes: dict[tuple, int] = {}
         self._links: dict[tuple[int, int], tuple] = {}
         self._blocks: dict[tuple, float] = {}
-        self._capacity: dict[tuple[str, int], float] = {}
         self._merges: dict[Payload, float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
 
@@ -269,6 +297,7 @@ class Engine:
         self.pending: dict[tuple, tuple] = {}
         self.res_flows: dict[tuple, set[_Flow]] = defaultdict(set)
         self.finished = [False] * n
+        self.compute_start = [0.0] * n
         for i in range(n):
             self._run_rank(i, 0.0)
         heap = self.heap
@@ -314,10 +343,14 @@ class Engine:
                 dur = costs[pc]
                 if self.slowdown != 1.0 and any(self.active[i].values()):
                     dur *= self.slowdown  # the rank's transfers share its cores / SMs
+                self.pc[i] = pc
+                if self.host is not None:  # Note [Ranks sharing a host]
+                    self.compute_start[i] = now
+                    self._activate(_Flow(dur, self.host, 1.0, [(i, _COMPUTE)]), now)
+                    return
                 rr.busy += dur
                 if self.record:
                     rr.timeline.append((now, now + dur, _label(ins)))
-                self.pc[i] = pc
                 self._push(now + dur, _RESUME, i)
                 return
         self.pc[i] = pc
@@ -388,10 +421,22 @@ class Engine:
             for f in touched:
                 self._rerate(f, now)
         for i, handle in flow.ends:
+            if handle == _COMPUTE:
+                self._computed(i, now)
+                continue
             left = self.remaining_ops[i][handle] - 1
             self.remaining_ops[i][handle] = left
             if left == 0:
                 self._complete(i, handle, now)
+
+    def _computed(self, i: int, now: float) -> None:
+        """A block or merge of rank ``i`` on the shared host has finished."""
+        rr, start = self.results[i], self.compute_start[i]
+        rr.busy += now - start
+        if self.record:
+            rr.timeline.append((start, now, _label(self.instrs[i][self.pc[i]])))
+        self.pc[i] += 1
+        self._run_rank(i, now)
 
     def _complete(self, i: int, handle: int, now: float) -> None:
         self.done[i].add(handle)

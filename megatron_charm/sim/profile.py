@@ -17,6 +17,8 @@ the relative residuals::
     merge          t = 3 * bytes / memory bandwidth
 
 A negative intercept (noise on a machine whose overhead is small) is refitted through the origin.
+Where every rank runs on one host the blocks are timed one rank at a time, and the profile
+records how many ranks the host runs at full speed at once (Note [Ranks sharing a host]).
 The compute slowdown under communication is the largest block's time while the rank streams
 messages to a partner in a background thread, over its time alone (at least 1).
 Cross links per node come from one more timing: every rank of node 0 sends to its counterpart
@@ -275,8 +277,13 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     if under:
         for tag in slow:
             slow[tag] = max(1.0, under[f"{tag}_s"] / under[f"{tag}_alone_s"])
+    # Note [Ranks sharing a host] in megatron_charm/sim/engine.py: blocks timed one rank at a
+    # time on the host every rank shares, which runs cores / threads ranks at full speed at once
+    slots = 0.0
+    if raw.get("one_host"):
+        slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
     compute = FittedCompute(
-        1.0 / f1, 1.0 / b1, f0, b0, 1.0 / mslope / 1e9, slow["fwd"], slow["bwd"]
+        1.0 / f1, 1.0 / b1, f0, b0, 1.0 / mslope / 1e9, slow["fwd"], slow["bwd"], slots
     )
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "

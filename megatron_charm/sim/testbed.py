@@ -30,7 +30,9 @@ unshaped loopback result keeps the profile's), and, because every rank of
 the testbed runs on one host, its compute: a result with more ranks than the calibration shares
 the same cores among more processes, so each rank's block and merge rates scale by the ratio of
 the rank counts (the calibration's ranks already fill the host's cores on the 2-core machine
-this testbed targets).
+this testbed targets). A profile that models the shared host itself (``shared_slots``, Note
+[Ranks sharing a host]) needs no scaling: the replay shares the host among however many ranks
+compute.
 
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
@@ -91,7 +93,7 @@ def profile_for(profile: Profile, result: dict, profile_rate: str | None = None)
     compute = dict(profile.compute)
     pm, pp = parse_gpus(profile.gpus)
     share = (m * p) / (pm * pp)
-    if share > 1 and compute.get("kind") == "fitted":
+    if share > 1 and compute.get("kind") == "fitted" and not compute.get("shared_slots"):
         for key in ("fwd_flops_per_s", "bwd_flops_per_s", "mem_bw"):
             compute[key] = compute[key] / share
         for key in ("fwd_overhead", "bwd_overhead"):

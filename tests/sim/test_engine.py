@@ -239,3 +239,57 @@ def test_a_coalesced_run_pays_the_call_overhead_once() -> None:
             calls = computes - sum(e - s - 1 for s, e in coalesced_runs(prog.instrs).items())
             assert calls < computes
             assert r1.busy - r0.busy == pytest.approx(overhead * calls)
+
+
+def _one_block_each(busy: list[int], slots: float, block_s: float = 1e-3):
+    """One pass where the ranks in ``busy`` (of 4, one node) each compute one unmasked block
+    and the others nothing, on a host with ``slots`` full-speed ranks (0: no shared host)."""
+    from megatron_charm.plan.types import Program
+    from megatron_charm.sim.compute import FittedCompute
+    from megatron_charm.sim.programs import ProgramSet
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    flops = 4.0 * 64 * 64 * 64
+    compute = FittedCompute(flops / block_s, flops / block_s, shared_slots=slots)
+    block = Compute(0, 0, Part.FULL, Part.FULL, False)
+    progs = [Program(r, (block,) if r in busy else ()) for r in range(4)]
+    options = PlanOptions(method="ring")
+    sets = ProgramSet(options, Layout(1, 4), False, tuple(progs), tuple(progs), "none")
+    return simulate_pass(sets, topo(1, 4), shape, compute, False, record=True)
+
+
+@pytest.mark.parametrize(
+    ("busy", "slots", "want"),
+    [
+        ([0, 1, 2, 3], 0.0, 1.0),  # each rank its own device
+        ([0, 1, 2, 3], 2.0, 2.0),  # four ranks on two cores: half speed each
+        ([0, 1], 2.0, 1.0),  # two computing, two idle: full speed
+        ([0, 1, 2], 2.0, 1.5),  # three share two cores
+        ([0, 1, 2, 3], 4.0, 1.0),
+    ],
+)
+def test_ranks_on_one_host_share_its_cores(busy, slots, want) -> None:
+    # Note [Ranks sharing a host]
+    res = _one_block_each(busy, slots)
+    assert res.makespan == pytest.approx(want * 1e-3, rel=1e-9)
+    for r in res.ranks:
+        computed = r.cp_rank in busy
+        assert r.busy == pytest.approx(want * 1e-3 if computed else 0.0, rel=1e-9)
+        assert len([x for x in r.timeline if x[2].startswith("C")]) == int(computed)
+
+
+def test_a_rank_that_waits_leaves_the_host_to_the_others() -> None:
+    # ring on one host of two slots, four ranks: the replay never beats the host's capacity
+    # (all blocks' solo seconds over two cores) and is faster than a fixed half speed would be
+    from megatron_charm.sim.compute import FittedCompute
+
+    shared = FittedCompute(1e10, 1e10, shared_slots=2.0)
+    fixed = FittedCompute(5e9, 5e9)  # every block at half speed, always
+    layout, shape = Layout(2, 2), AttnShape(b=1, s_local=512, h=4, h_kv=4, d=64)
+    t = topo(2, 2, cross=0.001, intra=1.0)
+    progs = programs(PlanOptions(method="charm"), layout, True, mode="full")
+    a = simulate_pass(progs, t, shape, shared, False)
+    b = simulate_pass(progs, t, shape, fixed, False)
+    solo = simulate_pass(progs, t, shape, FittedCompute(1e10, 1e10), False)
+    assert a.makespan <= b.makespan
+    assert a.makespan >= sum(r.busy for r in solo.ranks) / 2 - 1e-12

@@ -255,3 +255,15 @@ def test_advise_says_where_its_numbers_come_from_and_how_far_to_trust_them(
 
     flags = ["--gpus", "2x2", "--intra-bw", "100", "--cross-bw", "10", "--tflops", "100"]
     assert "the flags given, not measured here" in reasons(*flags)
+
+
+def test_blocks_timed_one_rank_at_a_time_record_the_shared_host() -> None:
+    # Note [Ranks sharing a host]: the calibration's ranks all on one host (loopback, testbed)
+    raw = _raw()
+    assert fit_profile(raw).compute_model().host_slots() == 0.0
+    raw.update(one_host=True, host_cores=2, threads=1)
+    assert fit_profile(raw).compute_model().host_slots() == 2.0
+    raw.update(threads=2)
+    assert fit_profile(raw).compute_model().host_slots() == 1.0
+    with pytest.raises(ValueError, match="shared_slots=-1"):
+        FittedCompute(1e10, 1e10, shared_slots=-1)
