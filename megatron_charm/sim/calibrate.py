@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
             json.dump(raw, f, indent=1)
     profile = fit_profile(raw, fabric=args.fabric)
     samples = ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
-    samples += ("one_host", "host_cores", "threads")
+    samples += ("one_host", "host_cores", "threads", "host_work")
     profile = replace(
         profile,
         provenance={

@@ -242,6 +242,50 @@ def time_kernels_under_traffic(
     }
 
 
+#: Methods whose calls :func:`time_host_work` traces.
+HOST_METHODS = ("ring", "charm")
+
+
+def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
+    """Host seconds of the real attention's calls outside kernels and transfers, from its own
+    trace (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): per pass, from the
+    call to its first instruction (``call_s``), and per posted exchange (``post_s``). Calls of
+    ``HOST_METHODS`` at ``s_local`` 512, every rank at once as in training; medians over the
+    calls and exchanges, then the slowest rank's."""
+    from megatron_charm import cp_attention
+
+    dtype = DTYPES[cfg["dtype"]]
+    shape = (cfg["batch"], 512, cfg["heads"], cfg["head_dim"])
+    gen = torch.Generator().manual_seed(2)
+    calls: list[float] = []
+    posts: list[float] = []
+    for method in HOST_METHODS:
+        q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        dout = torch.ones(shape, device=device, dtype=dtype)
+        for rep in range(max(cfg["reps"], 3) + 1):  # the first builds and caches the plans
+            trace: list = []
+            dist.barrier()
+            t_fwd = time.perf_counter()
+            out = cp_attention(q, k, v, topo, method=method, kernel=cfg.get("kernel"), trace=trace)
+            _sync(device)
+            t_bwd = time.perf_counter()
+            out.backward(dout)
+            _sync(device)
+            if rep == 0:
+                continue
+            for run in trace:
+                events = run.events
+                calls.append(events[0][2] - (t_bwd if run.backward else t_fwd))
+                posts += [end - start for kind, _, start, end in events if kind == "Exchange"]
+    return {
+        "s_local": shape[1],
+        "call_s": _slowest(statistics.median(calls)),
+        "post_s": _slowest(statistics.median(posts)),
+    }
+
+
 def run(cfg: dict) -> dict | None:
     """Measure on this rank; returns the raw samples on rank 0, ``None`` elsewhere."""
     from megatron_charm.bench.worker import start_rank
@@ -261,6 +305,8 @@ def run(cfg: dict) -> dict | None:
         "merge": time_merges(cfg, device),
     }
     raw["p2p"], raw["concurrent_cross"] = time_p2p(cfg, topo.global_ranks, m, p, device)
+    if m * p > 1 and cfg.get("one_host"):  # GPUs: host work overlaps the device's
+        raw["host_work"] = time_host_work(cfg, device, topo)
     if m * p > 1:
         largest = max(raw["kernel"], key=lambda k: k["tokens"])
         raw["kernel_under_traffic"] = time_kernels_under_traffic(

@@ -58,6 +58,11 @@ class _MergeCost:
         blocks that the executor does as one call pays once (Note [Coalesced blocks])."""
         return 0.0
 
+    def host_work(self) -> tuple[float, float]:
+        """Host seconds ``(per pass, per posted exchange)`` outside kernels and transfers (Note
+        [Host work of a call] in :mod:`megatron_charm.sim.profile`); none unless measured."""
+        return 0.0, 0.0
+
     def host_slots(self) -> float:
         """How many ranks can compute at full speed at once when every rank of the group shares
         one host's cores (Note [Ranks sharing a host]); 0: each rank has its own device."""
@@ -141,6 +146,12 @@ class FittedCompute(_MergeCost):
     are then one rank's alone, and ranks computing together share the host (Note [Ranks
     sharing a host]). 0: each rank computes on its own device (GPUs)."""
 
+    host_call_s: float = 0.0
+    """Host seconds of one pass before its first instruction (Note [Host work of a call] in
+    :mod:`megatron_charm.sim.profile`), one rank's alone."""
+    host_post_s: float = 0.0
+    """Host seconds of posting one exchange, one rank's alone."""
+
     def __post_init__(self) -> None:
         rates = (self.fwd_flops_per_s, self.bwd_flops_per_s, self.mem_bw)
         if not all(math.isfinite(x) and x > 0 for x in rates):
@@ -153,6 +164,11 @@ class FittedCompute(_MergeCost):
             raise ValueError("per-block overheads must be >= 0 seconds; fix the profile")
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
+        if not min(self.host_call_s, self.host_post_s) >= 0:
+            raise ValueError(
+                f"host work per pass {self.host_call_s} s and per exchange {self.host_post_s} s "
+                "must be >= 0; fix the profile"
+            )
         if not self.shared_slots >= 0:
             raise ValueError(
                 f"shared_slots={self.shared_slots}: expected >= 0 ranks (0: no shared host); "
@@ -161,6 +177,9 @@ class FittedCompute(_MergeCost):
 
     def host_slots(self) -> float:
         return self.shared_slots
+
+    def host_work(self) -> tuple[float, float]:
+        return self.host_call_s, self.host_post_s
 
     def call_overhead(self, backward: bool) -> float:
         return self.bwd_overhead if backward else self.fwd_overhead

@@ -41,9 +41,10 @@ from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import Topology
 
-_RESUME, _ACTIVATE, _FINISH = 0, 1, 2
-#: The shared host's cores as a resource, and the handle that marks a block's "transfer" on it.
-_HOST, _COMPUTE = ("host", 0), -1
+_RESUME, _ACTIVATE, _FINISH, _HOSTED = 0, 1, 2, 3
+#: The shared host's cores as a resource, and the handles that mark a block's "transfer" on it
+#: and host work's (Note [Host work of a call] in megatron_charm/sim/profile.py).
+_HOST, _COMPUTE, _HOST_WORK = ("host", 0), -1, -2
 
 # Note [Ranks sharing a host]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -85,7 +86,7 @@ class RankResult:
     finish: float
     """When the rank's last instruction ended."""
     busy: float
-    """Time its stream spent in blocks and merges."""
+    """Time its stream spent in blocks, merges and host work."""
     exposed: float
     """Time its stream was blocked in waits: exposed communication (the paper's ``O``)."""
     idle: float = 0.0
@@ -174,6 +175,7 @@ class Engine:
         self.backward = backward
         self.record = record
         self.slowdown = compute.slowdown(backward)
+        self.host_call, self.host_post = compute.host_work()
         programs = progs.backward if backward else progs.forward
         self._capacity: dict[tuple[str, int], float] = {}
         self.host: tuple | None = None
@@ -298,13 +300,19 @@ class Engine:
         self.res_flows: dict[tuple, set[_Flow]] = defaultdict(set)
         self.finished = [False] * n
         self.compute_start = [0.0] * n
+        self.paid = [False] * n  # the host work of the exchange at pc is done
         for i in range(n):
-            self._run_rank(i, 0.0)
+            if self.host_call > 0:  # the call's own host work, before its first instruction
+                self._host_busy(i, self.host_call, 0.0)
+            else:
+                self._run_rank(i, 0.0)
         heap = self.heap
         while heap:
             t, _, kind, obj, ver = heapq.heappop(heap)
             if kind == _RESUME:
                 self.pc[obj] += 1
+                self._run_rank(obj, t)
+            elif kind == _HOSTED:
                 self._run_rank(obj, t)
             elif kind == _ACTIVATE:
                 self._activate(obj, t)
@@ -329,6 +337,12 @@ class Engine:
         while pc < len(instrs):
             ins = instrs[pc]
             if isinstance(ins, Exchange):
+                if self.host_post > 0 and not self.paid[i]:
+                    self.paid[i] = True
+                    self.pc[i] = pc
+                    self._host_busy(i, self.host_post, now)
+                    return
+                self.paid[i] = False
                 self._post(i, ins, costs[pc], now)
                 pc += 1
             elif isinstance(ins, Wait):
@@ -424,10 +438,28 @@ class Engine:
             if handle == _COMPUTE:
                 self._computed(i, now)
                 continue
+            if handle == _HOST_WORK:
+                rr = self.results[i]
+                rr.busy += now - self.compute_start[i]
+                if self.record:
+                    rr.timeline.append((self.compute_start[i], now, "H"))
+                self._run_rank(i, now)
+                continue
             left = self.remaining_ops[i][handle] - 1
             self.remaining_ops[i][handle] = left
             if left == 0:
                 self._complete(i, handle, now)
+
+    def _host_busy(self, i: int, seconds: float, now: float) -> None:
+        """Rank ``i``'s stream does ``seconds`` of host work, then resumes at its ``pc``."""
+        if self.host is not None:  # Note [Ranks sharing a host]
+            self.compute_start[i] = now
+            self._activate(_Flow(seconds, self.host, 1.0, [(i, _HOST_WORK)]), now)
+            return
+        self.results[i].busy += seconds
+        if self.record:
+            self.results[i].timeline.append((now, now + seconds, "H"))
+        self._push(now + seconds, _HOSTED, i)
 
     def _computed(self, i: int, now: float) -> None:
         """A block or merge of rank ``i`` on the shared host has finished."""

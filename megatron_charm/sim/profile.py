@@ -229,6 +229,34 @@ def block_flops_full(batch: int, heads: int, head_dim: int, tokens: int) -> floa
     return 4.0 * batch * heads * head_dim * tokens * tokens
 
 
+def host_work(raw: dict, slots: float) -> tuple[float, float]:
+    """Note [Host work of a call]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A call of the attention costs the host more than its kernels and transfers: the autograd
+    function, the plan lookup and the buffers before its first instruction, and the backend's
+    work to post each exchange. On the 2-core testbed a ring forward at 16 tokens per rank took
+    14 ms, all of it such work; the sweep's times were predicted 15-35% too fast without it.
+    ``calibrate`` reads both from the attention's own trace (``time_host_work`` in
+    :mod:`megatron_charm.sim.calibrate_worker`): the time from a pass's call to its first
+    instruction, and each exchange's posting time. The engine charges the first at the start of
+    every pass and the second before every exchange is posted.
+
+    Only where every rank runs on one CPU host, whose cores the host work takes from the
+    kernels; on GPUs it is enqueue work that overlaps the device's, and is not charged. The
+    calls ran on every rank at once; where the ranks share one host (``slots`` > 0) the
+    measured seconds are scaled to one rank's alone (by slots over ranks, at most 1), since the
+    replay shares the host again (Note [Ranks sharing a host] in
+    :mod:`megatron_charm.sim.engine`).
+
+    Returns ``(per pass, per exchange)`` seconds; zeros without the samples.
+    """
+    got = raw.get("host_work")
+    if not got:
+        return 0.0, 0.0
+    alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
+    return got["call_s"] * alone, got["post_s"] * alone
+
+
 def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     """Fit a profile to the samples of :mod:`megatron_charm.sim.calibrate_worker`.
 
@@ -282,8 +310,9 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     slots = 0.0
     if raw.get("one_host"):
         slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
+    call, post = host_work(raw, slots)
     compute = FittedCompute(
-        1.0 / f1, 1.0 / b1, f0, b0, 1.0 / mslope / 1e9, slow["fwd"], slow["bwd"], slots
+        1.0 / f1, 1.0 / b1, f0, b0, 1.0 / mslope / 1e9, slow["fwd"], slow["bwd"], slots, call, post
     )
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "

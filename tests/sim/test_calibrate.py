@@ -35,6 +35,9 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert compute.fwd_flops_per_s > 0 and prof.cross_bw > 0
     # every rank on this host: blocks timed one rank at a time, the host's cores recorded
     assert samples["one_host"] and compute.host_slots() == samples["host_cores"] >= 1
+    # and the host work of whole calls, from the attention's own trace
+    assert samples["host_work"]["call_s"] > 0 and samples["host_work"]["post_s"] > 0
+    assert min(compute.host_work()) > 0
     choice = choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
     assert choice.method in choice.predicted_s
 

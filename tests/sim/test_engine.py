@@ -293,3 +293,22 @@ def test_a_rank_that_waits_leaves_the_host_to_the_others() -> None:
     solo = simulate_pass(progs, t, shape, FittedCompute(1e10, 1e10), False)
     assert a.makespan <= b.makespan
     assert a.makespan >= sum(r.busy for r in solo.ranks) / 2 - 1e-12
+
+
+def test_host_work_is_charged_per_pass_and_per_posted_exchange() -> None:
+    # Note [Host work of a call]: ring on 1 x 4 forward, blocks free, transfers instant: what
+    # is left is the host work before the first instruction and before each exchange
+    from megatron_charm.sim.compute import FittedCompute
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    progs = programs(PlanOptions(method="ring"), Layout(1, 4), False, mode="full")
+    t = Topology(1, 4, 1e9, 1e9, intra_lat=0.0, cross_lat=0.0)
+    free = FittedCompute(1e30, 1e30, mem_bw=1e30)
+    base = simulate_pass(progs, t, shape, free, False).makespan
+    hosted = FittedCompute(1e30, 1e30, mem_bw=1e30, host_call_s=2e-3, host_post_s=1e-3)
+    res = simulate_pass(progs, t, shape, hosted, False, record=True)
+    posts = max(len(p.exchanges()) for p in progs.forward)
+    assert res.makespan == pytest.approx(base + 2e-3 + posts * 1e-3, rel=1e-6)
+    assert all(sum(1 for x in r.timeline if x[2] == "H") == 1 + posts for r in res.ranks)
+    with pytest.raises(ValueError, match="host work per pass"):
+        FittedCompute(1e10, 1e10, host_post_s=-1.0)

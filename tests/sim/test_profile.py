@@ -267,3 +267,14 @@ def test_blocks_timed_one_rank_at_a_time_record_the_shared_host() -> None:
     assert fit_profile(raw).compute_model().host_slots() == 1.0
     with pytest.raises(ValueError, match="shared_slots=-1"):
         FittedCompute(1e10, 1e10, shared_slots=-1)
+
+
+def test_host_work_comes_from_the_trace_and_is_scaled_to_one_rank_alone() -> None:
+    # Note [Host work of a call]: four ranks measured at once on a host of two slots
+    raw = _raw()
+    raw["host_work"] = {"s_local": 512, "call_s": 4e-3, "post_s": 1e-3}
+    assert fit_profile(raw).compute_model().host_work() == (4e-3, 1e-3)
+    raw.update(one_host=True, host_cores=2, threads=1)
+    assert fit_profile(raw).compute_model().host_work() == pytest.approx((2e-3, 5e-4))
+    del raw["host_work"]
+    assert fit_profile(raw).compute_model().host_work() == (0.0, 0.0)
