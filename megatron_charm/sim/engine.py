@@ -435,15 +435,8 @@ class Engine:
             for f in touched:
                 self._rerate(f, now)
         for i, handle in flow.ends:
-            if handle == _COMPUTE:
-                self._computed(i, now)
-                continue
-            if handle == _HOST_WORK:
-                rr = self.results[i]
-                rr.busy += now - self.compute_start[i]
-                if self.record:
-                    rr.timeline.append((self.compute_start[i], now, "H"))
-                self._run_rank(i, now)
+            if handle in (_COMPUTE, _HOST_WORK):
+                self._host_done(i, now, block=handle == _COMPUTE)
                 continue
             left = self.remaining_ops[i][handle] - 1
             self.remaining_ops[i][handle] = left
@@ -461,13 +454,15 @@ class Engine:
             self.results[i].timeline.append((now, now + seconds, "H"))
         self._push(now + seconds, _HOSTED, i)
 
-    def _computed(self, i: int, now: float) -> None:
-        """A block or merge of rank ``i`` on the shared host has finished."""
+    def _host_done(self, i: int, now: float, block: bool) -> None:
+        """Rank ``i``'s flow on the shared host has finished: a block or merge (``block``; the
+        rank moves past it) or host work (the rank resumes at the same instruction)."""
         rr, start = self.results[i], self.compute_start[i]
         rr.busy += now - start
         if self.record:
-            rr.timeline.append((start, now, _label(self.instrs[i][self.pc[i]])))
-        self.pc[i] += 1
+            rr.timeline.append((start, now, _label(self.instrs[i][self.pc[i]]) if block else "H"))
+        if block:
+            self.pc[i] += 1
         self._run_rank(i, now)
 
     def _complete(self, i: int, handle: int, now: float) -> None:
