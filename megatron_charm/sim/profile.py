@@ -235,7 +235,8 @@ def host_work(raw: dict, slots: float) -> tuple[float, float]:
     A call of the attention costs the host more than its kernels and transfers: the autograd
     function, the plan lookup and the buffers before its first instruction, and the backend's
     work to post each exchange. On the 2-core testbed a ring forward at 16 tokens per rank took
-    14 ms, all of it such work; the sweep's times were predicted 15-35% too fast without it.
+    14 ms, almost all of it such work, and the sweep's times were predicted a median 15-34% too
+    fast without it (docs/results/calibrated-2x2.md).
     ``calibrate`` reads both from the attention's own trace (``time_host_work`` in
     :mod:`megatron_charm.sim.calibrate_worker`): the time from a pass's call to its first
     instruction, and each exchange's posting time. The engine charges the first at the start of
@@ -312,7 +313,16 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
     call, post = host_work(raw, slots)
     compute = FittedCompute(
-        1.0 / f1, 1.0 / b1, f0, b0, 1.0 / mslope / 1e9, slow["fwd"], slow["bwd"], slots, call, post
+        fwd_flops_per_s=1.0 / f1,
+        bwd_flops_per_s=1.0 / b1,
+        fwd_overhead=f0,
+        bwd_overhead=b0,
+        mem_bw=1.0 / mslope / 1e9,
+        fwd_slowdown=slow["fwd"],
+        bwd_slowdown=slow["bwd"],
+        shared_slots=slots,
+        host_call_s=call,
+        host_post_s=post,
     )
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "
