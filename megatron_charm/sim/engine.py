@@ -15,15 +15,17 @@ Every rank is one compute stream that runs its program in order:
 Where every rank runs on one host (a calibrated CPU testbed: the compute model's
 ``host_slots()`` > 0), ranks also share its cores: Note [Ranks sharing a host].
 
-Communication follows the rule that :func:`megatron_charm.plan.validate.replay` checks
-symbolically (NCCL's strict ordering), with time: the exchanges of one rank on one channel run one
-after another in posting order (one communicator, one stream), an exchange *starts* when it is
-posted and its predecessor on the channel has completed, the ``i``-th send from ``x`` to ``y`` on a
+Communication follows the rule that :func:`megatron_charm.plan.validate.replay` checks symbolically
+(NCCL's strict ordering), with time: the exchanges of one rank on one channel run one after another
+in posting order (one communicator, one stream), an exchange *starts* when it is posted and its
+predecessor on the channel has completed (``Topology.exchange_order="pair"``, as gloo runs them:
+when it is posted, and only the transfers between one pair on one channel keep their order, each
+starting when the pair's previous one has finished), the ``i``-th send from ``x`` to ``y`` on a
 channel meets the ``i``-th receive of ``y`` from ``x`` on it, and that transfer starts when both
 sides' exchanges have started. An exchange completes when all its transfers have. Channels run
-concurrently and interact only through link resources (:mod:`megatron_charm.sim.topology`).
-The symbolic replay couples a whole connected group of matching exchanges into one completion;
-here each exchange completes with its own transfers, which is what the GPU kernels do.
+concurrently and interact only through link resources (:mod:`megatron_charm.sim.topology`). The
+symbolic replay couples a whole connected group of matching exchanges into one completion; here each
+exchange completes with its own transfers, which is what the GPU kernels do.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class PassResult:
 
 
 class _Flow:
-    __slots__ = ("remaining", "rate", "last", "version", "res", "bw", "ends")
+    __slots__ = ("remaining", "rate", "last", "version", "res", "bw", "ends", "pair")
 
     def __init__(self, nbytes: float, res: tuple, bw: float, ends: list) -> None:
         self.remaining = float(nbytes)
@@ -148,6 +150,7 @@ class _Flow:
         self.res = res
         self.bw = bw
         self.ends = ends
+        self.pair: tuple | None = None  # (channel, pair) whose transfers keep their order
 
 
 class Engine:
@@ -176,6 +179,7 @@ class Engine:
         self.record = record
         self.slowdown = compute.slowdown(backward)
         self.host_call, self.host_post = compute.host_work()
+        self.pair_order = topo.exchange_order == "pair"
         programs = progs.backward if backward else progs.forward
         self._capacity: dict[tuple[str, int], float] = {}
         self.host: tuple | None = None
@@ -294,7 +298,11 @@ class Engine:
         self.ex_start: list[dict[int, float]] = [{} for _ in range(n)]
         self.done: list[set[int]] = [set() for _ in range(n)]
         self.queues: list[dict[str, deque]] = [defaultdict(deque) for _ in range(n)]
-        self.active: list[dict[str, bool]] = [defaultdict(bool) for _ in range(n)]
+        # exchanges in flight per channel (at most one unless exchange_order is "pair")
+        self.active: list[dict[str, int]] = [defaultdict(int) for _ in range(n)]
+        # exchange_order "pair": whether a pair's transfer is running, and those queued behind it
+        self.pair_busy: dict[tuple, bool] = {}
+        self.pair_queue: dict[tuple, deque] = defaultdict(deque)
         self.ops_of: list[dict[int, list]] = [{} for _ in range(n)]
         self.pending: dict[tuple, tuple] = {}
         self.res_flows: dict[tuple, set[_Flow]] = defaultdict(set)
@@ -375,13 +383,13 @@ class Engine:
         self.remaining_ops[i][ex.handle] = len(transfers)
         self.chan_of[i][ex.handle] = ex.channel
         self.ops_of[i][ex.handle] = transfers
-        if self.active[i][ex.channel]:
+        if self.active[i][ex.channel] and not self.pair_order:
             self.queues[i][ex.channel].append(ex.handle)
         else:
             self._start(i, ex.handle, now)
 
     def _start(self, i: int, handle: int, now: float) -> None:
-        self.active[i][self.chan_of[i][handle]] = True
+        self.active[i][self.chan_of[i][handle]] += 1
         self.ex_start[i][handle] = now
         pending = self.pending
         for key, _, nbytes, res, bw, lat in self.ops_of[i][handle]:  # Transfer fields
@@ -394,6 +402,12 @@ class Engine:
                 continue
             oi, oh, obytes = other
             flow = _Flow(max(nbytes, obytes), res, bw, [(i, handle), (oi, oh)])
+            if self.pair_order:
+                flow.pair = key[:-1]  # the key without the transfer's sequence number
+                if self.pair_busy.get(flow.pair):
+                    self.pair_queue[flow.pair].append((flow, lat))
+                    continue
+                self.pair_busy[flow.pair] = True
             self._push(now + lat, _ACTIVATE, flow)
 
     def _activate(self, flow: _Flow, now: float) -> None:
@@ -426,6 +440,13 @@ class Engine:
         self._push(now + f.remaining / rate, _FINISH, f, f.version)
 
     def _finish(self, flow: _Flow, now: float) -> None:
+        if flow.pair is not None:  # the pair's next transfer may start
+            waiting = self.pair_queue[flow.pair]
+            if waiting:
+                after, lat = waiting.popleft()
+                self._push(now + lat, _ACTIVATE, after)
+            else:
+                self.pair_busy[flow.pair] = False
         if flow.res:
             touched: set[_Flow] = set()
             for r in flow.res:
@@ -470,11 +491,10 @@ class Engine:
         channel = self.chan_of[i][handle]
         if self.record:
             self.results[i].transfers.append((self.ex_start[i][handle], now, channel))
+        self.active[i][channel] -= 1
         queue = self.queues[i][channel]
         if queue:
             self._start(i, queue.popleft(), now)
-        else:
-            self.active[i][channel] = False
         if self.waiting[i] == handle:
             self.waiting[i] = None
             rr = self.results[i]

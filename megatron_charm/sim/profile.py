@@ -66,6 +66,9 @@ class Profile:
     """``nvlink`` or ``pcie`` (assumed unless given to ``calibrate``)."""
     compute: dict
     """``{"kind": "fitted", ...FittedCompute fields}`` or ``{"kind": "flops", ...}``."""
+    exchange_order: str = "channel"
+    """How exchanges on one channel proceed: ``"channel"`` (NCCL) or ``"pair"`` (gloo);
+    :attr:`megatron_charm.sim.topology.Topology.exchange_order`."""
     fit_error: dict = field(default_factory=dict)
     """Largest relative residual of each fit (``kernel_fwd``, ``kernel_bwd``, ``intra``,
     ``cross``), Note [Fitting a profile]."""
@@ -94,6 +97,7 @@ class Profile:
             fabric=self.fabric,
             cross_links="shared" if k == 1 else "rails",
             nics_per_node=0 if k == 1 else k,
+            exchange_order=self.exchange_order,
         )
 
     def compute_model(self) -> ComputeModel:
@@ -336,6 +340,8 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         nics_per_node=nics,
         fabric=fabric,
         compute={"kind": "fitted", **asdict(compute)},
+        # gloo runs a channel's exchanges at once, NCCL one after another
+        exchange_order="pair" if raw.get("backend") == "gloo" else "channel",
         fit_error=err,
         provenance={k: raw[k] for k in ("device", "dtype", "backend", "date") if k in raw},
     )

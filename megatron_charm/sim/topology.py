@@ -29,6 +29,7 @@ from dataclasses import dataclass
 FABRICS = ("nvlink", "pcie")
 EFF_L20, EFF_H20, EFF_H100 = 0.359, 0.697, 0.172
 CROSS_LINKS = ("shared", "rails")
+EXCHANGE_ORDERS = ("channel", "pair")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class Topology:
     nics_per_node: int = 0
     """Cross links per node when neither extreme fits (``k`` links, local ranks ``l * k // p``
     share one); 0: ``cross_links`` decides (shared = 1, rails = ``p``)."""
+    exchange_order: str = "channel"
+    """How a rank's exchanges on one channel proceed (Note [Replay semantics] in
+    :mod:`megatron_charm.sim.engine`): ``"channel"`` one after another, as NCCL runs them on
+    one stream per communicator; ``"pair"`` at once, keeping only each pair's transfers in
+    order, as gloo runs them."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.ranks_per_node < 1:
@@ -76,6 +82,11 @@ class Topology:
             raise ValueError(
                 f"nics_per_node {self.nics_per_node} must divide ranks_per_node "
                 f"{self.ranks_per_node}; pass a divisor or 0"
+            )
+        if self.exchange_order not in EXCHANGE_ORDERS:
+            raise ValueError(
+                f"exchange_order {self.exchange_order!r} is not one of {EXCHANGE_ORDERS}: "
+                "'channel' for NCCL, 'pair' for gloo"
             )
         if self.cross_links not in CROSS_LINKS:
             raise ValueError(

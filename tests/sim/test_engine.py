@@ -312,3 +312,39 @@ def test_host_work_is_charged_per_pass_and_per_posted_exchange() -> None:
     assert all(sum(1 for x in r.timeline if x[2] == "H") == 1 + posts for r in res.ranks)
     with pytest.raises(ValueError, match="host work per pass"):
         FittedCompute(1e10, 1e10, host_post_s=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("order", "peers", "want"),
+    [
+        ("channel", (1, 2), 2.0),  # NCCL: one exchange after the other on the channel
+        ("pair", (1, 2), 1.0),  # gloo: both at once, to different peers
+        ("pair", (1, 1), 2.0),  # gloo keeps one pair's transfers in order
+    ],
+)
+def test_exchanges_on_one_channel_follow_the_backends_order(order, peers, want) -> None:
+    # rank 0 posts two exchanges on one channel, each sending one kv to a peer; a transfer
+    # alone takes 1 ms on the contention-free intra-node fabric
+    from megatron_charm.plan.builder import ProgramBuilder, recv, send
+    from megatron_charm.plan.types import Kind
+    from megatron_charm.sim.programs import ProgramSet
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    kv_bytes = 2 * 64 * 64 * 2
+    builders = [ProgramBuilder(r) for r in range(4)]
+    handles = [builders[0].exchange("c", [send(p, Kind.KV, 0, Part.FULL)]) for p in peers]
+    for h in handles:
+        builders[0].wait(h)
+    for p in peers:
+        builders[p].wait(builders[p].exchange("c", [recv(0, Kind.KV, 0, Part.FULL)]))
+    progs = tuple(b.finish() for b in builders)
+    sets = ProgramSet(PlanOptions(method="ring"), Layout(1, 4), False, progs, progs, "none")
+    bw = kv_bytes / 1e-3 / 1e9
+    t = Topology(1, 4, bw, bw, intra_lat=0.0, cross_lat=0.0, exchange_order=order)
+    res = simulate_pass(sets, t, shape, COMPUTE, False)
+    assert res.makespan == pytest.approx(want * 1e-3, rel=1e-9)
+
+
+def test_an_unknown_exchange_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="exchange_order 'fifo' is not one of"):
+        Topology(1, 4, 1.0, 1.0, exchange_order="fifo")

@@ -278,3 +278,11 @@ def test_host_work_comes_from_the_trace_and_is_scaled_to_one_rank_alone() -> Non
     assert fit_profile(raw).compute_model().host_work() == pytest.approx((2e-3, 5e-4))
     del raw["host_work"]
     assert fit_profile(raw).compute_model().host_work() == (0.0, 0.0)
+
+
+def test_a_gloo_calibration_replays_exchanges_as_gloo_runs_them() -> None:
+    raw = _raw()
+    prof = fit_profile(raw)  # backend gloo
+    assert prof.exchange_order == "pair" and prof.topology(2, 2).exchange_order == "pair"
+    raw["backend"] = "nccl"
+    assert fit_profile(raw).topology(2, 2).exchange_order == "channel"
