@@ -163,8 +163,6 @@ class _Pass:
         self.ahead_cache: dict[tuple, list[Part | None]] = {}
         # the earliest round still open (Note [Foreign pieces first]); None: the current one
         self.ahead_from: int | None = None
-        # Note [Own diagonal ahead]: the own round's diagonal block ran before the first round
-        self.diagonal_ahead = False
         # Pure lookups that every round repeats for every partner (hundreds of thousands of
         # calls per program at CP 128); none depends on this rank, so one memo serves every
         # rank's passes of the same layout and config.
@@ -476,7 +474,6 @@ class _Pass:
         if self.own_diagonal_ahead(rnds):
             own = (self.x, Part.FULL)
             self.compute(own, own)
-            self.diagonal_ahead = True
         first = 0
         if self.foreign_inside_own(rnds):
             # Note [Foreign pieces first]
@@ -580,7 +577,7 @@ class _Pass:
         window.top_up(("kv", "q") if home else ("kv",))
         self.chain_cross(rnd)
         for qs in my_qs:
-            if qs[0] == self.x and not (self.diagonal_ahead and my_kv == qs):
+            if qs[0] == self.x and not (my_kv == qs and self.own_diagonal_ahead(self.rnds)):
                 self.compute(qs, my_kv)
         if between is not None:
             between()

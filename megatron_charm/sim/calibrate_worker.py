@@ -305,9 +305,9 @@ def run(cfg: dict) -> dict | None:
         "merge": time_merges(cfg, device),
     }
     raw["p2p"], raw["concurrent_cross"] = time_p2p(cfg, topo.global_ranks, m, p, device)
-    if m * p > 1 and cfg.get("one_host"):  # GPUs: host work overlaps the device's
-        raw["host_work"] = time_host_work(cfg, device, topo)
     if m * p > 1:
+        if cfg.get("one_host"):  # GPUs: host work overlaps the device's
+            raw["host_work"] = time_host_work(cfg, device, topo)
         largest = max(raw["kernel"], key=lambda k: k["tokens"])
         raw["kernel_under_traffic"] = time_kernels_under_traffic(
             cfg, device, topo.global_ranks, m, p, largest, raw
