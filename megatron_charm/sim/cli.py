@@ -122,6 +122,8 @@ def _resolve(
         if args.cross_lat_us is not None
         else (base.cross_lat if base else 10e-6),
         fabric=pick(args.fabric, "fabric", "nvlink"),
+        # A gloo calibration's exchanges are replayed in gloo's order, also with --cross-* flags.
+        exchange_order=base.exchange_order if base else "channel",
         **links,
     )
     compute: ComputeModel

@@ -280,9 +280,15 @@ def test_host_work_comes_from_the_trace_and_is_scaled_to_one_rank_alone() -> Non
     assert fit_profile(raw).compute_model().host_work() == (0.0, 0.0)
 
 
-def test_a_gloo_calibration_replays_exchanges_as_gloo_runs_them() -> None:
+def test_a_gloo_calibration_replays_exchanges_as_gloo_runs_them(tmp_path, capsys) -> None:
     raw = _raw()
     prof = fit_profile(raw)  # backend gloo
     assert prof.exchange_order == "pair" and prof.topology(2, 2).exchange_order == "pair"
+    path = tmp_path / "p.json"
+    prof.save(path)
+    args = ["--seq", "8192", "--heads", "8", "--head-dim", "64", "--json"]
+    for links in ([], ["--cross-links", "shared", "--cross-bw", "0.01"]):  # the CLI keeps it
+        assert main(["--profile", str(path), *links, *args]) == 0
+        assert json.loads(capsys.readouterr().out)["topology"]["exchange_order"] == "pair"
     raw["backend"] = "nccl"
     assert fit_profile(raw).topology(2, 2).exchange_order == "channel"
