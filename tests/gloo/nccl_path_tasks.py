@@ -139,3 +139,36 @@ def gqa_expansions(ctx, method: str, ranks_per_node: int, h: int, h_kv: int):
             "results": [out, *grads],
         }
     return answers
+
+
+def exchange_post_order(ctx, method: str, ranks_per_node: int):
+    """Run one forward and backward pass of ``method`` while recording, for every
+    ``batch_isend_irecv`` the executor posts, whether each of its ops is a send, in order."""
+    from megatron_charm.function import backward_pass, forward_pass, validated_plan
+    from megatron_charm.kernels import select_kernel
+    from megatron_charm.plan import AttnShape, PlanOptions
+    from megatron_charm.plan.keep import kept_pieces
+
+    topo = ctx.topology(ranks_per_node)
+    g = torch.Generator().manual_seed(11 + topo.cp_rank)
+    s, b, h, d = 8, 1, 4, 4
+    q, k, v, dout = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(4))
+    plan = validated_plan(
+        PlanOptions(method=method), topo.layout, True, AttnShape(b, s, h, h, d, 8)
+    )
+    fwd, bwd = plan.forward[topo.cp_rank], plan.backward[topo.cp_rank]
+    kern = select_kernel(torch.device("cpu"), torch.float64, "math")
+    batches: list[list[bool]] = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append([op.op is dist.isend for op in ops])
+        return real(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        out, lse, kept = forward_pass(topo, fwd, q, k, v, kern, d**-0.5, [], keep=kept_pieces(bwd))
+        backward_pass(topo, bwd, q, k, v, out, lse, dout, kern, d**-0.5, [], kept=kept)
+    finally:
+        dist.batch_isend_irecv = real
+    return batches

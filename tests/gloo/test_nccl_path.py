@@ -53,3 +53,14 @@ def test_gqa_kv_expanded_once_per_delivery_without_native_gqa(pools, method, p, 
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         # the expanded copies are buffers of the pass
         assert all(e > n for e, n in zip(expanded["peak"], native["peak"], strict=True))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("method,p", [("charm", 2), ("ring", 4), ("a2a+p2p", 2)])
+def test_every_exchange_posts_its_receives_before_its_sends(pools, method, p):
+    # Note [Receives first] in megatron_charm/comm/executor.py: gloo issues a batch in order
+    got = pools(4).run(nccl_path_tasks.exchange_post_order, method=method, ranks_per_node=p)
+    for cp_rank, batches in enumerate(got):
+        assert batches and any(False in b and True in b for b in batches), cp_rank
+        for sends in batches:
+            assert sends == sorted(sends), (cp_rank, sends)  # every False before every True
