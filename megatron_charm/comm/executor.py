@@ -226,9 +226,9 @@ class ProgramRunner:
     # gloo issues a batch's ops in list order. When two ranks swap tensors over one TCP
     # connection and each posts its send before its receive, a message that arrives before its
     # receive is posted held up the opposite direction: on the testbed at 50 Mbit/s, 1 MiB each
-    # way took twice the one-way time in about half of the tries (the two directions ran one
-    # after the other), and never with the receives posted first. NCCL runs a batch as one
-    # group, so the order changes nothing there.
+    # way took twice the one-way time in 7 of 8 tries (the two directions ran one after the
+    # other), and at most 1.35x with the receives posted first (scripts/bench/gloo_swap.py).
+    # NCCL runs a batch as one group, so the order changes nothing there.
 
     def _failure(self, ex: Exchange, exc: BaseException) -> DistributedError:
         peers = sorted({op.peer for op in ex.ops})
