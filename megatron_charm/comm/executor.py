@@ -185,7 +185,7 @@ class ProgramRunner:
     def _exchange(self, ex: Exchange) -> None:
         """Post ``ex``'s receives, then its sends (Note [Receives first])."""
         group = self.topo.channel(ex.channel)
-        ops, recvs, received, sent = [], [], [], []
+        sends, recvs, received, sent = [], [], [], []
         allocated = 0  # bytes of sent tensors that exist only for this exchange
         self.exchanges[ex.handle] = ex
         for op in ex.ops:
@@ -208,7 +208,7 @@ class ProgramRunner:
                         if t.data_ptr() != v.data_ptr()
                     )
                 sent += tensors
-                ops += [dist.P2POp(dist.isend, t, peer, group) for t in tensors]
+                sends += [dist.P2POp(dist.isend, t, peer, group) for t in tensors]
             else:
                 bufs = self.space.receive_buffers(p, op.wire)
                 recvs += [dist.P2POp(dist.irecv, t, peer, group) for t in bufs]
@@ -216,7 +216,7 @@ class ProgramRunner:
         if self.trace is not None:
             self.stats.bytes_sent[ex.channel] += _nbytes(sent)
         try:
-            works = dist.batch_isend_irecv(recvs + ops)
+            works = dist.batch_isend_irecv(recvs + sends)
         except RuntimeError as exc:
             raise self._failure(ex, exc) from exc
         self.pending[ex.handle] = (works, received, sent, allocated)

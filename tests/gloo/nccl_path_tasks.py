@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+@contextmanager
+def recorded_batches() -> Iterator[list[list]]:
+    """Every ``batch_isend_irecv`` posted on this rank inside the block, as its list of ops."""
+    batches: list[list] = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append(list(ops))
+        return real(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        yield batches
+    finally:
+        dist.batch_isend_irecv = real
 
 
 def warm_up_contacts(ctx, ranks_per_node: int, timeout_s: float):
@@ -16,20 +35,12 @@ def warm_up_contacts(ctx, ranks_per_node: int, timeout_s: float):
     """
     import megatron_charm as mc
 
-    posted: list[tuple[int, int, bool]] = []  # (id of the group, global peer, send)
-    real = dist.batch_isend_irecv
-
-    def recording(ops):
-        posted.extend((id(op.group), op.peer, op.op is dist.isend) for op in ops)
-        return real(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
+    with recorded_batches() as batches:
         topo = mc.CPTopology.build(
             None, ranks_per_node=ranks_per_node, timeout=timedelta(seconds=timeout_s)
         )
-    finally:
-        dist.batch_isend_irecv = real
+    # (id of the group, global peer, send)
+    posted = [(id(op.group), op.peer, op.op is dist.isend) for batch in batches for op in batch]
     names: dict[int, str] = {}
     for name in sorted(topo.channels):
         group = topo.channels[name]
@@ -158,17 +169,7 @@ def exchange_post_order(ctx, method: str, ranks_per_node: int):
     )
     fwd, bwd = plan.forward[topo.cp_rank], plan.backward[topo.cp_rank]
     kern = select_kernel(torch.device("cpu"), torch.float64, "math")
-    batches: list[list[bool]] = []
-    real = dist.batch_isend_irecv
-
-    def recording(ops):
-        batches.append([op.op is dist.isend for op in ops])
-        return real(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
+    with recorded_batches() as batches:
         out, lse, kept = forward_pass(topo, fwd, q, k, v, kern, d**-0.5, [], keep=kept_pieces(bwd))
         backward_pass(topo, bwd, q, k, v, out, lse, dout, kern, d**-0.5, [], kept=kept)
-    finally:
-        dist.batch_isend_irecv = real
-    return batches
+    return [[op.op is dist.isend for op in batch] for batch in batches]
