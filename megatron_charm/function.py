@@ -326,9 +326,10 @@ def cp_attention(
         k, v: same layout with ``h_kv`` heads, ``h % h_kv == 0`` (GQA/MQA travel at ``h_kv``).
         topo: from :meth:`CPTopology.build`.
         method: shorthand for ``options.method``: ``"charm"`` | ``"rm+"`` | ``"merge"`` |
-            ``"ring"`` | ``"all_gather"`` | ``"a2a"`` | ``"a2a+p2p"`` | ``"ring-contig"``;
-            overrides the method of ``options`` when both are given. ``"a2a"`` needs ``h`` and
-            ``h_kv`` divisible by the CP size. ``"auto"`` picks, per new shape, the method the
+            ``"ring"`` | ``"all_gather"`` | ``"a2a"`` | ``"a2a+p2p"`` | ``"a2a+charm"`` |
+            ``"ring-contig"`` | ``"tasp"``; overrides the method of ``options`` when both are
+            given. ``"a2a"`` needs ``h`` and ``h_kv`` divisible by the CP size, ``"a2a+p2p"`` and
+            ``"a2a+charm"`` by the ranks per node. ``"auto"`` picks, per new shape, the method the
             simulator predicts fastest on ``profile`` (Note [Choosing a method] in
             :mod:`megatron_charm.auto`).
         options: every scheduling option (:class:`megatron_charm.PlanOptions`); defaults to

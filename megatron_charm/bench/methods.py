@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from megatron_charm.plan import PlanOptions, sequence_positions
 from megatron_charm.plan.docmask import DocMask
-from megatron_charm.plan.options import PLAN_KEYS
+from megatron_charm.plan.options import METHODS, PLAN_KEYS
 
-OURS = ("charm", "rm+", "merge", "ring", "all_gather", "a2a", "a2a+p2p", "ring-contig", "tasp")
+OURS = METHODS
 BASELINES = ("ring-flash", "ring-flash-llama3", "usp", "te-p2p")
 Tensor = torch.Tensor
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from megatron_charm.plan.a2a import a2a_backward, a2a_forward, check_heads
+from megatron_charm.plan.a2a_charm import a2a_charm_backward, a2a_charm_forward
 from megatron_charm.plan.allgather import allgather_backward, allgather_forward
 from megatron_charm.plan.bulk import collector_paused
 from megatron_charm.plan.cost import cross_link_bytes, intra_send_bytes
@@ -46,14 +47,18 @@ CHANNELS = {
     "cross.o": "cross",
 }
 
+NODE_METHODS = ("charm", "a2a+p2p", "a2a+charm")
+"""Methods whose schedule depends on the node split."""
+
 # Channels whose node-merged partials may travel in the input dtype (cross_return="input").
 CROSS_RETURN_CHANNELS = frozenset({"cross.o"})
 
 
 def schedule_layout(method: str, layout: Layout) -> Layout:
-    """The layout a method schedules on: only charm and a2a+p2p see nodes; the others treat the CP
-    group as one flat group (their node placement matters for cost, not for the schedule)."""
-    return layout if method in ("charm", "a2a+p2p") else Layout(1, layout.cp_size)
+    """The layout a method schedules on: only :data:`NODE_METHODS` see nodes; the others treat
+    the CP group as one flat group (their node placement matters for cost, not for the
+    schedule)."""
+    return layout if method in NODE_METHODS else Layout(1, layout.cp_size)
 
 
 def _check_layout(options: PlanOptions, layout: Layout) -> None:
@@ -100,6 +105,10 @@ def rank_programs(
         return [hierarchical_forward(r, layout, causal) for r in ranks], [
             hierarchical_backward(r, layout, causal) for r in ranks
         ]
+    if method == "a2a+charm":
+        return [a2a_charm_forward(r, layout, causal) for r in ranks], [
+            a2a_charm_backward(r, layout, causal) for r in ranks
+        ]
     if method == "charm":
         cfg = PipelineConfig(
             split=True,
@@ -130,8 +139,8 @@ def check_shape(options: PlanOptions, layout: Layout, shape: AttnShape) -> None:
         check_tasp_shape(shape.s_local, layout.cp_size)
     if options.method == "a2a":
         check_heads(shape.h, shape.h_kv, layout.cp_size)
-    elif options.method == "a2a+p2p":
-        check_heads(shape.h, shape.h_kv, layout.ranks_per_node, "a2a+p2p", "ranks_per_node")
+    elif options.method in ("a2a+p2p", "a2a+charm"):
+        check_heads(shape.h, shape.h_kv, layout.ranks_per_node, options.method, "ranks_per_node")
 
 
 def methods_for(layout: Layout, shape: AttnShape) -> tuple[str, ...]:
@@ -150,7 +159,7 @@ def compact_channels(options: PlanOptions) -> frozenset[str]:
     """Channels whose merged partials travel in the input dtype under ``options``."""
     # only charm's cross.o carries node-merged results home; a2a+p2p's cross.o carries ring
     # partials that are merged again at every hop, which stay float32 like the ring's
-    charm_input = options.method == "charm" and options.cross_return == "input"
+    charm_input = options.method in ("charm", "a2a+charm") and options.cross_return == "input"
     return CROSS_RETURN_CHANNELS if charm_input else frozenset()
 
 

@@ -96,13 +96,27 @@ class ProgramBuilder:
         return Program(self.cp_rank, tuple(self.instrs))
 
 
-def send(peer: int, kind: Kind, owner: int, part: Part, heads: Heads | None = None) -> Op:
-    return Op(True, peer, Payload(kind, owner, part, heads))
+def send(
+    peer: int,
+    kind: Kind,
+    owner: int,
+    part: Part,
+    heads: Heads | None = None,
+    merged: bool = False,
+) -> Op:
+    """A send; ``merged``: see :attr:`megatron_charm.plan.types.Op.merged`."""
+    return Op(True, peer, Payload(kind, owner, part, heads), merged=merged)
 
 
 def recv(
-    peer: int, kind: Kind, owner: int, part: Part, heads: Heads | None = None, held: int = 0
+    peer: int,
+    kind: Kind,
+    owner: int,
+    part: Part,
+    heads: Heads | None = None,
+    held: int = 0,
+    merged: bool = False,
 ) -> Op:
-    """A receive; ``held``: for a partial, the blocks in the sender's accumulator (see
-    :attr:`megatron_charm.plan.types.Op.held`)."""
-    return Op(False, peer, Payload(kind, owner, part, heads), held=held)
+    """A receive; ``held``: for a partial, the blocks in the sender's accumulator;
+    ``merged``: see :attr:`megatron_charm.plan.types.Op.merged`."""
+    return Op(False, peer, Payload(kind, owner, part, heads), held=held, merged=merged)

@@ -39,7 +39,7 @@ from megatron_charm.plan.types import (
     Wait,
 )
 from megatron_charm.plan.validate import ScheduleError
-from megatron_charm.plan.wire import partial_wire, sent_counts
+from megatron_charm.plan.wire import partial_wire, placed, sent_counts
 
 Key = tuple[Kind, int, Heads | None]
 
@@ -88,8 +88,7 @@ def check_rank_program(
                     if have != p.part:
                         raise err(pc, f"sends {p} but holds {have}")
                     blocks = held[(ins.handle, k)]
-                    placed = p.heads is not None and op.peer == p.owner
-                    if op.wire != partial_wire(blocks, placed, ins.channel in compact):
+                    if op.wire != partial_wire(blocks, placed(op, x), ins.channel in compact):
                         raise err(pc, f"sends {p} ({blocks} blocks) in {op.wire.value}")
         elif isinstance(ins, Wait):
             if ins.handle not in posted:

@@ -39,8 +39,9 @@ INTRA_Q, INTRA_KV, INTRA_O = "intra.q", "intra.kv", "intra.o"
 CROSS_KV, CROSS_O = "cross.kv", "cross.o"
 
 
-class _Rank:
-    """One rank's view: its node, local index, head group and neighbours."""
+class NodeRank:
+    """One rank's view: its node, local index, head group and neighbours (shared with
+    ``a2a+charm``, Note [A2a+charm schedule])."""
 
     def __init__(self, cp_rank: int, layout: Layout, causal: bool, q_kind: Kind) -> None:
         self.b = ProgramBuilder(cp_rank)
@@ -117,7 +118,7 @@ class _Rank:
 
 def hierarchical_forward(cp_rank: int, layout: Layout, causal: bool) -> Program:
     """Forward program of ``cp_rank`` (Note [Hierarchical schedule])."""
-    r = _Rank(cp_rank, layout, causal, Kind.Q)
+    r = NodeRank(cp_rank, layout, causal, Kind.Q)
     r.gather()
     for step in range(r.m):
         if step + 1 < r.m:
@@ -132,7 +133,7 @@ def hierarchical_backward(cp_rank: int, layout: Layout, causal: bool) -> Program
     """Backward program of ``cp_rank``: the forward's exchanges with the backward bundle, the
     partial dk/dv of every node step sent on along the ring, then dq and dk/dv home inside the
     node (Note [Hierarchical schedule])."""
-    r = _Rank(cp_rank, layout, causal, Kind.QB)
+    r = NodeRank(cp_rank, layout, causal, Kind.QB)
     r.gather()
     for step in range(r.m):
         if step + 1 < r.m:

@@ -17,14 +17,16 @@ METHODS: tuple[str, ...] = (
     "all_gather",
     "a2a",
     "a2a+p2p",
+    "a2a+charm",
     "ring-contig",
     "tasp",
 )
 """Every CP attention method the planner builds (``--cp-comm-type`` values)."""
 
-BASELINES: tuple[str, ...] = ("ring-contig", "tasp")
-"""Methods that exist to compare against (the paper's baselines): ``cp_attention``, the bench
-and the simulator run them; Megatron and our trainer do not offer them."""
+BASELINES: tuple[str, ...] = ("ring-contig", "tasp", "a2a+charm")
+"""Methods that exist to compare against (the paper's baselines, and ``a2a+charm``, a trial that
+no measurement has shown faster than every other method): ``cp_attention``, the bench and the
+simulator run them; Megatron, our trainer and ``auto`` do not offer them."""
 
 SEQ_LAYOUT_OF: dict[str, str] = {"ring-contig": "contiguous"}
 """Methods whose causal inputs are in the contiguous layout (Note [Contiguous layout] in
@@ -65,9 +67,10 @@ class PlanOptions:
     """``charm`` (CHARM+), ``rm+``, ``merge``, ``ring`` (Transformer Engine's ``p2p``),
     ``all_gather`` (Transformer Engine's ``all_gather``), ``a2a`` (Ulysses, Transformer
     Engine's ``a2a``), ``a2a+p2p`` (all-to-all inside a node, ring across nodes: Transformer
-    Engine's hierarchical ``a2a+p2p``), ``ring-contig`` (the ring on the contiguous layout: the
-    unbalanced Ring-Attention baseline) or ``tasp`` (the paper's TASP baseline: kv chunks to
-    every rank at every step, Note [TASP schedule])."""
+    Engine's hierarchical ``a2a+p2p``), ``a2a+charm`` (all-to-all inside a node, CHARM+'s
+    queries across nodes: Note [A2a+charm schedule]), ``ring-contig`` (the ring on the
+    contiguous layout: the unbalanced Ring-Attention baseline) or ``tasp`` (the paper's TASP
+    baseline: kv chunks to every rank at every step, Note [TASP schedule])."""
 
     window: int = 2
     """Exchanges in flight per channel in the merge/RM+/CHARM+ pipelines (>= 1): more overlaps

@@ -23,7 +23,8 @@ def block_matrix(plan: Plan) -> str:
     ``D`` diagonal, ``k`` kv came to the q owner, ``q`` q went to the kv owner, ``x`` q crossed
     nodes, ``r`` ring step (kv forwarded), ``.`` an empty block (causal, contiguous layout),
     ``h*`` computed on head groups (a2a: by every rank; a2a+p2p: by every rank of the q owner's
-    node).
+    node; a2a+charm: by every rank of their node), ``x*`` q crossed nodes and was computed on
+    head groups by every rank of the kv owner's node (a2a+charm).
     """
     n = plan.layout.cp_size
     where: dict[tuple[int, int], int] = {}
@@ -40,6 +41,10 @@ def block_matrix(plan: Plan) -> str:
             c = where.get((x, y))
             if plan.method in ("a2a", "a2a+p2p"):
                 cells.append("h*".rjust(width))
+                continue
+            if plan.method == "a2a+charm":
+                same = plan.layout.node(x) == plan.layout.node(y)
+                cells.append(("h*" if same else "x*").rjust(width))
                 continue
             if c is None:
                 cells.append(".".rjust(width))
@@ -96,7 +101,7 @@ def bytes_table(n: int, p: int, causal: bool, shape: AttnShape, cross_level: str
         "| total |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in ("ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"):
+    for method in ("ring", "all_gather", "a2a", "a2a+p2p", "a2a+charm", "merge", "rm+", "charm"):
         fwd, bwd = plan_bytes(
             build_plan(
                 PlanOptions(method=method, cross_level=cross_level),

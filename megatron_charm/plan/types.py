@@ -158,6 +158,11 @@ class Op:
     """On the receive of a partial: how many blocks the sender's accumulator holds when it sends
     (a merged partial counts 2), as the schedule generator knows it. It lets a rank decide its
     receive's wire precision from its own program (Note [Wire precision]); 0 elsewhere."""
+    merged: bool = False
+    """On both sides of a head-group partial that goes to its owner: the owner merges it with
+    its own blocks instead of placing it complete into its head slice (``a2a+charm``'s returns
+    across nodes, Note [A2a+charm schedule]). Such a partial is not complete, so it follows the
+    rule of merged partials, not of placed ones (Note [Wire precision])."""
 
 
 @dataclass(frozen=True)

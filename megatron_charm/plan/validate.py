@@ -63,6 +63,7 @@ from megatron_charm.plan.types import (
     Wire,
     head_fraction,
 )
+from megatron_charm.plan.wire import placed
 
 
 class ScheduleError(RuntimeError):
@@ -208,7 +209,7 @@ class _RankReplay:
                 acc = self.accumulators.pop((p.kind, p.owner, p.heads), None)
                 if acc is None or acc.part != p.part:
                     raise self.err(f"sends {p} but holds {acc and acc.part}")
-                if p.heads is not None and op.peer == p.owner:
+                if placed(op, self.x):
                     self._check_complete(p, acc, op.wire)
                 elif acc.single_block and op.wire != Wire.INPUT:
                     raise self.err(f"sends the single block {p} in float32 (twice the bytes)")

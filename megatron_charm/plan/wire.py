@@ -59,6 +59,13 @@ def sent_counts(prog: Program, backward: bool) -> dict[tuple[int, int], int]:
     return out
 
 
+def placed(op: Op, me: int) -> bool:
+    """Whether the partial of ``op`` (an op of rank ``me``) is a head group that goes to its
+    owner complete, to be placed there (not merged: :attr:`Op.merged`)."""
+    p = op.payload
+    return p.heads is not None and not op.merged and (op.peer if op.send else me) == p.owner
+
+
 def partial_wire(held: int, placed: bool, compact_here: bool) -> Wire:
     """Note [Wire precision] for one partial: ``held`` blocks, ``placed`` (a head group going to
     its owner), on a channel the options make compact or not."""
@@ -74,9 +81,8 @@ def sender_wires(
         if isinstance(ins, Exchange):
             for k, op in enumerate(ins.ops):
                 if (ins.handle, k) in counts:
-                    placed = op.payload.heads is not None and op.peer == op.payload.owner
                     ops[(ins.handle, k)] = partial_wire(
-                        counts[(ins.handle, k)], placed, ins.channel in compact
+                        counts[(ins.handle, k)], placed(op, prog.cp_rank), ins.channel in compact
                     )
     return ops
 
@@ -93,10 +99,9 @@ def own_wires(prog: Program, backward: bool, compact: frozenset[str]) -> Program
                 p = op.payload
                 if p.kind.is_partial:
                     held = counts[(ins.handle, k)] if op.send else op.held
-                    placed = p.heads is not None and (op.peer if op.send else me) == p.owner
-                    wire = partial_wire(held, placed, ins.channel in compact)
+                    wire = partial_wire(held, placed(op, me), ins.channel in compact)
                     if wire is not op.wire:
-                        op, changed = Op(op.send, op.peer, p, wire, op.held), True
+                        op, changed = replace(op, wire=wire), True
                 ops.append(op)
             if changed:
                 ins = Exchange(ins.handle, ins.channel, tuple(ops))

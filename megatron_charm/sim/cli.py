@@ -202,7 +202,8 @@ def format_table(pred: Prediction) -> str:
         f"{'method':<11} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
         f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",
     ]
-    order = ["ring", "ring-contig", "tasp", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"]
+    order = ["ring", "ring-contig", "tasp", "all_gather", "a2a", "a2a+p2p", "a2a+charm"]
+    order += ["merge", "rm+", "charm"]
     order = [m for m in order if m in pred.methods]
     for name in order:
         mp = pred.methods[name]

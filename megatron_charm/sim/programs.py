@@ -99,6 +99,8 @@ def symmetry_of(method: str, layout: Layout, causal: bool = False) -> str | None
         return None
     if method == "charm" and layout.num_nodes == 2:
         return None  # its two nodes order their returns differently (see the Note)
+    if method == "a2a+charm":  # causal: a node's queries cross whole or halved by direction
+        return None if causal else "shift"
     if method in ("ring", "all_gather", "a2a", "a2a+p2p", "charm", "ring-contig", "tasp"):
         return "shift"
     if _pow2(layout.ranks_per_node) and _pow2(layout.cp_size):

@@ -58,14 +58,15 @@ PEERS = "charm,ring,ring-flash,ring-flash-llama3,usp,all_gather,a2a,a2a+p2p,tasp
 
 def fitting(p, methods: list[str]) -> list[str]:
     """The methods of ``methods`` that can run point ``p``: the head splits need the heads to
-    divide (a2a by the CP size; a2a+p2p and usp by the ranks per node), TASP's chunks the local
-    sequence, and the Llama 3 variant one sample per call."""
+    divide (a2a by the CP size; a2a+p2p, a2a+charm and usp by the ranks per node), TASP's
+    chunks the local sequence, and the Llama 3 variant one sample per call."""
     lay, _, _, b, s, h, _ = p
     m, rpn = (int(x) for x in lay.split("x"))
     n = m * rpn
     skip = {
         "a2a": h % n != 0,
         "a2a+p2p": h % rpn != 0,
+        "a2a+charm": h % rpn != 0,
         "usp": h % rpn != 0,
         "tasp": s % (2 * (n - 1)) != 0,
         "ring-flash-llama3": b != 1,

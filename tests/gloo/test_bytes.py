@@ -48,7 +48,7 @@ def test_kept_foreign_q_executor_bytes_equal_plan(pools, causal):
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("method,p", [("a2a", 4), ("a2a+p2p", 2)])
+@pytest.mark.parametrize("method,p", [("a2a", 4), ("a2a+p2p", 2), ("a2a+charm", 2)])
 def test_head_split_executor_bytes_equal_plan(pools, method, p):
     # the heads must split over the four ranks (a2a) or a node (a2a+p2p): GQA 8:4; causal only
     # (both move whole tokens either way, which tests/pure/test_bytes.py checks)
@@ -73,6 +73,7 @@ def test_head_split_executor_bytes_equal_plan(pools, method, p):
         ("all_gather", 4, {}),
         ("a2a", 4, {}),  # head groups sliced from all heads: send copies
         ("a2a+p2p", 2, {}),
+        ("a2a+charm", 2, {}),
         ("charm", 2, {}),
         ("charm", 4, {"intra_level": "split"}),
         ("charm", 4, {"intra_level": "kv"}),

@@ -35,6 +35,8 @@ for n, splits in LAYOUTS.items():
         CASES.append((n, "ring-contig", n))  # on contiguous shards (tests.gloo.reference)
     if n == 4:  # a2a inside nodes of 2 (h = 4 and h_kv = 2 split over 2), ring across nodes
         CASES.append((n, "a2a+p2p", 2))
+    if n in (2, 4, 6):  # a2a inside nodes of 1 or 2, queries across 2 or 3 nodes
+        CASES.append((n, "a2a+charm", 1 if n == 2 else 2))
     if n != 8:
         CASES.append((n, "tasp", n))
 

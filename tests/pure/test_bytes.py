@@ -247,3 +247,44 @@ def test_a2a_p2p_per_link(m, p, causal):
     # more), but the one the last hop brings to its owner is complete: input dtype
     bwd |= {("cross.o", x, y): m * t * kv * 4 - t * kv * (4 - E) // p for x, y in ring}
     assert _link_bytes(plan.backward, A2A) == bwd
+
+
+@pytest.mark.parametrize("m,p", [(2, 1), (2, 2), (3, 2), (2, 4)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a2a_charm_per_link(m, p, causal):
+    # inside a node the all-to-all of a2a+p2p; across nodes each query once to every other node
+    # (the part that node's kv sees) and its partial output back, kv never (Note [A2a+charm
+    # schedule])
+    layout = Layout(m, p)
+    plan = plan_of("a2a+charm", layout, causal)
+    t, q, kv, lse = 2 * C, A2A.b * A2A.h * A2A.d, 2 * A2A.b * A2A.h_kv * A2A.d, A2A.b * A2A.h * 4
+    n = m * p
+    intra = [(x, y) for x in range(n) for y in range(n) if x != y and x // p == y // p]
+    cross = [(x, y) for x in range(n) for y in range(n) if x // p != y // p and x % p == y % p]
+
+    def part(x, y):  # the share of x's node's queries that y's node's kv sees
+        return 0.5 if causal and x // p < y // p else 1.0
+
+    fwd = {("intra.q", x, y): t * q * E // p for x, y in intra}
+    fwd |= {("intra.kv", x, y): t * kv * E // p for x, y in intra}
+    fwd |= {("intra.o", x, y): t * (q * E + lse) // p for x, y in intra}
+    # p members' queries at 1/p of the heads: one whole q (or its second half) per other node;
+    # their outputs come back merged over the node's p kv, in the input dtype with the lse
+    fwd |= {("cross.q", x, y): int(part(x, y) * t * q * E) for x, y in cross}
+    fwd |= {("cross.o", x, y): int(part(y, x) * t * (q * E + lse)) for x, y in cross}
+    assert _link_bytes(plan.forward, A2A) == fwd
+    bwd = {k: v for k, v in fwd.items() if k[0] == "intra.kv"}
+    bwd |= {("intra.q", x, y): t * (2 * q * E + 2 * lse) // p for x, y in intra}
+    bwd |= {("intra.o", x, y): t * (q + kv) * E // p for x, y in intra}
+    bwd |= {("cross.q", x, y): int(part(x, y) * t * (2 * q * E + 2 * lse)) for x, y in cross}
+    bwd |= {("cross.o", x, y): int(part(y, x) * t * q * E) for x, y in cross}
+    assert _link_bytes(plan.backward, A2A) == bwd
+    # multi-head, two nodes: a quarter less across nodes than a2a+p2p's ring under causal
+    # masking (halves one way, whole the other), the same without a mask, plus the lse
+    mha = AttnShape(b=2, s_local=16, h=8, h_kv=8, d=4, itemsize=2)
+    ours, ring = (
+        sum(v for (ch, _, _), v in _link_bytes(pl.forward, mha).items() if ch[:5] == "cross")
+        for pl in (plan, plan_of("a2a+p2p", layout, causal))
+    )
+    lse_share = (m - 1) * n * t * mha.b * mha.h * 4 * (0.75 if causal else 1.0)
+    assert ours == (0.75 if causal else 1.0) * ring + lse_share

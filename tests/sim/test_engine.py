@@ -183,7 +183,9 @@ def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[
             assert rs.exposed == pytest.approx(rf.exposed, rel=1e-6, abs=1e-12)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "ring-contig"])  # no symmetry
+# no symmetry under causal masking: ring-contig, and a2a+charm (a node's queries cross whole to
+# earlier nodes and halved to later ones)
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("ring-contig", "a2a+charm")])
 @pytest.mark.parametrize("links", ["rails", "shared"])
 def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
     # Causal plans are not node-symmetric (zigzag halves); the approximation stays close.
