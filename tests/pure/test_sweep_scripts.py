@@ -37,3 +37,10 @@ def test_peers_table_names_the_fastest_peer():
     text = table([("p", res(charm=100, ring=300, a2a=150))])
     row = text.splitlines()[2]
     assert "a2a / a2a" in row and "1.50x / 1.50x" in row
+    # another method in focus: compared with the fastest of the rest, charm included
+    row = table([("p", res(charm=100, ring=300, a2a=150))], "a2a").splitlines()[2]
+    assert "charm / charm" in row and "0.67x / 0.67x" in row
+    # a head split over the ranks of a node, like a2a+p2p
+    fitting = _load("sweep").fitting
+    assert fitting(("2x4", "rails", True, 1, 512, 2, "100mbit"), ["a2a+charm"]) == []
+    assert fitting(("2x4", "rails", True, 1, 512, 4, "100mbit"), ["a2a+charm"]) == ["a2a+charm"]
