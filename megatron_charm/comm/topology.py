@@ -267,14 +267,14 @@ def _warm_up(channels: dict[str, dist.ProcessGroup | None], backend: str) -> Non
             continue
         sent = torch.full((1,), me, dtype=torch.int64, device=device)
         got = {r: torch.full((1,), -1, dtype=torch.int64, device=device) for r in peers}
-        ops = []
+        # receives before sends, as the executor posts them (Note [Receives first] in
+        # megatron_charm/comm/executor.py)
+        recvs, sends = [], []
         for r in peers:
             peer = dist.get_global_rank(group, r)
-            ops += [
-                dist.P2POp(dist.isend, sent, peer, group),
-                dist.P2POp(dist.irecv, got[r], peer, group),
-            ]
-        for work in dist.batch_isend_irecv(ops):
+            recvs.append(dist.P2POp(dist.irecv, got[r], peer, group))
+            sends.append(dist.P2POp(dist.isend, sent, peer, group))
+        for work in dist.batch_isend_irecv(recvs + sends):
             work.wait()
         wrong = {r: int(t.item()) for r, t in got.items() if int(t.item()) != r}
         if wrong:

@@ -101,31 +101,25 @@ def _resolve(
 
     m, p = parse_gpus(pick(args.gpus, "gpus"))
     base = profile.topology(m, p) if profile is not None else None
-    if base is not None and args.cross_links is None and args.nics_per_node is None:
-        links = {"cross_links": base.cross_links, "nics_per_node": base.nics_per_node}
-    else:
-        links = {
-            "cross_links": args.cross_links or (hw.cross_links if hw else "rails"),
-            "nics_per_node": args.nics_per_node
+    # Flags override the profile's topology; every field no flag names keeps the profile's value
+    # (a gloo calibration's exchange order, its latencies, any field added later).
+    given: dict = {
+        "intra_bw": pick(args.intra_bw, "intra_bw"),
+        "cross_bw": pick(args.cross_bw, "cross_bw"),
+        "fabric": pick(args.fabric, "fabric", "nvlink"),
+    }
+    if base is None or args.cross_links is not None or args.nics_per_node is not None:
+        given["cross_links"] = args.cross_links or (hw.cross_links if hw else "rails")
+        given["nics_per_node"] = (
+            args.nics_per_node
             if args.nics_per_node is not None
-            else (hw.nics_per_node if hw and args.cross_links is None else 0),
-        }
-    topo = Topology(
-        m,
-        p,
-        pick(args.intra_bw, "intra_bw"),
-        pick(args.cross_bw, "cross_bw"),
-        intra_lat=args.intra_lat_us * 1e-6
-        if args.intra_lat_us is not None
-        else (base.intra_lat if base else 5e-6),
-        cross_lat=args.cross_lat_us * 1e-6
-        if args.cross_lat_us is not None
-        else (base.cross_lat if base else 10e-6),
-        fabric=pick(args.fabric, "fabric", "nvlink"),
-        # A gloo calibration's exchanges are replayed in gloo's order, also with --cross-* flags.
-        exchange_order=base.exchange_order if base else "channel",
-        **links,
-    )
+            else (hw.nics_per_node if hw and args.cross_links is None else 0)
+        )
+    if args.intra_lat_us is not None:
+        given["intra_lat"] = args.intra_lat_us * 1e-6
+    if args.cross_lat_us is not None:
+        given["cross_lat"] = args.cross_lat_us * 1e-6
+    topo = replace(base, **given) if base is not None else Topology(m, p, **given)
     compute: ComputeModel
     if profile is not None and args.tflops is None and args.efficiency is None:
         compute = profile.compute_model()

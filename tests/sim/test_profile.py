@@ -289,6 +289,10 @@ def test_a_gloo_calibration_replays_exchanges_as_gloo_runs_them(tmp_path, capsys
     args = ["--seq", "8192", "--heads", "8", "--head-dim", "64", "--json"]
     for links in ([], ["--cross-links", "shared", "--cross-bw", "0.01"]):  # the CLI keeps it
         assert main(["--profile", str(path), *links, *args]) == 0
-        assert json.loads(capsys.readouterr().out)["topology"]["exchange_order"] == "pair"
+        topo = json.loads(capsys.readouterr().out)["topology"]
+        assert topo["exchange_order"] == "pair"
+        # a flag overrides its own field only: the profile's latencies stay
+        assert topo["cross_lat"] == prof.cross_lat and topo["intra_lat"] == prof.intra_lat
+        assert topo["cross_bw"] == (0.01 if links else prof.cross_bw)
     raw["backend"] = "nccl"
     assert fit_profile(raw).topology(2, 2).exchange_order == "channel"
