@@ -50,6 +50,10 @@ CHANNELS = {
 NODE_METHODS = ("charm", "a2a+p2p", "a2a+charm")
 """Methods whose schedule depends on the node split."""
 
+KEEPS_Q = ("charm", "a2a+charm")
+"""Methods whose queries cross nodes in both passes, so that the backward may keep the forward's
+(Note [Keeping foreign queries] in :mod:`megatron_charm.plan.keep`)."""
+
 # Channels whose node-merged partials may travel in the input dtype (cross_return="input").
 CROSS_RETURN_CHANNELS = frozenset({"cross.o"})
 
@@ -390,12 +394,16 @@ def keeps_foreign_q(
     cross links (with MHA: 2 x 2 causal, busiest cross link 10.75 -> 6.55 MB per backward at
     s_local 2048, 8 x 64 heads; the peak grows by at most one q piece).
     """
-    if options.method != "charm" or layout.num_nodes == 1 or cross != ("q", "q"):
+    if options.method not in KEEPS_Q or layout.num_nodes == 1 or cross != ("q", "q"):
         return False
     if options.foreign_q != "auto":
         return options.foreign_q == "keep"
     small = Layout(min(layout.num_nodes, 4), layout.ranks_per_node)
-    return _auto_keep(options, small, causal, intra, _unit_shape(shape))
+    unit = _unit_shape(shape)
+    if options.method == "a2a+charm":  # its head groups split the heads over a node
+        p = layout.ranks_per_node
+        unit = replace(unit, h=unit.h * p, h_kv=unit.h_kv * p)
+    return _auto_keep(options, small, causal, intra, unit)
 
 
 @lru_cache(maxsize=256)

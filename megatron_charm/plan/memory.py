@@ -178,9 +178,10 @@ class _Replay:
 
     def _send_copy(self, payload: Payload) -> int:
         """Bytes a non-partial send copies: a head group sliced from an all-heads tensor is
-        strided, so ``contiguous()`` copies it (a received head group is already contiguous)."""
+        strided, so ``contiguous()`` copies it (a received head group is already contiguous; a
+        ``DB`` is cut from the received ``QB``)."""
         heads = payload.heads
-        if heads is None or (payload.kind, payload.owner, heads) in self.inputs:
+        if heads is None or (held_input(payload.kind), payload.owner, heads) in self.inputs:
             return 0
         tokens, b = self.shape.tokens(payload.part), self.shape.b
         if heads.count == 1 or tokens * b == 1:

@@ -22,9 +22,13 @@ def test_plans_validate(m, p, causal):
 
 @pytest.mark.parametrize("m,p", LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_kv_never_crosses_nodes(m, p, causal):
+@pytest.mark.parametrize("foreign_q", ["keep", "resend"])
+def test_kv_never_crosses_nodes(m, p, causal, foreign_q):
+    # the backward sends the bundle with the query, or without it when the receiver kept the
+    # forward's (Note [Keeping foreign queries])
     layout = Layout(m, p)
-    plan = build_plan(PlanOptions(method="a2a+charm"), layout, causal)
+    plan = build_plan(PlanOptions(method="a2a+charm", foreign_q=foreign_q), layout, causal)
+    bundle = Kind.DB if foreign_q == "keep" else Kind.QB
     for backward in (False, True):
         crossing = {
             op.payload.kind
@@ -33,7 +37,7 @@ def test_kv_never_crosses_nodes(m, p, causal):
             for op in ex.ops
             if op.send and layout.node(op.peer) != layout.node(prog.cp_rank)
         }
-        want = {Kind.QB, Kind.DQ} if backward else {Kind.Q, Kind.O}
+        want = {bundle, Kind.DQ} if backward else {Kind.Q, Kind.O}
         assert crossing == want
 
 
@@ -54,6 +58,15 @@ def test_cross_returns_merge_at_their_owner():
         assert ops and all(op.merged and op.wire is wire for _, op in ops)
         to_owner = [(x, op) for x, op in ops if op.send and op.peer == op.payload.owner]
         assert to_owner and not any(placed(op, x) for x, op in to_owner)
+
+
+def test_auto_keeps_the_forwards_queries_within_the_memory_budget():
+    # MHA and GQA 4:1 on 2 x 2 and 2 x 4: keeping costs one query piece per node pair
+    for layout in (Layout(2, 2), Layout(2, 4)):
+        for h_kv in (8, 2 if layout.ranks_per_node == 2 else 4):
+            shape = AttnShape(b=1, s_local=2048, h=8, h_kv=h_kv, d=64)
+            plan = build_plan(PlanOptions(method="a2a+charm"), layout, True, shape)
+            assert plan.cross == ("q", "dout"), (layout, h_kv)
 
 
 def test_heads_must_split_over_a_node():

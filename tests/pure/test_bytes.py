@@ -251,12 +251,13 @@ def test_a2a_p2p_per_link(m, p, causal):
 
 @pytest.mark.parametrize("m,p", [(2, 1), (2, 2), (3, 2), (2, 4)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_a2a_charm_per_link(m, p, causal):
+@pytest.mark.parametrize("foreign_q", ["keep", "resend"])
+def test_a2a_charm_per_link(m, p, causal, foreign_q):
     # inside a node the all-to-all of a2a+p2p; across nodes each query once to every other node
     # (the part that node's kv sees) and its partial output back, kv never (Note [A2a+charm
-    # schedule])
+    # schedule]); the backward's bundle without the query when the receiver kept it
     layout = Layout(m, p)
-    plan = plan_of("a2a+charm", layout, causal)
+    plan = plan_of("a2a+charm", layout, causal, foreign_q=foreign_q)
     t, q, kv, lse = 2 * C, A2A.b * A2A.h * A2A.d, 2 * A2A.b * A2A.h_kv * A2A.d, A2A.b * A2A.h * 4
     n = m * p
     intra = [(x, y) for x in range(n) for y in range(n) if x != y and x // p == y // p]
@@ -276,7 +277,8 @@ def test_a2a_charm_per_link(m, p, causal):
     bwd = {k: v for k, v in fwd.items() if k[0] == "intra.kv"}
     bwd |= {("intra.q", x, y): t * (2 * q * E + 2 * lse) // p for x, y in intra}
     bwd |= {("intra.o", x, y): t * (q + kv) * E // p for x, y in intra}
-    bwd |= {("cross.q", x, y): int(part(x, y) * t * (2 * q * E + 2 * lse)) for x, y in cross}
+    bundle = (1 if foreign_q == "keep" else 2) * q * E + 2 * lse  # [q,] dout, lse, delta
+    bwd |= {("cross.q", x, y): int(part(x, y) * t * bundle) for x, y in cross}
     bwd |= {("cross.o", x, y): int(part(y, x) * t * q * E) for x, y in cross}
     assert _link_bytes(plan.backward, A2A) == bwd
     # multi-head, two nodes: a quarter less across nodes than a2a+p2p's ring under causal
