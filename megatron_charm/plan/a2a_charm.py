@@ -23,9 +23,10 @@ halves on node 1; node 1's need their whole)::
                compute q2 x kv0.first, kv1.first -> post o2 ->3 <-3 o0.second (h1)
                merge o1.second, o0.second; intra: post o0 ->0 <-0 o1.h0; place o1.h0
 
-    backward   the same with the backward bundle instead of q and dq instead of o; the foreign
-               blocks' dk/dv stay on the node (its kv never left), and dq and dk/dv go home
-               inside the node at the end
+    backward   the same with the backward bundle instead of q (without q where the receiver
+               kept the forward's: Note [Keeping foreign queries]) and dq instead of o; the
+               foreign blocks' dk/dv stay on the node (its kv never left), and dq and dk/dv
+               go home inside the node at the end
 
 Cross-node bytes per rank pair and direction, with ``U`` the q of one rank at ``1/p`` of the
 heads times ``p`` ranks: ``a2a+p2p`` moves the node's kv, ``2 U / g`` per node step (``g`` the
