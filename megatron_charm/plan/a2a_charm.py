@@ -112,29 +112,27 @@ class _Cross(NodeRank):
                 self.b.merge(Payload(kind, y, out_part, self.heads))
 
 
-def a2a_charm_forward(cp_rank: int, layout: Layout, causal: bool) -> Program:
-    """Forward program of ``cp_rank`` (Note [A2a+charm schedule])."""
-    r = _Cross(cp_rank, layout, causal, Kind.Q)
+def _program(cp_rank: int, layout: Layout, causal: bool, backward: bool) -> Program:
+    r = _Cross(cp_rank, layout, causal, Kind.QB if backward else Kind.Q)
     r.gather()
     r.post_queries()
     r.blocks(r.node)
-    r.foreign(Kind.O)
-    r.give_back(Kind.O)
-    r.place(Kind.O)
+    results = (Kind.DQ, Kind.DKV) if backward else (Kind.O,)
+    r.foreign(results[0])
+    for kind in results:
+        r.give_back(kind)
+    for kind in results:
+        r.place(kind)
     return r.b.finish()
+
+
+def a2a_charm_forward(cp_rank: int, layout: Layout, causal: bool) -> Program:
+    """Forward program of ``cp_rank`` (Note [A2a+charm schedule])."""
+    return _program(cp_rank, layout, causal, backward=False)
 
 
 def a2a_charm_backward(cp_rank: int, layout: Layout, causal: bool) -> Program:
     """Backward program of ``cp_rank``: the forward's exchanges with the backward bundle and dq
     in place of the output; dk/dv never leave the node until they go home inside it (Note
     [A2a+charm schedule])."""
-    r = _Cross(cp_rank, layout, causal, Kind.QB)
-    r.gather()
-    r.post_queries()
-    r.blocks(r.node)
-    r.foreign(Kind.DQ)
-    r.give_back(Kind.DQ)
-    r.give_back(Kind.DKV)
-    r.place(Kind.DQ)
-    r.place(Kind.DKV)
-    return r.b.finish()
+    return _program(cp_rank, layout, causal, backward=True)
