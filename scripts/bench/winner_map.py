@@ -9,8 +9,10 @@ efficiency, intra-node bandwidth and fabric). The x axis varies the cross-node b
 link, which sets ring attention's CCR (compute over communication time, forward; independent of
 the head count for multi-head attention). The y axis is the query heads each CP rank holds (a
 model's heads over its tensor-parallel size: 32 heads at TP 1 down to 1 at TP 32). Every method
-that can run the shape is replayed (``a2a`` needs the heads divisible by the CP size, ``a2a+p2p``
-by the ranks per node); the winner has the lowest forward + backward time. Writes
+a user can pick that can run the shape is replayed (``a2a`` needs the heads divisible by the CP
+size, ``a2a+p2p`` by the ranks per node; the comparison methods of ``BASELINES``, such as
+``a2a+charm``, are left out, as ``auto`` leaves them out); the winner has the lowest forward +
+backward time. Writes
 ``<topology>.md`` (the grid, with charm's time over the winner's in every cell) and, with
 matplotlib (``pip install -e .[plots]``), ``<topology>.png`` with CHARM+'s cells outlined.
 """
@@ -25,6 +27,7 @@ import sys
 import time
 
 from megatron_charm.plan import Layout, methods_for
+from megatron_charm.plan.options import BASELINES
 from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
@@ -57,7 +60,9 @@ def cell(preset: str, m: int, p: int, nics: int, cross_gbs: float, heads: int) -
     topo = Topology(m, p, hw.intra_bw, cross_gbs, fabric=hw.fabric, nics_per_node=nics)
     compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
     problem = Problem(1, S_LOCAL * m * p, heads, HEAD_DIM, causal=True)
-    runnable = methods_for(Layout(m, p), problem.shape(topo.cp_size))
+    runnable = [
+        x for x in methods_for(Layout(m, p), problem.shape(topo.cp_size)) if x not in BASELINES
+    ]
     pred = predict(topo, problem, compute, runnable)
     times = {name: mp.total for name, mp in pred.methods.items()}
     winner = min(times, key=times.get)

@@ -29,6 +29,8 @@ def test_cell_picks_the_fastest_runnable_method_and_the_table_marks_charm():
         assert c["charm_over_best"] == pytest.approx(times["charm"] / times[c["winner"]])
         assert c["charm_over_best"] >= 1.0
     assert "a2a" not in slow["times_ms"] and "a2a" in fast["times_ms"]
+    # comparison methods are not a user's choice: never on the map
+    assert not {"ring-contig", "tasp", "a2a+charm"} & set(fast["times_ms"])
     assert fast["ccr"] > slow["ccr"]  # more cross bandwidth, less communication time
     table = wm.markdown("t", [slow, fast])
     assert "| 4 |" in table and "| 2 |" in table
