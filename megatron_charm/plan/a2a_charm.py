@@ -31,8 +31,11 @@ halves on node 1; node 1's need their whole)::
 Cross-node bytes per rank pair and direction, with ``U`` the q of one rank at ``1/p`` of the
 heads times ``p`` ranks: ``a2a+p2p`` moves the node's kv, ``2 U / g`` per node step (``g`` the
 GQA ratio); ``a2a+charm`` moves the queries and their outputs, ``2 U`` without a mask and
-``1.5 U`` causal (one direction carries halves). So it can move fewer bytes than ``a2a+p2p``
-only under causal masking with ``g = 1``, by a quarter. The head split needs ``h % p == 0`` and
+``1.5 U`` causal (one direction carries halves). So its forward moves fewer bytes than
+``a2a+p2p``'s only under causal masking with ``g = 1``, by a quarter. Its backward moves dout,
+lse and delta out (the queries kept) and dq back, about ``U`` each way (``x 0.75`` causal), where
+``a2a+p2p`` moves kv and then the float32 dk/dv around the ring. The head split needs
+``h % p == 0`` and
 ``h_kv % p == 0`` (:func:`megatron_charm.plan.a2a.check_heads` with the node size).
 """
 
