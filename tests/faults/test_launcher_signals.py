@@ -69,7 +69,13 @@ def test_signal_to_the_trainer_leaves_no_process_of_the_job(tmp_path, sig, statu
     )
     metrics = Path(run_dir) / "metrics.jsonl"
     try:
-        _wait_for(lambda: len(children(launcher.pid)) == 2, launcher, "start")
+        # both ranks exist and show the run directory in their command lines: a rank caught
+        # between fork and exec can show an empty one for a moment
+        def started() -> bool:
+            ranks = children(launcher.pid)
+            return len(ranks) == 2 and set(ranks) <= set(processes_with(str(run_dir)))
+
+        _wait_for(started, launcher, "start")
         if training:
             lines = lambda: metrics.exists() and metrics.read_text().count("\n") >= 2  # noqa: E731
             _wait_for(lines, launcher, "start training")
