@@ -50,9 +50,10 @@ CHANNELS = {
 NODE_METHODS = ("charm", "a2a+p2p", "a2a+charm")
 """Methods whose schedule depends on the node split."""
 
-KEEPS_Q = ("charm", "a2a+charm")
-"""Methods whose queries cross nodes in both passes, so that the backward may keep the forward's
-(Note [Keeping foreign queries] in :mod:`megatron_charm.plan.keep`)."""
+Q_CROSSING = ("charm", "a2a+charm")
+"""Methods with CHARM+'s cross-node step, where queries cross nodes and their node-merged results
+come back: those results may travel in the input dtype (``cross_return``), and the backward may
+keep the forward's queries (Note [Keeping foreign queries] in :mod:`megatron_charm.plan.keep`)."""
 
 # Channels whose node-merged partials may travel in the input dtype (cross_return="input").
 CROSS_RETURN_CHANNELS = frozenset({"cross.o"})
@@ -163,7 +164,7 @@ def compact_channels(options: PlanOptions) -> frozenset[str]:
     """Channels whose merged partials travel in the input dtype under ``options``."""
     # only charm's cross.o carries node-merged results home; a2a+p2p's cross.o carries ring
     # partials that are merged again at every hop, which stay float32 like the ring's
-    charm_input = options.method in ("charm", "a2a+charm") and options.cross_return == "input"
+    charm_input = options.method in Q_CROSSING and options.cross_return == "input"
     return CROSS_RETURN_CHANNELS if charm_input else frozenset()
 
 
@@ -394,7 +395,7 @@ def keeps_foreign_q(
     cross links (with MHA: 2 x 2 causal, busiest cross link 10.75 -> 6.55 MB per backward at
     s_local 2048, 8 x 64 heads; the peak grows by at most one q piece).
     """
-    if options.method not in KEEPS_Q or layout.num_nodes == 1 or cross != ("q", "q"):
+    if options.method not in Q_CROSSING or layout.num_nodes == 1 or cross != ("q", "q"):
         return False
     if options.foreign_q != "auto":
         return options.foreign_q == "keep"

@@ -35,8 +35,8 @@ GQA ratio); ``a2a+charm`` moves the queries and their outputs, ``2 U`` without a
 ``a2a+p2p``'s only under causal masking with ``g = 1``, by a quarter. Its backward moves dout,
 lse and delta out (the queries kept) and dq back, about ``U`` each way (``x 0.75`` causal), where
 ``a2a+p2p`` moves kv and then the float32 dk/dv around the ring. The head split needs
-``h % p == 0`` and
-``h_kv % p == 0`` (:func:`megatron_charm.plan.a2a.check_heads` with the node size).
+``h % p == 0`` and ``h_kv % p == 0`` (:func:`megatron_charm.plan.a2a.check_heads` with the node
+size).
 """
 
 from __future__ import annotations
@@ -69,12 +69,17 @@ class _Cross(NodeRank):
         index) use the same order, so the exchanges pair up."""
         return [(self.local + k) % self.p for k in range(self.p)]
 
+    def parts(self, o: int) -> tuple[Part, Part]:
+        """For node offset ``o``: the part of this node's queries that node ``a + o`` sees, and
+        the part of node ``a - o``'s queries that this node sees."""
+        out_part = query_part(self.layout, self.node, self.node + o, self.causal)
+        return out_part, query_part(self.layout, self.node - o, self.node, self.causal)
+
     def post_queries(self) -> None:
         """Post every cross-node query exchange: per node offset and member, this node's query
         out, the matching member's of node ``a - o`` in."""
         for o in range(1, self.m):
-            out_part = query_part(self.layout, self.node, self.node + o, self.causal)
-            in_part = query_part(self.layout, self.node - o, self.node, self.causal)
+            out_part, in_part = self.parts(o)
             # this rank's own query first: it needs no all-to-all, so it leaves at once
             for j in self.own_first():
                 mine = self.layout.rank(self.node, j)
@@ -92,8 +97,7 @@ class _Cross(NodeRank):
         queries' partials received from the node they went to, and merged."""
         for o in range(1, self.m):
             src_node = (self.node - o) % self.m
-            in_part = query_part(self.layout, src_node, self.node, self.causal)
-            out_part = query_part(self.layout, self.node, self.node + o, self.causal)
+            out_part, in_part = self.parts(o)
             for j in self.own_first():
                 z = self.layout.rank(src_node, j)
                 for y in self.members(self.node):
@@ -109,7 +113,7 @@ class _Cross(NodeRank):
                     ],
                 )
         for o in range(1, self.m):  # in the order they were received
-            out_part = query_part(self.layout, self.node, self.node + o, self.causal)
+            out_part = self.parts(o)[0]
             for j in self.own_first():
                 y = self.layout.rank(self.node, j)
                 self.b.merge(Payload(kind, y, out_part, self.heads))
