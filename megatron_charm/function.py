@@ -386,7 +386,7 @@ def cp_attention(
         tuple(q.shape), k.shape[2], str(q.dtype), causal, float(scale), options, fingerprint
     )
     try:
-        check_agreement(topo, key, device=q.device)
+        check_agreement(topo, key)
     except ValueError as err:
         if not auto:
             raise

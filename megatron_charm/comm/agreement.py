@@ -5,10 +5,20 @@ Note [Call agreement]
 Ranks that disagree on a shape, a dtype or a plan option post exchanges that do not match: gloo
 may then accept a short message into a larger buffer, or abort inside a native call, and NCCL may
 hang. So every call gathers one 64-bit fingerprint of its :class:`CallKey` (one tiny collective
-over the CP group) before any exchange is posted. Only when the fingerprints differ do the ranks
+over the CP ranks) before any exchange is posted. Only when the fingerprints differ do the ranks
 gather the keys themselves, so that every rank raises the same ``ValueError`` naming the fields
 that differ. The check runs on every call, not once per shape: a rank that changes shape after a
 good first call is caught at that call.
+
+The fingerprints travel in host memory, over the topology's own gloo group
+(``CPTopology.control``), whatever the CP group's backend. Gathered on the GPU, reading them
+back (``.item()``) would make the host wait until the GPU had run everything queued before the
+call: once per attention layer, the host could no longer run ahead of the GPU, and the GPU would
+idle while the host prepared the call's first kernels. On the host the check costs one small
+gloo exchange and leaves the GPU's queue alone. Gloo jobs run the same code::
+
+    host:  fingerprint -> gloo all_gather (control group) -> compare -> post exchanges, kernels
+    GPU:   ...earlier layers' kernels keep running...   ->  this call's exchanges, kernels
 """
 
 from __future__ import annotations
@@ -46,20 +56,19 @@ class CallKey:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def check_agreement(topo: CPTopology, key: CallKey, device: torch.device) -> None:
+def check_agreement(topo: CPTopology, key: CallKey) -> None:
     """Raise ``ValueError`` on every rank when the CP ranks' keys (or layouts) differ.
 
-    Collective over the CP group; see Note [Call agreement].
+    Collective over ``topo.control``, in host memory; see Note [Call agreement].
     """
     if topo.cp_size == 1:
         return
+    assert topo.control is not None, "CPTopology.build creates the control group"
     full = (key, topo.layout)
     mine = torch.tensor([key.fingerprint() ^ hash_layout(topo)], dtype=torch.int64)
-    if topo.backend == "nccl":
-        mine = mine.to(device)
     got = [torch.empty_like(mine) for _ in range(topo.cp_size)]
     try:
-        dist.all_gather(got, mine, group=topo.cp_group)
+        dist.all_gather(got, mine, group=topo.control)
     except RuntimeError as exc:
         raise DistributedError(
             f"cp_rank {topo.cp_rank} could not agree on shapes and options with its CP group: "
@@ -68,7 +77,7 @@ def check_agreement(topo: CPTopology, key: CallKey, device: torch.device) -> Non
     if len({int(t.item()) for t in got}) == 1:
         return
     everyone: list = [None] * topo.cp_size
-    dist.all_gather_object(everyone, full, group=topo.cp_group)
+    dist.all_gather_object(everyone, full, group=topo.control)
     raise ValueError(_mismatch_message(everyone))
 
 

@@ -81,6 +81,10 @@ class CPTopology:
     backend: str
     timeout: timedelta
     channels: dict[str, dist.ProcessGroup | None] = field(repr=False, default_factory=dict)
+    control: dist.ProcessGroup | None = field(repr=False, default=None)
+    """A gloo group over the CP ranks for the per-call checks (Note [Call agreement] in
+    :mod:`megatron_charm.comm.agreement`): they run in host memory, so that a CUDA job's host
+    never waits for its GPU to drain. Built by :meth:`build` whatever the CP backend."""
     _busy: threading.Lock = field(repr=False, default_factory=threading.Lock)
 
     @property
@@ -173,8 +177,13 @@ class CPTopology:
             made = _make_channel_groups(list(ranks), p, backend, timeout)
             if tuple(global_ranks) == ranks:
                 mine = made
+        control = None
+        for ranks, _ in groups:  # one per CP group, in the same order on every rank
+            made_control = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+            if tuple(global_ranks) == ranks:
+                control = made_control
         _warm_up(mine, backend)
-        topo = cls(group, cp_rank, cp_size, global_ranks, layout, backend, timeout, mine)
+        topo = cls(group, cp_rank, cp_size, global_ranks, layout, backend, timeout, mine, control)
         if dist.get_rank() == global_ranks[0]:
             log.info("megatron-charm topology: %s", topo.describe())
         return topo

@@ -195,3 +195,19 @@ def test_calibrate_check_fails_on_a_bad_profile(monkeypatch):
     assert result["ran"] and failures == [
         "the samples do not fit a profile: fitted rates must be > 0"
     ]
+
+
+def test_sync_free_reports_a_synchronizing_call_and_restores_the_mode():
+    from megatron_charm.bench.gpu_check.cp4 import sync_free
+
+    modes: list[str] = []
+
+    def syncing() -> None:  # what torch raises for .item() under set_sync_debug_mode("error")
+        if modes[-1] == "error":
+            raise RuntimeError("called a synchronizing CUDA operation\n(more lines)")
+
+    got = sync_free(syncing, modes.append)
+    assert got == {"ok": False, "why": "called a synchronizing CUDA operation"}
+    assert modes == ["error", "default"]
+    assert sync_free(lambda: None, modes.append) == {"ok": True, "why": ""}
+    assert modes[-1] == "default"

@@ -382,3 +382,32 @@ def backward_twice(ctx, foreign_q: str):
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def agreement_on_control_group(ctx):
+    """The call agreement runs on the topology's own gloo group: a call succeeds, and a
+    mismatch still raises, with the CP group itself made unusable (Note [Call agreement])."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import megatron_charm as mc
+
+    topo = ctx.topology(2)
+    control = topo.control
+    facts = {
+        "backend": str(dist.get_backend(control)) if control is not None else None,
+        "ranks": dist.get_process_group_ranks(control) if control is not None else None,
+        "separate": control is not None and control is not topo.cp_group,
+    }
+    cut = dataclasses.replace(topo, cp_group=object())  # any collective on it fails
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 8, 4, 8, generator=g) for _ in range(3))
+    facts["out_shape"] = tuple(mc.cp_attention(q, k, v, cut).shape)
+    s = 8 if ctx.rank == 0 else 12
+    try:
+        mc.cp_attention(*(torch.randn(1, s, 4, 8) for _ in range(3)), cut)
+        facts["mismatch"] = None
+    except ValueError as err:
+        facts["mismatch"] = str(err)
+    return facts

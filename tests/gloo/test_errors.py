@@ -78,3 +78,14 @@ def test_dead_rank_raises_within_timeout():
     name, seconds, message = value
     assert name is not None, "rank 0 returned normally although its peer died"
     assert seconds < 60, f"rank 0 needed {seconds:.1f}s to notice the dead peer"
+
+
+@pytest.mark.gloo
+def test_call_agreement_runs_on_its_own_host_group(pools):
+    """No device round trip per call: the fingerprints go over a gloo group of the CP ranks,
+    never over the CP group (NCCL in GPU jobs), and mismatches are still caught there."""
+    for facts in pools(4).run(tasks.agreement_on_control_group):
+        assert facts["backend"] == "gloo" and facts["separate"], facts
+        assert facts["ranks"] == [0, 1, 2, 3], facts
+        assert facts["out_shape"] == (1, 8, 4, 8)
+        assert facts["mismatch"] is not None and "local_shape_sbhd" in facts["mismatch"], facts

@@ -16,6 +16,11 @@ Transports:
 * ``gloo-staged`` (CUDA): gloo with the device tensors staged through pinned host memory
   (:mod:`.staged`); compute stays on the GPU.
 * ``gloo`` (CPU): gloo with CPU tensors.
+
+With ``nccl``, one more causal ``charm`` forward and backward on the 2 x 2 split runs under
+``torch.cuda.set_sync_debug_mode("error")``: a call must not make the host wait for the GPU
+(Note [Call agreement] in :mod:`megatron_charm.comm.agreement`), and any synchronizing CUDA
+operation inside it fails the check with the operation's message.
 """
 
 from __future__ import annotations
@@ -70,6 +75,19 @@ def max_err(a: Tensor, b: Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def sync_free(call, set_mode) -> dict:
+    """Run ``call()`` with synchronizing CUDA operations made errors (``set_mode``:
+    ``torch.cuda.set_sync_debug_mode``); ``{"ok", "why"}``, the first line of the error."""
+    set_mode("error")
+    try:
+        call()
+    except RuntimeError as exc:
+        return {"ok": False, "why": str(exc).strip().splitlines()[0][:300]}
+    finally:
+        set_mode("default")
+    return {"ok": True, "why": ""}
+
+
 def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
     """One rank: every node split, causal/full and method; returns its rows (errors, tolerances)
     and, with ``gloo-staged``, how many exchanges went through the host."""
@@ -93,6 +111,7 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
     # one global problem, rounded to the input dtype, identical on every rank
     full = [torch.randn(b, seq, n, d, generator=g).to(dtype) for n in (h, h_kv, h_kv, h)]
     rows = []
+    sync = None
     try:
         for split in cfg["splits"]:
             topo = mc.CPTopology.build(None, ranks_per_node=NODE_SPLITS[split])
@@ -120,10 +139,25 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
                         "errors": dict(zip(TENSORS, errs, strict=True)),
                         "tolerances": dict(zip(TENSORS, tols, strict=True)),
                     })  # fmt: skip
+            if transport == "nccl" and split == "2x2":
+                local = [t.to(device)[:, _local_index(topo.cp_rank, world, seq, True, "zigzag")
+                                      .to(device)].contiguous() for t in full]  # fmt: skip
+                q, k, v = (t.clone().requires_grad_() for t in local[:3])
+
+                def call(q=q, k=k, v=v, do=local[3], topo=topo) -> None:
+                    mc.cp_attention(q, k, v, topo, method="charm", causal=True).backward(do)
+
+                call()  # first call of this shape: plans and kernel choices, outside the check
+                torch.cuda.synchronize()
+                sync = sync_free(call, torch.cuda.set_sync_debug_mode)
     finally:
         staged.uninstall()
         dist.destroy_process_group()
-    return {"rows": rows, "staged_exchanges": stager.exchanges if stager else None}
+    return {
+        "rows": rows,
+        "staged_exchanges": stager.exchanges if stager else None,
+        "sync_free": sync,
+    }
 
 
 def _combine(per_rank: list[list[dict]]) -> list[dict]:
@@ -184,6 +218,14 @@ def cp4(
         result["transports"][transport] = {
             "ran": True, "seconds": round(time.time() - t0, 1), "rows": rows,
         }  # fmt: skip
+        if transport == "nccl":
+            sync = [r["sync_free"] for r in per_rank]
+            result["transports"][transport]["sync_free_per_rank"] = sync
+            bad += [
+                f"nccl: cp_rank {i}'s charm call made the host wait for the GPU: {s['why']}"
+                for i, s in enumerate(sync)
+                if s is not None and not s["ok"]
+            ]
         if transport == "gloo-staged":
             staged = [r["staged_exchanges"] for r in per_rank]
             result["transports"][transport]["staged_exchanges_per_rank"] = staged
