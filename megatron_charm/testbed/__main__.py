@@ -32,6 +32,7 @@ _SHAPE_FLAGS = (
     "intra_rate",
     "cross_delay",
     "preset",
+    "ack_priority",
 )
 
 
@@ -43,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     shape.add_argument("--cross-rate", help="cross link rate per direction, e.g. 100mbit, 1gbit")
     shape.add_argument("--intra-rate", help="optional cap on each node's intra-node traffic")
     shape.add_argument("--cross-delay", help="one-way cross link delay, e.g. 1ms (needs netem)")
+    shape.add_argument(
+        "--no-ack-priority",
+        dest="ack_priority",
+        action="store_false",
+        default=None,
+        help="one FIFO per link end: acknowledgements wait behind data, as testbeds before "
+        "2026-12-03 (Note [Acknowledgements first])",
+    )
     shape.add_argument(
         "--preset",
         choices=sorted(PRESET_RATIOS),
@@ -87,6 +96,7 @@ def _config(args: argparse.Namespace, name: str) -> TestbedConfig:
         intra_rate=args.intra_rate,
         cross_delay=args.cross_delay,
         preset=args.preset,
+        ack_priority=args.ack_priority is not False,
         name=name,
     )
 

@@ -101,6 +101,10 @@ class TestbedConfig:
     which many kernels lack; the testbed then refuses instead of silently ignoring it."""
     preset: str | None = None
     """``l20``/``h20``/``h100``: cross rate = intra bandwidth / the paper's Table 2 ratio."""
+    ack_priority: bool = True
+    """Send small TCP packets (acknowledgements) ahead of queued data on every shaped link, so
+    that traffic in one direction does not slow the other (Note [Acknowledgements first] in
+    :mod:`megatron_charm.testbed.net`). ``False``: one queue, as testbeds before 2026-12-03."""
     name: str = field(default_factory=lambda: f"p{os.getpid()}")
     """Instance name; namespaces are ``mctb-<name>-n<node>`` (a-z, 0-9, ``_``). The default
     comes from the process id, so concurrent users do not collide."""

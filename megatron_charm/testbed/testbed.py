@@ -130,7 +130,7 @@ class Testbed:
         if cfg.intra_rate is not None:
             self.intra_rate_bps = parse_rate(cfg.intra_rate, "intra_rate")
             for ns in self.namespaces:
-                net.shape(ns, "lo", self.intra_rate_bps)
+                net.shape(ns, "lo", self.intra_rate_bps, ack_priority=cfg.ack_priority)
         if cfg.preset is not None:
             ratio = PRESET_RATIOS[cfg.preset]
             if self.intra_rate_bps is None:
@@ -149,6 +149,7 @@ class Testbed:
                     link.ifname(node),
                     self.cross_rate_bps,
                     cfg.cross_delay,
+                    ack_priority=cfg.ack_priority,
                 )
 
     def down(self) -> None:

@@ -198,3 +198,38 @@ def test_cross_delay_needs_netem() -> None:
         with pytest.raises(TestbedError, match="netem"):
             tb.up()
     assert _left(name) == []
+
+
+def _class_counts(ns: str, dev: str) -> dict[str, tuple[int, int]]:
+    """``classid -> (bytes, packets)`` sent by each HTB class on ``dev``."""
+    import re
+
+    text = subprocess.run(
+        ["tc", "-s", "-n", ns, "class", "show", "dev", dev],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    got = re.findall(r"class htb (\S+) .*?\n\s*Sent (\d+) bytes (\d+) pkt", text)
+    return {cid: (int(b), int(p)) for cid, b, p in got}
+
+
+@pytest.mark.parametrize("ack_priority", [True, False], ids=["acks-first", "one-fifo"])
+def test_acknowledgements_go_ahead_of_data(ack_priority: bool) -> None:
+    """Note [Acknowledgements first]: small packets leave through the HTB class served first,
+    data through the other; without the option the link has the tbf's single queue."""
+    name = _name("acks" if ack_priority else "fifo")
+    cfg = dict(nodes=2, ranks_per_node=1, cross_rate="50mbit", name=name)
+    with Testbed(**cfg, ack_priority=ack_priority) as tb:
+        probe(tb, cross_bytes=1_000_000, repeats=1, timeout_s=90)
+        counts = [_class_counts(ns, "n1" if node == 0 else "n0")
+                  for node, ns in enumerate(tb.namespaces)]  # fmt: skip
+    assert _left(name) == []
+    if not ack_priority:
+        assert counts == [{}, {}]
+        return
+    small = [c["10:10"] for c in counts]
+    data = [c["10:20"] for c in counts]
+    assert sum(p for _, p in small) > 100, counts  # the receivers' acknowledgements
+    assert all(b <= 128 * p for b, p in small), counts  # and nothing larger
+    assert sum(b for b, _ in data) >= 1_000_000, counts  # the probe's data
