@@ -173,15 +173,13 @@ class CPTopology:
             )
         groups = sorted({(e[0], e[1]) for e in everyone if e})
         mine: dict[str, dist.ProcessGroup | None] = {}
+        control = None
         for ranks, p in groups:
             made = _make_channel_groups(list(ranks), p, backend, timeout)
-            if tuple(global_ranks) == ranks:
-                mine = made
-        control = None
-        for ranks, _ in groups:  # one per CP group, in the same order on every rank
+            # the CP ranks' gloo group of the per-call checks (Note [Call agreement])
             made_control = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
             if tuple(global_ranks) == ranks:
-                control = made_control
+                mine, control = made, made_control
         _warm_up(mine, backend)
         topo = cls(group, cp_rank, cp_size, global_ranks, layout, backend, timeout, mine, control)
         if dist.get_rank() == global_ranks[0]:

@@ -215,11 +215,12 @@ def shape(
     mtu = int(info[0]["mtu"])
     burst, limit = tbf_params(rate_bps, mtu)
     tc = ("tc", "-n", ns)
-    sh(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf", "rate",
-       f"{rate_bps}bit", "burst", str(burst), "limit", str(limit))  # fmt: skip
-    leaves = {"1:1": None}  # parent -> the queue it had without netem
+    rate = f"{rate_bps}bit"
+    sh(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
+       "burst", str(burst), "limit", str(limit))  # fmt: skip
+    # parent -> (its queue, or None: the tbf's own; netem's limit in packets when delayed)
+    leaves: dict[str, tuple[tuple[str, ...] | None, int]] = {"1:1": (None, 10000)}
     if ack_priority:
-        rate = f"{rate_bps}bit"
         quantum = str(max(mtu + 100, 16 * 1024))
         sh(*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default",
            "20")  # fmt: skip
@@ -230,12 +231,13 @@ def shape(
            "u32", "match", "ip", "protocol", "6", "0xff",
            "match", "u16", "0x0000", f"{0xFFFF ^ (SMALL_PACKET_BYTES - 1):#06x}", "at", "2",
            "flowid", "10:10")  # fmt: skip
-        leaves = {"10:10": ("pfifo", "limit", "10000"), "10:20": ("bfifo", "limit", str(limit))}
-    for parent, queue in leaves.items():
-        if delay is not None:
-            # netem delays what the bucket (and the HTB) let through; its limit is in packets
-            packets = str(10000 if queue is None or queue[0] == "pfifo" else limit // mtu + 1)
+        leaves = {
+            "10:10": (("pfifo", "limit", "10000"), 10000),
+            "10:20": (("bfifo", "limit", str(limit)), limit // mtu + 1),
+        }
+    for parent, (queue, packets) in leaves.items():
+        if delay is not None:  # netem delays what the bucket (and the HTB) let through
             sh(*tc, "qdisc", "add", "dev", dev, "parent", parent, "netem", "delay", delay,
-               "limit", packets)  # fmt: skip
+               "limit", str(packets))  # fmt: skip
         elif queue is not None:
             sh(*tc, "qdisc", "add", "dev", dev, "parent", parent, *queue)

@@ -140,8 +140,9 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
                         "tolerances": dict(zip(TENSORS, tols, strict=True)),
                     })  # fmt: skip
             if transport == "nccl" and split == "2x2":
-                local = [t.to(device)[:, _local_index(topo.cp_rank, world, seq, True, "zigzag")
-                                      .to(device)].contiguous() for t in full]  # fmt: skip
+                layout = mc.PlanOptions(method="charm").seq_layout
+                idx = _local_index(topo.cp_rank, world, seq, True, layout).to(device)
+                local = [t.to(device)[:, idx].contiguous() for t in full]
                 q, k, v = (t.clone().requires_grad_() for t in local[:3])
 
                 def call(q=q, k=k, v=v, do=local[3], topo=topo) -> None:
