@@ -211,3 +211,6 @@ def test_sync_free_reports_a_synchronizing_call_and_restores_the_mode():
     assert modes == ["error", "default"]
     assert sync_free(lambda: None, modes.append) == {"ok": True, "why": ""}
     assert modes[-1] == "default"
+    # the modes it passes are the names torch's own setter documents (it needs CUDA to run)
+    doc = torch.cuda.set_sync_debug_mode.__doc__ or ""
+    assert '"error"' in doc and '"default"' in doc, doc
