@@ -1,0 +1,77 @@
+"""The paper's H100 structure: predicted CHARM+ speedup over batch and sequence length.
+
+Replays the paper's ring and CHARM+ (Note [The paper's baselines] in
+``megatron_charm/sim/baselines.py``) on the H100 preset at the paper's efficiency, 12 heads of
+192, non-causal, and prints the forward and backward speedup and ring's CCR for every batch x
+sequence point of a grid: the shape of the paper's appendix tables (speedup against batch at a
+fixed sequence, and at sequences of 100K-200K tokens), which the repository does not hold.
+
+Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--md FILE]`` (about a
+minute on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
+from megatron_charm.sim.compute import FlopsCompute
+from megatron_charm.sim.predict import Problem, predict
+from megatron_charm.sim.topology import PRESETS, Topology
+
+# Sequences per 16 GPUs (scaled with the GPU count), and batches.
+SEQS_16 = (3360, 13440, 26880, 53760, 107520, 161280, 215040)
+BATCHES = (1, 4, 16)
+
+
+def rows(gpus: tuple[int, int], efficiency: float, baselines: str) -> list[str]:
+    hw = PRESETS["H100"]
+    topo = Topology(
+        *gpus,
+        hw.intra_bw,
+        hw.cross_bw,
+        fabric=hw.fabric,
+        cross_links=hw.cross_links,
+        nics_per_node=hw.nics_per_node,
+    )
+    compute = FlopsCompute(hw.tflops, efficiency, mem_bw=hw.mem_bw)
+    run = paper_predict if baselines == "paper" else predict
+    out = []
+    for seq16 in SEQS_16:
+        seq = seq16 * gpus[0] * gpus[1] // 16
+        for batch in BATCHES:
+            pred = run(topo, Problem(batch, seq, 12, 192), compute, ("ring", "charm"))
+            out.append(
+                f"| {gpus[0]}x{gpus[1]} | {batch} | {seq} | {pred.ccr_forward:.2f} | "
+                f"{pred.methods['ring'].forward.makespan * 1e3:.2f} | "
+                f"{pred.speedup('charm'):.2f} | {pred.speedup('charm', backward=True):.2f} |"
+            )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baselines", choices=("paper", "ours"), default="paper")
+    ap.add_argument("--efficiency", type=float, default=PAPER_EFFICIENCY["H100"])
+    ap.add_argument("--md", help="write the table here as well")
+    args = ap.parse_args()
+    lines = [
+        f"H100 preset, efficiency {args.efficiency}, {args.baselines} baselines, 12 x 192 "
+        f"heads, non-causal ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        "",
+        "| GPUs | batch | seq | CCR fwd | ring fwd ms | charm fwd speedup | charm bwd speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for gpus in ((2, 8), (4, 8)):
+        lines += rows(gpus, args.efficiency, args.baselines)
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
