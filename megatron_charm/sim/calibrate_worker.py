@@ -74,9 +74,9 @@ def _slowest(value: float) -> float:
     return max(out)
 
 
-def _block_calls(cfg: dict, device: torch.device, tokens: int, seed: int):
-    """Forward and backward of one unmasked ``tokens x tokens`` block of the configured shape,
-    run once to warm up: two calls without arguments."""
+def _block_calls(cfg: dict, device: torch.device, tokens: int, seed: int, causal: bool = False):
+    """Forward and backward of one ``tokens x tokens`` block of the configured shape (causal:
+    masked on the diagonal), run once to warm up: two calls without arguments."""
     from megatron_charm.kernels.backends import select_kernel
 
     dtype = DTYPES[cfg["dtype"]]
@@ -87,33 +87,34 @@ def _block_calls(cfg: dict, device: torch.device, tokens: int, seed: int):
         torch.randn(tokens, b, h, d, generator=gen).to(device=device, dtype=dtype) for _ in range(4)
     )
     scale = d**-0.5
-    out, lse = kernel.forward(q, k, v, False, scale)
-    kernel.backward(dout, q, k, v, out, lse, False, scale)
+    out, lse = kernel.forward(q, k, v, causal, scale)
+    kernel.backward(dout, q, k, v, out, lse, causal, scale)
     return (
-        partial(kernel.forward, q, k, v, False, scale),
-        partial(kernel.backward, dout, q, k, v, out, lse, False, scale),
+        partial(kernel.forward, q, k, v, causal, scale),
+        partial(kernel.backward, dout, q, k, v, out, lse, causal, scale),
     )
 
 
 def time_kernels(cfg: dict, device: torch.device) -> list[dict]:
-    """Forward and backward seconds of one unmasked ``tokens x tokens`` block per size."""
+    """Forward and backward seconds of one ``tokens x tokens`` block per size, unmasked
+    (``fwd_s``, ``bwd_s``) and causal-masked (``fwd_masked_s``, ``bwd_masked_s``; Note [Masked
+    blocks] in :mod:`megatron_charm.sim.compute`)."""
     samples = []
     for tokens in cfg["tokens"]:
-        fwd_call, bwd_call = _block_calls(cfg, device, tokens, seed=0)
-        dist.barrier()
-        fwd = _timed(fwd_call, cfg, device)
-        dist.barrier()
-        bwd = _timed(bwd_call, cfg, device)
-        samples.append(
-            {
-                "batch": cfg["batch"],
-                "heads": cfg["heads"],
-                "head_dim": cfg["head_dim"],
-                "tokens": tokens,
-                "fwd_s": _slowest(fwd),
-                "bwd_s": _slowest(bwd),
-            }
-        )
+        sample = {
+            "batch": cfg["batch"],
+            "heads": cfg["heads"],
+            "head_dim": cfg["head_dim"],
+            "tokens": tokens,
+        }
+        for causal, tag in ((False, ""), (True, "_masked")):
+            fwd_call, bwd_call = _block_calls(cfg, device, tokens, seed=0, causal=causal)
+            dist.barrier()
+            fwd = _timed(fwd_call, cfg, device)
+            dist.barrier()
+            bwd = _timed(bwd_call, cfg, device)
+            sample[f"fwd{tag}_s"], sample[f"bwd{tag}_s"] = _slowest(fwd), _slowest(bwd)
+        samples.append(sample)
     return samples
 
 

@@ -20,6 +20,7 @@ the payload's bytes at memory bandwidth.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -151,8 +152,21 @@ class FittedCompute(_MergeCost):
     :mod:`megatron_charm.sim.profile`), one rank's alone."""
     host_post_s: float = 0.0
     """Host seconds of posting one exchange, one rank's alone."""
+    masked_cost: tuple[tuple[int, float, float], ...] = ()
+    """``(tokens, forward, backward)`` per measured size: the time of a causal-masked ``tokens x
+    tokens`` block over the unmasked one's (Note [Masked blocks]). Empty: half, the masked
+    block's share of the FLOPs."""
 
     def __post_init__(self) -> None:
+        # a profile read from JSON holds lists; the model is hashable and sorted by size
+        cost = tuple(sorted((int(t), float(f), float(b)) for t, f, b in self.masked_cost))
+        object.__setattr__(self, "masked_cost", cost)
+        if not all(t > 0 and 0 < f < math.inf and 0 < b < math.inf for t, f, b in cost):
+            raise ValueError(
+                f"masked_cost {cost}: expected (tokens > 0, forward, backward) with each ratio "
+                "of a masked block's time to an unmasked one's positive and finite; rerun "
+                "megatron-charm-sim calibrate"
+            )
         rates = (self.fwd_flops_per_s, self.bwd_flops_per_s, self.mem_bw)
         if not all(math.isfinite(x) and x > 0 for x in rates):
             raise ValueError(
@@ -185,13 +199,44 @@ class FittedCompute(_MergeCost):
         return self.bwd_overhead if backward else self.fwd_overhead
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
+        if ins.masked and self.masked_cost:  # Note [Masked blocks]
+            whole = dataclasses.replace(ins, masked=False)
+            tokens = shape.s_local * ins.q_part.fraction
+            return self.block_time(whole, shape, backward) * self.masked_ratio(tokens, backward)
         flops = block_flops(ins, shape, backward)
         if backward:
             return self.bwd_overhead + flops / self.bwd_flops_per_s
         return self.fwd_overhead + flops / self.fwd_flops_per_s
 
+    def masked_ratio(self, tokens: float, backward: bool) -> float:
+        """A masked ``tokens x tokens`` block's time over the unmasked one's, interpolated
+        linearly in ``log2(tokens)`` between the measured sizes, the nearest one outside them."""
+        cost = self.masked_cost
+        col = 2 if backward else 1
+        if tokens <= cost[0][0]:
+            return cost[0][col]
+        for lo, hi in zip(cost, cost[1:], strict=False):
+            if tokens <= hi[0] and hi[0] > lo[0]:
+                w = math.log2(tokens / lo[0]) / math.log2(hi[0] / lo[0])
+                return lo[col] + w * (hi[col] - lo[col])
+        return cost[-1][col]
+
     def slowdown(self, backward: bool) -> float:
         return self.bwd_slowdown if backward else self.fwd_slowdown
+
+
+# Note [Masked blocks]
+# ~~~~~~~~~~~~~~~~~~~~
+# A causal-masked diagonal block computes half of a full block's FLOPs, but a kernel computes
+# whole tiles: every tile that the diagonal crosses is computed in full. PyTorch's CPU flash
+# kernel takes keys in tiles of up to 512 tokens, so a masked block of 512 tokens or fewer
+# costs what an unmasked one does (measured on the testbed host, bf16, 4 heads of 64: 4.8 against
+# 4.7 ms at 512 tokens, 0.70 of it at 1024), where the FLOPs say half. Zigzag plans put such
+# blocks on every rank (a rank's own block, and the halves' diagonals), so the half rule made
+# every causal method look faster than it runs. ``calibrate`` now times a masked block next to
+# each unmasked one, and the model scales the unmasked time by the measured ratio at the
+# block's size; flash-attention's 128-token tiles on a GPU give ratios near 0.5 at the sizes
+# that matter, and profiles without the measurement keep the half rule.
 
 
 ComputeModel = FlopsCompute | CalibratedCompute | FittedCompute

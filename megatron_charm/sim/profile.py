@@ -266,7 +266,8 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     """Fit a profile to the samples of :mod:`megatron_charm.sim.calibrate_worker`.
 
     ``raw``: ``{"nodes", "ranks_per_node", "device", "dtype", "backend", "kernel": [{"batch",
-    "heads", "head_dim", "tokens", "fwd_s", "bwd_s"}], "merge": [{"bytes", "s"}], "p2p":
+    "heads", "head_dim", "tokens", "fwd_s", "bwd_s", "fwd_masked_s", "bwd_masked_s"}], "merge":
+    [{"bytes", "s"}], "p2p":
     {"intra": [{"bytes", "s"}], "cross": [...]}, "concurrent_cross": {"flows", "bytes", "s"}}``.
     """
     m, p = raw["nodes"], raw["ranks_per_node"]
@@ -316,6 +317,12 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     if raw.get("one_host"):
         slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
     call, post = host_work(raw, slots)
+    # Note [Masked blocks] in megatron_charm/sim/compute.py (older raw samples have none)
+    masked = tuple(
+        (k["tokens"], k["fwd_masked_s"] / k["fwd_s"], k["bwd_masked_s"] / k["bwd_s"])
+        for k in ks
+        if "fwd_masked_s" in k
+    )
     compute = FittedCompute(
         fwd_flops_per_s=1.0 / f1,
         bwd_flops_per_s=1.0 / b1,
@@ -327,6 +334,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         shared_slots=slots,
         host_call_s=call,
         host_post_s=post,
+        masked_cost=masked,
     )
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "
@@ -339,7 +347,8 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         cross_lat=cross[0],
         nics_per_node=nics,
         fabric=fabric,
-        compute={"kind": "fitted", **asdict(compute)},
+        # JSON's form (lists), so that a saved profile loads equal
+        compute={"kind": "fitted", **asdict(compute), "masked_cost": [list(c) for c in masked]},
         # gloo runs a channel's exchanges at once, NCCL one after another
         exchange_order="pair" if raw.get("backend") == "gloo" else "channel",
         fit_error=err,

@@ -31,6 +31,9 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert [s["bytes"] for s in samples["p2p"]["cross"]] == [4096, 65536]
     assert samples["concurrent_cross"]["flows"] == 2
     assert all(k["fwd_s"] > 0 and k["bwd_s"] > 0 for k in samples["kernel"])
+    # masked blocks timed next to unmasked ones (Note [Masked blocks])
+    assert all(k["fwd_masked_s"] > 0 and k["bwd_masked_s"] > 0 for k in samples["kernel"])
+    assert [t for t, _, _ in prof.compute_model().masked_cost] == [64, 128]
     compute = prof.compute_model()
     assert compute.fwd_flops_per_s > 0 and prof.cross_bw > 0
     # every rank on this host: blocks timed one rank at a time, the host's cores recorded
