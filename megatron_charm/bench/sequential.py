@@ -21,7 +21,6 @@ from megatron_charm.comm.executor import RunTrace
 from megatron_charm.function import backward_pass, forward_pass, validated_plan
 from megatron_charm.kernels import BlockKernel, select_kernel
 from megatron_charm.plan import PlanOptions
-from megatron_charm.plan.types import Exchange, Program, Wait
 
 Tensor = torch.Tensor
 
@@ -36,19 +35,6 @@ def _null_bwd(dout, q, k, v, out, lse, causal, scale):
 
 #: Block kernel that computes nothing (zeros of the right shapes): isolates communication time.
 NULL_KERNEL = BlockKernel("null", _null_fwd, _null_bwd)
-
-
-def sequential(program: Program) -> Program:
-    """The same instructions with each ``Wait`` moved right after its ``Exchange`` (pure)."""
-    waits = {ins.handle for ins in program.instrs if isinstance(ins, Wait)}
-    out: list = []
-    for ins in program.instrs:
-        if isinstance(ins, Wait):
-            continue
-        out.append(ins)
-        if isinstance(ins, Exchange) and ins.handle in waits:
-            out.append(Wait(ins.handle))
-    return Program(program.cp_rank, tuple(out))
 
 
 @dataclass
@@ -88,8 +74,10 @@ def run_sequential_ring(
     x = topo.cp_rank
     blk = kernel if isinstance(kernel, BlockKernel) else select_kernel(q.device, q.dtype, kernel)
     traces: list[RunTrace] = []
-    out, lse, _ = forward_pass(topo, sequential(plan.forward[x]), q, k, v, blk, scale, traces)
-    backward_pass(topo, sequential(plan.backward[x]), q, k, v, out, lse, dout, blk, scale, traces)
+    out, lse, _ = forward_pass(topo, plan.forward[x].without_overlap(), q, k, v, blk, scale, traces)
+    backward_pass(
+        topo, plan.backward[x].without_overlap(), q, k, v, out, lse, dout, blk, scale, traces
+    )
     if q.is_cuda:
         torch.cuda.synchronize()
     return _split(traces[0]), _split(traces[1])

@@ -231,6 +231,20 @@ class Program:
     def computes(self) -> list[Compute]:
         return [i for i in self.instrs if isinstance(i, Compute)]
 
+    def without_overlap(self) -> Program:
+        """The same instructions with each ``Wait`` moved up to right after its ``Exchange``:
+        nothing computes while a transfer is in flight (the paper's sequential runs for its CCR,
+        and its Ring-Attention forward). An exchange never waited for gets no wait."""
+        waited = {i.handle for i in self.instrs if isinstance(i, Wait)}
+        instrs: list[Instr] = []
+        for ins in self.instrs:
+            if isinstance(ins, Wait):
+                continue
+            instrs.append(ins)
+            if isinstance(ins, Exchange) and ins.handle in waited:
+                instrs.append(Wait(ins.handle))
+        return Program(self.cp_rank, tuple(instrs))
+
 
 @dataclass(frozen=True)
 class Layout:

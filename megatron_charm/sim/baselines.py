@@ -22,8 +22,8 @@ Ring-Attention and CHARM+ do neither, and Table 5 says so:
   A ring that overlaps would take ``max(C, X) = C`` in every row. Its backward does overlap:
   449.58 / 448.84 / 450.01 ms (2 x 8) and 559.34 / 556.25 / 560.63 ms (4 x 8) give it an
   ``X`` of 1 and 4 ms, where its blocks (2.5 times the forward's) take 27 and 21 ms.
-  So :func:`no_overlap` replays the paper's ring forward with every exchange waited for
-  right after it is posted, and its backward as ours.
+  So the paper's ring forward is replayed with every exchange waited for right after it is
+  posted (:meth:`megatron_charm.plan.types.Program.without_overlap`), and its backward as ours.
 * **Its CHARM+ ships queries and the whole backward bundle.** Queries cross nodes in both passes
   (the paper's cross-hardware query parallelism: ``cross_level="q"``), nothing is kept from the
   forward (``foreign_q="resend"``), and the bundle is ``q, out, dout, lse`` (its
@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_charm.plan import PlanOptions
-from megatron_charm.plan.types import Exchange, Kind, Layout, Payload, Program, Wait
+from megatron_charm.plan.types import Exchange, Kind, Layout, Payload, Program
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.engine import simulate_pass
 from megatron_charm.sim.predict import Prediction, Problem, predict
@@ -58,20 +58,6 @@ PAPER_CHARM = PlanOptions(method="charm", cross_level="q", foreign_q="resend")
 
 #: Efficiencies the paper's own numbers give (Note [The paper's baselines]); other GPUs are fitted.
 PAPER_EFFICIENCY: dict[str, float] = {"H100": 0.61}
-
-
-def no_overlap(program: Program) -> Program:
-    """``program`` with each ``Wait`` moved up to right after its ``Exchange``: nothing computes
-    while a transfer is in flight. Exchanges never waited for keep no wait."""
-    waited = {i.handle for i in program.instrs if isinstance(i, Wait)}
-    instrs: list = []
-    for ins in program.instrs:
-        if isinstance(ins, Wait):
-            continue
-        instrs.append(ins)
-        if isinstance(ins, Exchange) and ins.handle in waited:
-            instrs.append(Wait(ins.handle))
-    return Program(program.cp_rank, tuple(instrs))
 
 
 def with_output_in_bundle(program: Program) -> Program:
@@ -103,7 +89,9 @@ def paper_predict(
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
     if "ring" in pred.methods:
         progs = programs(PAPER_CHARM.replace(method="ring"), layout, problem.causal, shape=shape)
-        serial = dataclasses.replace(progs, forward=tuple(map(no_overlap, progs.forward)))
+        serial = dataclasses.replace(
+            progs, forward=tuple(p.without_overlap() for p in progs.forward)
+        )
         pred.methods["ring"].forward = simulate_pass(serial, topo, shape, compute, False)
     if "charm" in pred.methods:
         progs = programs(PAPER_CHARM, layout, problem.causal, shape=shape)

@@ -13,7 +13,6 @@ from megatron_charm.plan.types import Compute, Exchange, Kind, Layout, Part, Pay
 from megatron_charm.sim.baselines import (
     PAPER_CHARM,
     PAPER_EFFICIENCY,
-    no_overlap,
     paper_predict,
     with_output_in_bundle,
 )
@@ -35,7 +34,7 @@ def _ring(layout: Layout, causal: bool = False):
 
 def test_no_overlap_waits_right_after_each_exchange() -> None:
     prog = _ring(Layout(1, 4)).forward[0]
-    serial = no_overlap(prog)
+    serial = prog.without_overlap()
     assert Counter(serial.instrs) == Counter(prog.instrs)
     assert [i for i in serial.instrs if isinstance(i, Compute)] == prog.computes()
     for at, ins in enumerate(serial.instrs):
@@ -50,7 +49,7 @@ def test_a_ring_without_overlap_adds_its_transfers_to_its_blocks() -> None:
     topo = Topology(1, 4, 10.0, 10.0)
     shape = PROBLEM.shape(4)
     progs = _ring(Layout(1, 4))
-    serial = dataclasses.replace(progs, forward=tuple(map(no_overlap, progs.forward)))
+    serial = dataclasses.replace(progs, forward=tuple(p.without_overlap() for p in progs.forward))
     block = COMPUTE.block_time(Compute(0, 1, Part.FULL, Part.FULL, False), shape, False)
     kv = payload_bytes(Payload(Kind.KV, 0, Part.FULL), shape, Wire.INPUT)
     step = topo.latency("intra") + kv / topo.bandwidth("intra")
