@@ -1,11 +1,10 @@
-"""The paper's baselines, replayed as the paper ran them (validation (a), issue item "Model what
-the paper's baselines are").
+"""The paper's baselines, replayed as the paper ran them (validation (a) in docs/simulator.md).
 
 Note [The paper's baselines]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Our ``ring`` overlaps each step's transfer with the block before it, and our ``charm`` keeps the
 queries that crossed nodes for the backward and ships ``delta`` instead of ``out``. The paper's
-Ring-Attention and CHARM+ do neither, and Table 5 says so:
+Ring-Attention and CHARM+ do neither:
 
 * **Its Ring-Attention forward does not overlap.** Rows 1, 3 and 4 of each Table 5 block have the
   same ``B*S`` (the same bytes per step) and FLOPs in the ratio 8 : 2 : 1. Write a time as
@@ -26,9 +25,12 @@ Ring-Attention and CHARM+ do neither, and Table 5 says so:
   posted (:meth:`megatron_charm.plan.types.Program.without_overlap`), and its backward as ours.
 * **Its CHARM+ ships queries and the whole backward bundle.** Queries cross nodes in both passes
   (the paper's cross-hardware query parallelism: ``cross_level="q"``), nothing is kept from the
-  forward (``foreign_q="resend"``), and the bundle is ``q, out, dout, lse`` (its
-  Algorithm 2 and Section 3): :func:`with_output_in_bundle` adds an ``out``-sized tensor to
-  every bundle we ship (ours carries ``delta``, ``d`` times smaller than ``out``, in its place).
+  forward (``foreign_q="resend"``), and the bundle is ``q, out, dout, lse``: what
+  FlashAttention's backward takes, in a backward that "shares the same overall logic" as the
+  forward (the paper's footnote 5), whose buffers the paper counts as ``q, k, v``, the output
+  and its gradient (its Appendix B.2). That is our reading; the paper does not list the
+  bundle. :func:`with_output_in_bundle` adds an ``out``-sized tensor to every bundle we ship
+  (ours carries ``delta``, ``d`` times smaller than ``out``, in its place).
 * **Its kernels run at about 60% of the H100's peak.** ``X = 10.96`` ms is the 2 x 8 row-1
   forward's blocks: ``6.66e12`` FLOPs per GPU (non-causal, ``4 B S^2 h d / n``) at 989 TFLOPS
   x 0.61. The paper's text says the same independently: on 16 H100 the CCR "exceeds 1" for
