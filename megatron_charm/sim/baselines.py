@@ -48,11 +48,10 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_charm.plan import PlanOptions
-from megatron_charm.plan.types import Exchange, Kind, Layout, Payload, Program
+from megatron_charm.plan.types import Exchange, Kind, Payload, Program
 from megatron_charm.sim.compute import ComputeModel
-from megatron_charm.sim.engine import simulate_pass
 from megatron_charm.sim.predict import Prediction, Problem, predict
-from megatron_charm.sim.programs import programs
+from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import Topology
 
 #: CHARM+ as the paper runs it (the bundle's ``out`` is added by :func:`with_output_in_bundle`).
@@ -81,24 +80,21 @@ def with_output_in_bundle(program: Program) -> Program:
     return Program(program.cp_rank, tuple(instrs))
 
 
+def paper_programs(progs: ProgramSet) -> ProgramSet:
+    """``progs`` as the paper runs them: ring's forward without overlap, charm's backward
+    bundles with ``out``; other methods as the planner builds them."""
+    if progs.method == "ring":
+        return dataclasses.replace(progs, forward=tuple(p.without_overlap() for p in progs.forward))
+    if progs.method == "charm":
+        return dataclasses.replace(
+            progs, backward=tuple(map(with_output_in_bundle, progs.backward))
+        )
+    return progs
+
+
 def paper_predict(
     topo: Topology, problem: Problem, compute: ComputeModel, methods: tuple[str, ...]
 ) -> Prediction:
     """:func:`megatron_charm.sim.predict` of ``methods`` with ``ring`` and ``charm`` replaced by
     the paper's (Note [The paper's baselines]); other methods as the planner builds them."""
-    pred = predict(topo, problem, compute, methods, options=PAPER_CHARM)
-    shape = problem.shape(topo.cp_size)
-    layout = Layout(topo.num_nodes, topo.ranks_per_node)
-    if "ring" in pred.methods:
-        progs = programs(PAPER_CHARM.replace(method="ring"), layout, problem.causal, shape=shape)
-        serial = dataclasses.replace(
-            progs, forward=tuple(p.without_overlap() for p in progs.forward)
-        )
-        pred.methods["ring"].forward = simulate_pass(serial, topo, shape, compute, False)
-    if "charm" in pred.methods:
-        progs = programs(PAPER_CHARM, layout, problem.causal, shape=shape)
-        bundled = dataclasses.replace(
-            progs, backward=tuple(map(with_output_in_bundle, progs.backward))
-        )
-        pred.methods["charm"].backward = simulate_pass(bundled, topo, shape, compute, True)
-    return pred
+    return predict(topo, problem, compute, methods, options=PAPER_CHARM, rewrite=paper_programs)

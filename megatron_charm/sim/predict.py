@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_charm.plan import PlanOptions, check_shape, methods_for
@@ -10,7 +11,7 @@ from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Kind, Layout, Part, Payload, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.engine import PassResult, simulate_pass
-from megatron_charm.sim.programs import programs
+from megatron_charm.sim.programs import ProgramSet, programs
 from megatron_charm.sim.topology import Topology
 
 # Methods whose predicted fwd+bwd times are within this fraction count as a tie; ties go to the
@@ -144,10 +145,13 @@ def predict(
     mode: str = "auto",
     options: PlanOptions | None = None,
     record: bool = False,
+    rewrite: Callable[[ProgramSet], ProgramSet] | None = None,
 ) -> Prediction:
     """Replay forward and backward of every method in ``methods``, each with ``options`` (its
     method replaced). ``None``: every method that can split the problem (``a2a`` only when the
-    heads divide over the CP group); a method in ``methods`` that cannot raises ``ValueError``."""
+    heads divide over the CP group); a method in ``methods`` that cannot raises ``ValueError``.
+    ``rewrite``, if given, maps each method's programs to the ones replayed (the paper's
+    baselines, :mod:`megatron_charm.sim.baselines`)."""
     options = options if options is not None else PlanOptions()
     shape = problem.shape(topo.cp_size)
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
@@ -164,6 +168,8 @@ def predict(
     )
     for method in methods:
         progs = programs(options.replace(method=method), layout, problem.causal, mode, shape)
+        if rewrite is not None:
+            progs = rewrite(progs)
         fwd = simulate_pass(progs, topo, shape, compute, False, record)
         bwd = simulate_pass(progs, topo, shape, compute, True, record)
         pred.methods[method] = MethodPrediction(method, fwd, bwd)
