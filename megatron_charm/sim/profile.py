@@ -348,7 +348,11 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         nics_per_node=nics,
         fabric=fabric,
         # JSON's form (lists), so that a saved profile loads equal
-        compute={"kind": "fitted", **asdict(compute), "masked_cost": [list(c) for c in masked]},
+        compute={
+            "kind": "fitted",
+            **asdict(compute),
+            "masked_cost": [list(c) for c in compute.masked_cost],
+        },
         # gloo runs a channel's exchanges at once, NCCL one after another
         exchange_order="pair" if raw.get("backend") == "gloo" else "channel",
         fit_error=err,
