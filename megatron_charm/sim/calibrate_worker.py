@@ -252,14 +252,19 @@ def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
     trace (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): per pass, from the
     call to its first instruction (``call_s``), and per posted exchange (``post_s``). Calls of
     ``HOST_METHODS`` at ``s_local`` 512, every rank at once as in training; medians over the
-    calls and exchanges, then the slowest rank's."""
+    calls and exchanges, then the slowest rank's.
+
+    Also per kernel call (``kernel_s``) and per merge (``merge_s``): on a GPU nothing in a pass
+    waits for the device, so each instruction's traced time is its enqueue (Note [Enqueue
+    ahead] in :mod:`megatron_charm.sim.engine`); on a CPU host they include the work itself,
+    and the profile does not use them."""
     from megatron_charm import cp_attention
 
     dtype = DTYPES[cfg["dtype"]]
     shape = (cfg["batch"], 512, cfg["heads"], cfg["head_dim"])
     gen = torch.Generator().manual_seed(2)
     calls: list[float] = []
-    posts: list[float] = []
+    per_kind: dict[str, list[float]] = {"Exchange": [], "Compute": [], "Merge": []}
     for method in HOST_METHODS:
         q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
         for t in (q, k, v):
@@ -279,11 +284,15 @@ def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
             for run in trace:
                 events = run.events
                 calls.append(events[0][2] - (t_bwd if run.backward else t_fwd))
-                posts += [end - start for kind, _, start, end in events if kind == "Exchange"]
+                for kind, _, start, end in events:
+                    if kind in per_kind:
+                        per_kind[kind].append(end - start)
     return {
         "s_local": shape[1],
         "call_s": _slowest(statistics.median(calls)),
-        "post_s": _slowest(statistics.median(posts)),
+        "post_s": _slowest(statistics.median(per_kind["Exchange"])),
+        "kernel_s": _slowest(statistics.median(per_kind["Compute"])),
+        "merge_s": _slowest(statistics.median(per_kind["Merge"])),
     }
 
 
@@ -307,7 +316,7 @@ def run(cfg: dict) -> dict | None:
     }
     raw["p2p"], raw["concurrent_cross"] = time_p2p(cfg, topo.global_ranks, m, p, device)
     if m * p > 1:
-        if cfg.get("one_host"):  # GPUs: host work overlaps the device's
+        if cfg.get("one_host") or device.type == "cuda":
             raw["host_work"] = time_host_work(cfg, device, topo)
         largest = max(raw["kernel"], key=lambda k: k["tokens"])
         raw["kernel_under_traffic"] = time_kernels_under_traffic(

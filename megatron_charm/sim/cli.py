@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
-from megatron_charm.sim.compute import ComputeModel, FlopsCompute
+from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute
 from megatron_charm.sim.predict import Prediction, Problem, advise, predict
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--intra-lat-us", type=float, help="intra-node latency, us (default 5)")
     hw.add_argument("--cross-lat-us", type=float, help="cross-node latency, us (default 10)")
     hw.add_argument("--mem-bw", type=float, help="GPU memory bandwidth for merges, GB/s")
+    hw.add_argument(
+        "--enqueue-us",
+        type=float,
+        help="host time to enqueue each kernel call, merge and exchange, us (presets: 30; "
+        "flags alone: 0); the device waits for it on small problems",
+    )
     pb = ap.add_argument_group("problem")
     pb.add_argument("--batch", type=int, default=1, help="micro-batch size")
     pb.add_argument("--seq", type=int, required=True, help="global sequence length")
@@ -130,7 +136,16 @@ def _resolve(
             pick(args.tflops, "tflops"),
             pick(args.efficiency, "efficiency", 0.5),
             mem_bw=pick(args.mem_bw, "mem_bw", 2000.0),
+            enqueue=profile.compute_model().enqueue_cost() if profile is not None else None,
         )
+    if args.enqueue_us is not None:
+        e = args.enqueue_us * 1e-6
+        if compute.host_slots() > 0:
+            raise ValueError(
+                "--enqueue-us is for GPU clusters; this profile has every rank on one CPU "
+                "host, whose host work it measured; drop --enqueue-us"
+            )
+        compute = replace(compute, enqueue=Enqueue(call=e, exchange=e, kernel=e, merge=e))
     problem = Problem(
         args.batch,
         args.seq,

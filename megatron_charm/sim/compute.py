@@ -16,6 +16,10 @@ Two sources:
 
 A merge (``Reduce``) reads the accumulator and the partial and writes the accumulator: three times
 the payload's bytes at memory bandwidth.
+
+On a GPU the host enqueues every device operation ahead of the device (:class:`Enqueue`, Note
+[Enqueue ahead] in :mod:`megatron_charm.sim.engine`); on a CPU host the same work is charged as
+host work (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,41 @@ def block_flops(ins: Compute, shape: AttnShape, backward: bool, bwd_ratio: float
     full = 4.0 * shape.b * shape.h * shape.d * shape.s_local * shape.s_local
     flops = full * block_area(ins, shape)
     return flops * bwd_ratio if backward else flops
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    """Host seconds to enqueue one pass's device operations on a GPU (Note [Enqueue ahead] in
+    :mod:`megatron_charm.sim.engine`). The host runs ahead of the device and costs nothing
+    while the device is busier; on small problems the device waits for it."""
+
+    call: float = 0.0
+    """Per pass, before its first operation (the autograd function, plan lookup, buffers)."""
+    exchange: float = 0.0
+    """Per posted exchange (the backend's P2P calls)."""
+    kernel: float = 0.0
+    """Per kernel call (a coalesced run of blocks is one call)."""
+    merge: float = 0.0
+    """Per merge of partial results (a few elementwise kernels)."""
+
+    def __post_init__(self) -> None:
+        values = (self.call, self.exchange, self.kernel, self.merge)
+        if not all(math.isfinite(x) and x >= 0 for x in values):
+            raise ValueError(
+                f"enqueue seconds {values} (call, exchange, kernel, merge) must be finite and "
+                ">= 0; pass non-negative --enqueue-us or fix the profile"
+            )
+
+    @property
+    def any(self) -> bool:
+        return max(self.call, self.exchange, self.kernel, self.merge) > 0
+
+
+def _load_enqueue(model: object) -> None:
+    """A profile read from JSON holds the enqueue costs as a dict."""
+    got = getattr(model, "enqueue", None)
+    if isinstance(got, dict):
+        object.__setattr__(model, "enqueue", Enqueue(**got))
 
 
 class _MergeCost:
@@ -69,6 +108,11 @@ class _MergeCost:
         one host's cores (Note [Ranks sharing a host]); 0: each rank has its own device."""
         return 0.0
 
+    def enqueue_cost(self) -> Enqueue:
+        """Host seconds that gate a GPU's device operations (Note [Enqueue ahead]); none unless
+        given or measured."""
+        return getattr(self, "enqueue", None) or Enqueue()
+
 
 @dataclass(frozen=True)
 class FlopsCompute(_MergeCost):
@@ -84,8 +128,11 @@ class FlopsCompute(_MergeCost):
     """Memory bandwidth for merges, GB/s."""
     block_overhead: float = 0.0
     """Fixed seconds per block (kernel launch, tiny-block inefficiency)."""
+    enqueue: Enqueue | None = None
+    """Host enqueue seconds per device operation (Note [Enqueue ahead]); ``None``: none."""
 
     def __post_init__(self) -> None:
+        _load_enqueue(self)
         if not (math.isfinite(self.tflops) and self.tflops > 0) or not 0 < self.efficiency <= 1:
             raise ValueError(
                 f"tflops {self.tflops} must be > 0 and efficiency {self.efficiency} in (0, 1]; "
@@ -156,8 +203,17 @@ class FittedCompute(_MergeCost):
     """``(tokens, forward, backward)`` per measured size: the time of a causal-masked ``tokens x
     tokens`` block over the unmasked one's (Note [Masked blocks]). Empty: half, the masked
     block's share of the FLOPs."""
+    enqueue: Enqueue | None = None
+    """Host enqueue seconds per device operation, measured on a GPU (Note [Enqueue ahead]);
+    ``None`` on a CPU host, whose host work ``host_call_s``/``host_post_s`` charge."""
 
     def __post_init__(self) -> None:
+        _load_enqueue(self)
+        if self.enqueue is not None and self.enqueue.any and self.shared_slots > 0:
+            raise ValueError(
+                "a profile with shared_slots > 0 (every rank on one CPU host) charges host work "
+                "(host_call_s, host_post_s), not GPU enqueue costs; drop one of them"
+            )
         # a profile read from JSON holds lists; the model is hashable and sorted by size
         cost = tuple(sorted((int(t), float(f), float(b)) for t, f, b in self.masked_cost))
         object.__setattr__(self, "masked_cost", cost)

@@ -66,6 +66,25 @@ _HOST, _COMPUTE, _HOST_WORK = ("host", 0), -1, -2
 # When only one node's ranks are replayed (Note [Node symmetry]) they get their share of the
 # host. Profiles of GPUs (each rank its own device) have no slots and keep fixed block times.
 
+# Note [Enqueue ahead]
+# ~~~~~~~~~~~~~~~~~~~~
+# On a GPU the host does not run the pass; it enqueues it. Each kernel call, merge and posted
+# exchange costs the host some microseconds (Python, the dispatcher, the launch), and a device
+# operation cannot start before the host has enqueued it. Waits on NCCL work are stream waits:
+# the host never blocks inside a pass, so the enqueue time of a rank's ``k``-th operation is a
+# fixed prefix sum from the pass's start (``Enqueue.call`` plus the costs of operations
+# ``0..k``):
+#
+#     host    |call|e|k|m|e|k|k|m|...                 every op enqueued in program order
+#     device        [e ....... ][ k ][m][e ..][ k ]   an op starts at max(stream free, enqueued)
+#
+# While the device's operations take longer than their enqueue, the host runs ahead and costs
+# nothing. On small problems they take less, the pass becomes host-bound, and a schedule with
+# more operations loses what its overlap won: the paper's speedups fall at small batches. A
+# coalesced run of blocks (Note [Coalesced blocks]) is one kernel call. Profiles of one CPU host
+# have no such costs: there the host *is* the device, and its work is charged as host work
+# (Note [Host work of a call] in megatron_charm/sim/profile.py).
+
 
 class Transfer(NamedTuple):
     """One op of an exchange as the replay sees it."""
@@ -179,6 +198,8 @@ class Engine:
         self.record = record
         self.slowdown = compute.slowdown(backward)
         self.host_call, self.host_post = compute.host_work()
+        enqueue = compute.enqueue_cost()
+        self.enqueue = enqueue if enqueue.any and compute.host_slots() == 0 else None
         self.pair_order = topo.exchange_order == "pair"
         programs = progs.backward if backward else progs.forward
         self._capacity: dict[tuple[str, int], float] = {}
@@ -196,6 +217,8 @@ class Engine:
         self._blocks: dict[tuple, float] = {}
         self._merges: dict[Payload, float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
+        # Note [Enqueue ahead]: when the host has enqueued each instruction (None: no gate)
+        self.enqueued = [self._enqueued(p) for p in programs] if self.enqueue else None
 
     # -- compilation ----------------------------------------------------------------------------
 
@@ -284,6 +307,23 @@ class Engine:
                 costs.append(None)
         return costs
 
+    def _enqueued(self, prog: Program) -> list[float]:
+        """Host time at which each instruction of ``prog`` is enqueued (Note [Enqueue ahead])."""
+        enq = self.enqueue
+        assert enq is not None
+        runs = coalesced_runs(prog.instrs)
+        joined = {i for start, end in runs.items() for i in range(start + 1, end)}
+        t, out = enq.call, []
+        for index, ins in enumerate(prog.instrs):
+            if isinstance(ins, Exchange):
+                t += enq.exchange
+            elif isinstance(ins, Compute):
+                t += 0.0 if index in joined else enq.kernel
+            elif isinstance(ins, Merge):
+                t += enq.merge
+            out.append(t)
+        return out
+
     # -- replay ---------------------------------------------------------------------------------
 
     def run(self) -> PassResult:
@@ -342,8 +382,13 @@ class Engine:
 
     def _run_rank(self, i: int, now: float) -> None:
         instrs, costs, pc, rr = self.instrs[i], self.costs[i], self.pc[i], self.results[i]
+        enqueued = self.enqueued[i] if self.enqueued else None
         while pc < len(instrs):
             ins = instrs[pc]
+            if enqueued is not None and enqueued[pc] > now and not isinstance(ins, Wait):
+                self.pc[i] = pc  # Note [Enqueue ahead]: the device waits for the host
+                self._push(enqueued[pc], _HOSTED, i)
+                return
             if isinstance(ins, Exchange):
                 if self.host_post > 0 and not self.paid[i]:
                     self.paid[i] = True

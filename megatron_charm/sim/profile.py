@@ -35,7 +35,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_charm.sim.compute import ComputeModel, FittedCompute, FlopsCompute
+from megatron_charm.sim.compute import ComputeModel, Enqueue, FittedCompute, FlopsCompute
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
 
 FORMAT = "megatron-charm-profile/1"
@@ -142,6 +142,7 @@ def preset_profile(name: str) -> Profile:
             "tflops": hw.tflops,
             "efficiency": hw.efficiency,
             "mem_bw": hw.mem_bw,
+            "enqueue": asdict(hw.enqueue),
         },
     )
 
@@ -246,20 +247,30 @@ def host_work(raw: dict, slots: float) -> tuple[float, float]:
     instruction, and each exchange's posting time. The engine charges the first at the start of
     every pass and the second before every exchange is posted.
 
-    Only where every rank runs on one CPU host, whose cores the host work takes from the
-    kernels; on GPUs it is enqueue work that overlaps the device's, and is not charged. The
+    Only where the ranks run on a CPU host, whose cores the host work takes from the kernels.
+    On GPUs it is enqueue work that runs ahead of the device (:func:`enqueue_work`). The
     calls ran on every rank at once; where the ranks share one host (``slots`` > 0) the
     measured seconds are scaled to one rank's alone (by slots over ranks, at most 1), since the
     replay shares the host again (Note [Ranks sharing a host] in
     :mod:`megatron_charm.sim.engine`).
 
-    Returns ``(per pass, per exchange)`` seconds; zeros without the samples.
+    Returns ``(per pass, per exchange)`` seconds; zeros without the samples or on a GPU.
     """
     got = raw.get("host_work")
-    if not got:
+    if not got or raw.get("device") == "cuda":
         return 0.0, 0.0
     alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
     return got["call_s"] * alone, got["post_s"] * alone
+
+
+def enqueue_work(raw: dict) -> Enqueue | None:
+    """A GPU's enqueue seconds per pass, exchange, kernel call and merge, from the attention's
+    own trace (``time_host_work``; Note [Enqueue ahead] in :mod:`megatron_charm.sim.engine`);
+    ``None`` on a CPU host or without the samples."""
+    got = raw.get("host_work")
+    if not got or raw.get("device") != "cuda":
+        return None
+    return Enqueue(got["call_s"], got["post_s"], got["kernel_s"], got["merge_s"])
 
 
 def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
@@ -335,6 +346,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         host_call_s=call,
         host_post_s=post,
         masked_cost=masked,
+        enqueue=enqueue_work(raw),
     )
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from megatron_charm.plan import METHODS, Layout, methods_for
 from megatron_charm.plan.options import SEQ_LAYOUT_OF
-from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
 
@@ -49,7 +48,7 @@ def run(
 ) -> list[dict]:
     """One row per (shape, cross links, nodes): times and speedups of every method."""
     hw = PRESETS["H100"]
-    compute = FlopsCompute(hw.tflops, efficiency, mem_bw=hw.mem_bw)
+    compute = hw.compute_model(efficiency)
     rows = []
     for shape in SHAPES:
         for links, nics in LINKS.items():

@@ -24,7 +24,9 @@ Channels (kv, q, out, cross q/out) are independent: they contend only through th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megatron_charm.sim.compute import Enqueue, FlopsCompute
 
 FABRICS = ("nvlink", "pcie")
 EFF_L20, EFF_H20, EFF_H100 = 0.359, 0.697, 0.172
@@ -168,6 +170,23 @@ class Hardware:
     efficiency: float
     """Achieved fraction of ``tflops`` in attention blocks, fitted once against the paper (see
     docs/results/sim_validation_paper.md); 0.5 where not fitted."""
+    enqueue: Enqueue = field(default_factory=lambda: GPU_ENQUEUE)
+    """Host seconds to enqueue each device operation (Note [Enqueue ahead] in
+    :mod:`megatron_charm.sim.engine`); :data:`GPU_ENQUEUE` for every preset."""
+
+    def compute_model(self, efficiency: float | None = None) -> FlopsCompute:
+        """The preset's compute model (``efficiency``: instead of the preset's)."""
+        eff = self.efficiency if efficiency is None else efficiency
+        return FlopsCompute(self.tflops, eff, mem_bw=self.mem_bw, enqueue=self.enqueue)
+
+
+#: Host seconds to enqueue one device operation on a GPU host: a kernel call, a merge, a posted
+#: exchange, and once per pass. An assumption, between two bounds (docs/simulator.md, "Enqueue
+#: ahead"): above a dispatcher call plus a CUDA launch (a few microseconds), below our own
+#: executor's host time per instruction at tiny shapes on a CPU host (docs/results/host-per-op.md),
+#: which includes the CPU kernel's own work and gloo's copies. ``calibrate --device cuda``
+#: measures it on the user's GPUs; ``--enqueue-us`` overrides it.
+GPU_ENQUEUE = Enqueue(call=20e-6, exchange=20e-6, kernel=20e-6, merge=20e-6)
 
 
 # Efficiencies are the values fitted by megatron_charm.sim.validation.fit_efficiency on the paper's

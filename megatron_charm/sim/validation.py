@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
-from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
 
@@ -127,7 +126,7 @@ def compare_row(
     hw = PRESETS[row.gpu]
     topo = row_topology(row, cross_links)
     problem = Problem(row.batch, row.seq, row.heads, row.head_dim, causal=causal)
-    compute = FlopsCompute(hw.tflops, efficiency, mem_bw=hw.mem_bw)
+    compute = hw.compute_model(efficiency)
     wanted = [("rm+", False, row.rmp_fwd), ("charm", False, row.charm_fwd)]
     wanted.append(("charm", True, row.charm_bwd))
     if tasp:

@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 import megatron_charm.plan as plan_pkg
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan, pipeline
 from megatron_charm.plan.memory import plan_peak
-from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
 
@@ -52,7 +51,7 @@ def previous_order() -> Iterator[None]:
 def point(name: str, m: int, p: int, h: int, h_kv: int, tokens: int) -> tuple[float, ...]:
     """(fwd ratio, fwd+bwd ratio, memory MiB new, memory MiB previous) at one grid point."""
     hw = PRESETS[name]
-    compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
+    compute = hw.compute_model()
     topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
     problem = Problem(1, tokens * m * p, h, 128, kv_heads=h_kv, causal=True)
     shape = AttnShape(1, tokens, h, h_kv, 128)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 
 from megatron_charm.plan import Layout, PlanOptions, build_plan
-from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
 
@@ -20,7 +19,7 @@ SEQS = [32768, 131072]
 
 def main() -> None:
     h100 = PRESETS["H100"]
-    compute = FlopsCompute(h100.tflops, h100.efficiency, mem_bw=h100.mem_bw)
+    compute = h100.compute_model()
     print(f"Generated {datetime.date.today()} by `python scripts/bench/gqa_sim.py`.")
     print(
         "H100 preset (Table 2's bandwidths and the fitted efficiency), causal, batch 1, bf16; "

@@ -16,7 +16,6 @@ import argparse
 import datetime
 
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
-from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
 
@@ -35,7 +34,7 @@ def rows(gpus: tuple[int, int], efficiency: float, baselines: str) -> list[str]:
         cross_links=hw.cross_links,
         nics_per_node=hw.nics_per_node,
     )
-    compute = FlopsCompute(hw.tflops, efficiency, mem_bw=hw.mem_bw)
+    compute = hw.compute_model(efficiency)
     run = paper_predict if baselines == "paper" else predict
     out = []
     for seq16 in SEQS_16:

@@ -25,7 +25,6 @@ import megatron_charm.function as fn
 from megatron_charm import plan as planner
 from megatron_charm.plan import Layout, PlanOptions, build_plan, pipeline
 from megatron_charm.plan.validate import validate
-from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
 
@@ -75,7 +74,7 @@ def sim_full(method: str, cp: int) -> float:
     gc.collect()
     hw = PRESETS["H100"]
     topo = Topology(cp // P, P, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
-    compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
+    compute = hw.compute_model()
     problem = Problem(1, 2048 * cp, 32, 128, causal=True)
     start = time.perf_counter()
     predict(topo, problem, compute, (method,), mode="full")

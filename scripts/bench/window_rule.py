@@ -32,7 +32,7 @@ def grid() -> Iterator[tuple[str, Layout, Topology, FlopsCompute, int, int, int]
     """Every point: (hardware, layout, topology, compute model, heads, kv heads, tokens)."""
     for name, layouts in GRID.items():
         hw = PRESETS[name]
-        compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
+        compute = hw.compute_model()
         for m, p in layouts:
             topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
             for h, h_kv in HEADS:

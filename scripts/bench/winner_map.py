@@ -28,7 +28,6 @@ import time
 
 from megatron_charm.plan import Layout, methods_for
 from megatron_charm.plan.options import BASELINES
-from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.topology import PRESETS, Topology
 
@@ -58,7 +57,7 @@ COLORS = {
 def cell(preset: str, m: int, p: int, nics: int, cross_gbs: float, heads: int) -> dict:
     hw = PRESETS[preset]
     topo = Topology(m, p, hw.intra_bw, cross_gbs, fabric=hw.fabric, nics_per_node=nics)
-    compute = FlopsCompute(hw.tflops, hw.efficiency, mem_bw=hw.mem_bw)
+    compute = hw.compute_model()
     problem = Problem(1, S_LOCAL * m * p, heads, HEAD_DIM, causal=True)
     runnable = [
         x for x in methods_for(Layout(m, p), problem.shape(topo.cp_size)) if x not in BASELINES

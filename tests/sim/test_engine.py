@@ -350,3 +350,65 @@ def test_exchanges_on_one_channel_follow_the_backends_order(order, peers, want) 
 def test_an_unknown_exchange_order_is_refused() -> None:
     with pytest.raises(ValueError, match="exchange_order 'fifo' is not one of"):
         Topology(1, 4, 1.0, 1.0, exchange_order="fifo")
+
+
+def test_a_host_bound_pass_takes_its_enqueue_time() -> None:
+    # Note [Enqueue ahead]: free blocks and instant transfers leave only the host's enqueue
+    # work; a coalesced run is one kernel call, waits cost the host nothing
+    from megatron_charm.plan.coalesce import coalesced_runs
+    from megatron_charm.plan.types import Merge
+    from megatron_charm.sim.compute import Enqueue
+
+    shape = AttnShape(b=1, s_local=64, h=8, h_kv=8, d=64)
+    t = Topology(2, 4, 1e9, 1e9, intra_lat=0.0, cross_lat=0.0)
+    enq = Enqueue(call=5e-3, exchange=1e-3, kernel=2e-3, merge=3e-3)
+    for method in ("ring", "charm", "a2a+p2p"):
+        progs = programs(PlanOptions(method=method), Layout(2, 4), True, mode="full")
+        for backward in (False, True):
+            free = FlopsCompute(1e30, 1.0, mem_bw=1e30)
+            base = simulate_pass(progs, t, shape, free, backward).makespan
+            hosted = FlopsCompute(1e30, 1.0, mem_bw=1e30, enqueue=enq)
+            res = simulate_pass(progs, t, shape, hosted, backward)
+            want = 0.0
+            for prog in progs.backward if backward else progs.forward:
+                joined = sum(e - s - 1 for s, e in coalesced_runs(prog.instrs).items())
+                merges = sum(isinstance(i, Merge) for i in prog.instrs)
+                want = max(
+                    want,
+                    enq.call
+                    + enq.exchange * len(prog.exchanges())
+                    + enq.kernel * (len(prog.computes()) - joined)
+                    + enq.merge * merges,
+                )
+            assert base < 1e-6
+            assert res.makespan == pytest.approx(want, rel=1e-9), (method, backward)
+            assert all(r.busy < 1e-6 for r in res.ranks)  # the device only waited
+
+
+def test_enqueue_costs_nothing_while_the_device_is_busier() -> None:
+    # the host runs ahead: a microsecond per operation hides behind blocks of milliseconds,
+    # except the few operations enqueued before the first block starts
+    from megatron_charm.sim.compute import Enqueue
+
+    shape = AttnShape(b=8, s_local=4096, h=16, h_kv=16, d=128)
+    progs = programs(PlanOptions(method="charm"), Layout(2, 4), False, mode="full")
+    enq = Enqueue(call=1e-6, exchange=1e-6, kernel=1e-6, merge=1e-6)
+    hosted = FlopsCompute(100.0, 0.5, mem_bw=1000.0, enqueue=enq)
+    for backward in (False, True):
+        base = simulate_pass(progs, topo(2, 4), shape, COMPUTE, backward).makespan
+        res = simulate_pass(progs, topo(2, 4), shape, hosted, backward).makespan
+        ops = min(len(p.instrs) for p in (progs.backward if backward else progs.forward))
+        assert base < res < base + 1e-6 * ops / 4
+
+
+def test_enqueue_costs_are_validated_and_exclusive_with_a_shared_host() -> None:
+    from megatron_charm.sim.compute import Enqueue, FittedCompute
+
+    with pytest.raises(ValueError, match="enqueue seconds"):
+        Enqueue(kernel=-1.0)
+    with pytest.raises(ValueError, match="shared_slots"):
+        FittedCompute(1e10, 1e10, shared_slots=2.0, enqueue=Enqueue(kernel=1e-5))
+    # a profile's JSON form loads back
+    got = FittedCompute(1e10, 1e10, enqueue={"call": 1e-5, "kernel": 2e-5})
+    assert got.enqueue_cost() == Enqueue(call=1e-5, kernel=2e-5)
+    assert FittedCompute(1e10, 1e10).enqueue_cost() == Enqueue()

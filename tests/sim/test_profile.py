@@ -296,3 +296,44 @@ def test_a_gloo_calibration_replays_exchanges_as_gloo_runs_them(tmp_path, capsys
         assert topo["cross_bw"] == (0.01 if links else prof.cross_bw)
     raw["backend"] = "nccl"
     assert fit_profile(raw).topology(2, 2).exchange_order == "channel"
+
+
+def test_a_gpu_profile_takes_the_trace_as_enqueue_work_and_keeps_it_in_json(tmp_path) -> None:
+    # Note [Enqueue ahead]: on a GPU each traced instruction is its enqueue; none is host work
+    from megatron_charm.sim.compute import Enqueue
+    from megatron_charm.sim.profile import load_profile
+
+    raw = _raw()
+    raw["host_work"] = {
+        "s_local": 512,
+        "call_s": 4e-5,
+        "post_s": 1e-5,
+        "kernel_s": 2e-5,
+        "merge_s": 3e-5,
+    }
+    raw["device"] = "cuda"
+    prof = fit_profile(raw)
+    model = prof.compute_model()
+    assert model.host_work() == (0.0, 0.0)
+    assert model.enqueue_cost() == Enqueue(call=4e-5, exchange=1e-5, kernel=2e-5, merge=3e-5)
+    prof.save(tmp_path / "gpu.json")
+    assert load_profile(tmp_path / "gpu.json").compute_model() == model
+    raw["device"] = "cpu"
+    cpu = fit_profile(raw).compute_model()
+    assert cpu.enqueue_cost() == Enqueue() and cpu.host_work() == (4e-5, 1e-5)
+
+
+def test_presets_enqueue_each_operation_and_flags_can_change_it() -> None:
+    from megatron_charm.sim.cli import _resolve, build_parser
+    from megatron_charm.sim.compute import Enqueue
+    from megatron_charm.sim.topology import GPU_ENQUEUE
+
+    assert load_profile("H100").compute_model().enqueue_cost() == GPU_ENQUEUE
+    problem = ["--seq", "4096", "--heads", "8", "--head-dim", "64"]
+    args = build_parser().parse_args(["--preset", "H100", "--efficiency", "0.3", *problem])
+    assert _resolve(args)[2].enqueue_cost() == GPU_ENQUEUE
+    args = build_parser().parse_args(["--preset", "H100", "--enqueue-us", "5", *problem])
+    e = 5 * 1e-6
+    assert _resolve(args)[2].enqueue_cost() == Enqueue(e, e, e, e)
+    flags = ["--gpus", "2x2", "--intra-bw", "100", "--cross-bw", "10", "--tflops", "100"]
+    assert _resolve(build_parser().parse_args([*flags, *problem]))[2].enqueue_cost() == Enqueue()

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Host seconds per instruction of our executor, from the attention benchmark's traces: the
+median time of each posted exchange, kernel call and merge, per method and pass, on every rank.
+
+At tiny shapes nearly all of it is host work: the bound docs/simulator.md ("Enqueue ahead")
+uses for the presets' enqueue cost. Run the benchmark with ``--raw`` first:
+
+    python -m megatron_charm.bench attention --launcher loopback --nodes 2 --ranks-per-node 1 \\
+        --seq-local 16 --heads 1 --head-dim 8 --dtype fp32 --no-causal --methods ring,charm \\
+        --iters 20 --warmup 3 --raw raw.json
+    python scripts/bench/host_per_op.py raw.json [--md FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+KINDS = ("Exchange", "Compute", "Merge")
+
+
+def table(raw: dict) -> str:
+    """One row per method, pass and rank: median microseconds per kind, and the count per call."""
+    lines = [
+        "| method | pass | cp_rank | exchange us (n) | kernel us (n) | merge us (n) |",
+        "|---|---|---|---|---|---|",
+    ]
+    methods = sorted({m for rank in raw["ranks"] for m in rank["recs"]})
+    for method in methods:
+        for tag in ("fwd", "bwd"):
+            for rank in raw["ranks"]:
+                calls = rank["recs"][method]["fwdbwd"]
+                got: dict[str, list[float]] = {k: [] for k in KINDS}
+                for rec in calls:
+                    for pass_tag, kind, _, start, end in rec["events"]:
+                        if pass_tag == tag and kind in got:
+                            got[kind].append(end - start)
+                cells = [
+                    f"{statistics.median(v) * 1e6:.0f} ({len(v) // len(calls)})" if v else "-"
+                    for v in got.values()
+                ]
+                lines.append(
+                    f"| {method} | {tag} | {rank['cp_rank']} | " + " | ".join(cells) + " |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("raw", help="the benchmark's --raw JSON")
+    ap.add_argument("--md", help="write the table here as well")
+    args = ap.parse_args()
+    with open(args.raw) as f:
+        text = table(json.load(f))
+    print(text)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
