@@ -132,7 +132,7 @@ def preset_profile(name: str) -> Profile:
         measured=False,
         gpus=hw.gpus,
         intra_bw=hw.intra_bw,
-        cross_bw=hw.cross_bw,
+        cross_bw=hw.cross_achieved,
         intra_lat=5e-6,
         cross_lat=10e-6,
         nics_per_node=hw.nics_per_node or (1 if hw.cross_links == "shared" else 0),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from megatron_charm.plan import METHODS, Layout, methods_for
 from megatron_charm.plan.options import SEQ_LAYOUT_OF
 from megatron_charm.sim.predict import Problem, predict
-from megatron_charm.sim.topology import PRESETS, Topology
+from megatron_charm.sim.topology import PRESETS
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def run(
     for shape in SHAPES:
         for links, nics in LINKS.items():
             for m in nodes:
-                topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=nics)
+                topo = hw.topology(m, p, nics_per_node=nics)
                 problem = Problem(
                     1, tokens_per_gpu * m * p, shape.heads, shape.head_dim, causal=True
                 )

@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from megatron_charm.sim.compute import Enqueue, FlopsCompute
 
 FABRICS = ("nvlink", "pcie")
-EFF_L20, EFF_H20, EFF_H100 = 0.359, 0.697, 0.172
+#: Achieved fractions of peak in attention blocks. H100: the paper's own Table 5 gives it (Note
+#: [The paper's baselines] in megatron_charm/sim/baselines.py); L20 and H20: fitted on Table 4.
+EFF_L20, EFF_H20, EFF_H100 = 0.308, 0.400, 0.61
+#: What an H100 cross-node transfer achieves in the paper's schedules, over Table 2's 42.5 GB/s:
+#: Table 5's ring forward moves its kv at 26.7 GB/s on 2 x 8 and 25.6 GB/s on 4 x 8 (0.63 and
+#: 0.60; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
+H100_CROSS_RATE = 0.62
 CROSS_LINKS = ("shared", "rails")
 EXCHANGE_ORDERS = ("channel", "pair")
 
@@ -170,9 +176,29 @@ class Hardware:
     efficiency: float
     """Achieved fraction of ``tflops`` in attention blocks, fitted once against the paper (see
     docs/results/sim_validation_paper.md); 0.5 where not fitted."""
+    cross_rate: float = 1.0
+    """Fraction of ``cross_bw`` that a transfer achieves inside the schedules, where the paper's
+    own times give it (H100: Table 5's ring transfers, Note [The paper's baselines] in
+    :mod:`megatron_charm.sim.baselines`); 1 where they do not."""
     enqueue: Enqueue = field(default_factory=lambda: GPU_ENQUEUE)
     """Host seconds to enqueue each device operation (Note [Enqueue ahead] in
     :mod:`megatron_charm.sim.engine`); :data:`GPU_ENQUEUE` for every preset."""
+
+    @property
+    def cross_achieved(self) -> float:
+        """GB/s of one cross-node transfer inside a schedule: ``cross_bw x cross_rate``."""
+        return self.cross_bw * self.cross_rate
+
+    def topology(self, num_nodes: int, ranks_per_node: int, **links: object) -> Topology:
+        """The preset's links for a ``num_nodes x ranks_per_node`` group; ``links`` override
+        ``fabric``, ``cross_links``, ``nics_per_node`` or any other :class:`Topology` field."""
+        given: dict = {
+            "fabric": self.fabric,
+            "cross_links": self.cross_links,
+            "nics_per_node": self.nics_per_node,
+            **links,
+        }
+        return Topology(num_nodes, ranks_per_node, self.intra_bw, self.cross_achieved, **given)
 
     def compute_model(self, efficiency: float | None = None) -> FlopsCompute:
         """The preset's compute model (``efficiency``: instead of the preset's)."""
@@ -189,13 +215,15 @@ class Hardware:
 GPU_ENQUEUE = Enqueue(call=20e-6, exchange=20e-6, kernel=20e-6, merge=20e-6)
 
 
-# Efficiencies are the values fitted by megatron_charm.sim.validation.fit_efficiency on the paper's
-# Table 4 (L20, H20) and Table 5 (H100), searched in [0.02, 0.8]; the command and the fit are in
-# docs/results/sim_validation_paper.md.
+# L20 and H20's efficiencies are the values megatron_charm.sim.validation.fit_efficiency fits on
+# the paper's Table 4 with the paper's baselines replayed, searched in [0.02, 0.8]; the command and
+# the fit are in docs/results/sim_validation_paper.md.
 PRESETS: dict[str, Hardware] = {
     "L20": Hardware("L20", 119.5, 24.0, 14.7, "pcie", "shared", 0, "2x4", 864.0, EFF_L20),
     "H20": Hardware("H20", 148.0, 297.2, 42.6, "nvlink", "rails", 2, "2x8", 4000.0, EFF_H20),
-    "H100": Hardware("H100", 989.0, 365.1, 42.5, "nvlink", "rails", 2, "4x8", 3350.0, EFF_H100),
+    "H100": Hardware(
+        "H100", 989.0, 365.1, 42.5, "nvlink", "rails", 2, "4x8", 3350.0, EFF_H100, H100_CROSS_RATE
+    ),
 }
 
 

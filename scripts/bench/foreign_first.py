@@ -20,7 +20,7 @@ import megatron_charm.plan as plan_pkg
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan, pipeline
 from megatron_charm.plan.memory import plan_peak
 from megatron_charm.sim.predict import Problem, predict
-from megatron_charm.sim.topology import PRESETS, Topology
+from megatron_charm.sim.topology import PRESETS
 
 LAYOUTS = ((2, 2), (2, 4), (2, 8))
 HEADS = ((32, 32), (32, 8))  # (query heads, kv heads), head dim 128
@@ -52,7 +52,7 @@ def point(name: str, m: int, p: int, h: int, h_kv: int, tokens: int) -> tuple[fl
     """(fwd ratio, fwd+bwd ratio, memory MiB new, memory MiB previous) at one grid point."""
     hw = PRESETS[name]
     compute = hw.compute_model()
-    topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
+    topo = hw.topology(m, p)
     problem = Problem(1, tokens * m * p, h, 128, kv_heads=h_kv, causal=True)
     shape = AttnShape(1, tokens, h, h_kv, 128)
 

@@ -10,7 +10,7 @@ import datetime
 
 from megatron_charm.plan import Layout, PlanOptions, build_plan
 from megatron_charm.sim.predict import Problem, predict
-from megatron_charm.sim.topology import PRESETS, Topology
+from megatron_charm.sim.topology import PRESETS
 
 SHAPES = [("32 x 128 over 8 kv heads", 32, 8, 128), ("64 x 128 over 8 kv heads", 64, 8, 128)]
 CLUSTERS = [(2, 8), (4, 8)]
@@ -31,15 +31,7 @@ def main() -> None:
     for name, h, h_kv, d in SHAPES:
         for m, p in CLUSTERS:
             for links in ("rails", "shared"):
-                topo = Topology(
-                    m,
-                    p,
-                    h100.intra_bw,
-                    h100.cross_bw,
-                    intra_lat=5e-6,
-                    cross_lat=10e-6,
-                    cross_links=links,
-                )
+                topo = h100.topology(m, p, cross_links=links, nics_per_node=0)
                 for seq in SEQS:
                     problem = Problem(1, seq, h, d, kv_heads=h_kv, causal=True)
                     cells = {}

@@ -1,13 +1,14 @@
 """The paper's H100 structure: predicted CHARM+ speedup over batch and sequence length.
 
 Replays the paper's ring and CHARM+ (Note [The paper's baselines] in
-``megatron_charm/sim/baselines.py``) on the H100 preset at the paper's efficiency, 12 heads of
-192, non-causal, and prints the forward and backward speedup and ring's CCR for every batch x
-sequence point of a grid: the shape of the paper's appendix tables (speedup against batch at a
-fixed sequence, and at sequences of 100K-200K tokens), which the repository does not hold.
+``megatron_charm/sim/baselines.py``) on the H100 preset (the paper's efficiency and achieved
+cross rate, the presets' enqueue cost per operation), 12 heads of 192, non-causal, and prints
+the forward and backward speedup and ring's CCR for every batch x sequence point of a grid: the
+shape of the paper's appendix tables (speedup against batch at a fixed sequence, and at
+sequences of 100K-200K tokens), which the repository does not hold.
 
-Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--md FILE]`` (about a
-minute on two cores).
+Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--md FILE]`` (a few
+seconds).
 """
 
 from __future__ import annotations
@@ -17,23 +18,16 @@ import datetime
 
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
 from megatron_charm.sim.predict import Problem, predict
-from megatron_charm.sim.topology import PRESETS, Topology
+from megatron_charm.sim.topology import PRESETS
 
 # Sequences per 16 GPUs (scaled with the GPU count), and batches.
-SEQS_16 = (3360, 13440, 26880, 53760, 107520, 161280, 215040)
-BATCHES = (1, 4, 16)
+SEQS_16 = (1680, 3360, 6720, 13440, 26880, 53760, 107520, 161280, 215040)
+BATCHES = (1, 2, 4, 16)
 
 
 def rows(gpus: tuple[int, int], efficiency: float, baselines: str) -> list[str]:
     hw = PRESETS["H100"]
-    topo = Topology(
-        *gpus,
-        hw.intra_bw,
-        hw.cross_bw,
-        fabric=hw.fabric,
-        cross_links=hw.cross_links,
-        nics_per_node=hw.nics_per_node,
-    )
+    topo = hw.topology(*gpus)
     compute = hw.compute_model(efficiency)
     run = paper_predict if baselines == "paper" else predict
     out = []
@@ -55,9 +49,12 @@ def main() -> int:
     ap.add_argument("--efficiency", type=float, default=PAPER_EFFICIENCY["H100"])
     ap.add_argument("--md", help="write the table here as well")
     args = ap.parse_args()
+    hw = PRESETS["H100"]
+    now = datetime.datetime.now(datetime.timezone.utc)
     lines = [
-        f"H100 preset, efficiency {args.efficiency}, {args.baselines} baselines, 12 x 192 "
-        f"heads, non-causal ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        f"H100 preset: efficiency {args.efficiency}, cross links at {hw.cross_achieved:.2f} GB/s, "
+        f"enqueue {hw.enqueue.kernel * 1e6:g} us per operation; {args.baselines} baselines, "
+        f"12 x 192 heads, non-causal ({now:%Y-%m-%d %H:%M} UTC)",
         "",
         "| GPUs | batch | seq | CCR fwd | ring fwd ms | charm fwd speedup | charm bwd speedup |",
         "|---|---|---|---|---|---|---|",

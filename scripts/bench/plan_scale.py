@@ -26,7 +26,7 @@ from megatron_charm import plan as planner
 from megatron_charm.plan import Layout, PlanOptions, build_plan, pipeline
 from megatron_charm.plan.validate import validate
 from megatron_charm.sim.predict import Problem, predict
-from megatron_charm.sim.topology import PRESETS, Topology
+from megatron_charm.sim.topology import PRESETS
 
 P = 8
 
@@ -73,7 +73,7 @@ def sim_full(method: str, cp: int) -> float:
     _clear()
     gc.collect()
     hw = PRESETS["H100"]
-    topo = Topology(cp // P, P, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
+    topo = hw.topology(cp // P, P)
     compute = hw.compute_model()
     problem = Problem(1, 2048 * cp, 32, 128, causal=True)
     start = time.perf_counter()

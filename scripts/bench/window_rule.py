@@ -34,7 +34,7 @@ def grid() -> Iterator[tuple[str, Layout, Topology, FlopsCompute, int, int, int]
         hw = PRESETS[name]
         compute = hw.compute_model()
         for m, p in layouts:
-            topo = Topology(m, p, hw.intra_bw, hw.cross_bw, nics_per_node=hw.nics_per_node)
+            topo = hw.topology(m, p)
             for h, h_kv in HEADS:
                 for tokens in TOKENS:
                     yield name, Layout(m, p), topo, compute, h, h_kv, tokens
