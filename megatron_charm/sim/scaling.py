@@ -1,9 +1,10 @@
 """Scaling study: predicted speedup over ring vs number of nodes on H100-like links.
 
 Weak scaling: every GPU holds ``--tokens-per-gpu`` tokens (global sequence = tokens x GPUs),
-batch 1, causal, 8 GPUs per node, Table 2's H100 links (365.1 GB/s NVLink, 42.5 GB/s cross) with
-8, 2 or 1 cross links per node (rails, 2 NICs, shared), and 989 TFLOPS at ``--efficiency``
-(default: the H100 preset's fitted value).
+batch 1, causal, 8 GPUs per node, the H100 preset's links (365.1 GB/s NVLink; cross links at
+the rate a transfer achieves in the paper's schedules, 0.62 of Table 2's 42.5 GB/s) with 8, 2 or 1
+cross links per node (rails, 2 NICs, shared), its enqueue cost per operation, and 989 TFLOPS at
+``--efficiency`` (default: the H100 preset's).
 
 Run: ``python -m megatron_charm.sim.scaling --out-dir docs/results`` (writes sim_scaling.csv,
 sim_scaling.md and sim_scaling.png; the PNG needs matplotlib).
@@ -91,15 +92,18 @@ def run(
 
 def write_markdown(rows: list[dict], path: str, command: str) -> None:
     today = datetime.date.today().isoformat()
+    hw = PRESETS["H100"]
     lines = [
         "# Predicted CP attention speedup vs nodes (simulator)",
         "",
         f"Command: `{command}` ({today}). Plot: `sim_scaling.png`; all numbers: `sim_scaling.csv`.",
         "",
         "Speedup = ring time / method time for one attention layer (forward, backward), weak "
-        "scaling (fixed tokens per GPU), causal, batch 1, 8 GPUs per node, H100 links of the "
-        "paper's Table 2 (365.1 GB/s NVLink, 42.5 GB/s per cross link) with 8, 2 or 1 cross "
-        "links per node, 989 TFLOPS at the given efficiency. Groups above 64 ranks (16 nodes "
+        "scaling (fixed tokens per GPU), causal, batch 1, 8 GPUs per node, the H100 preset's "
+        f"links ({hw.intra_bw} GB/s NVLink, {hw.cross_achieved:.2f} GB/s per cross link, the "
+        "rate Table 5's transfers achieve) with 8, 2 or 1 cross links per node, "
+        f"{hw.enqueue.kernel * 1e6:g} us of host enqueue per operation, 989 TFLOPS at the given "
+        "efficiency. Groups above 64 ranks (16 nodes "
         "and more) replay one node under node symmetry (docs/simulator.md), which for causal "
         "attention is approximate: in full replays of 4x4 to 8x4 groups it put charm's time "
         "16% low to 1% high and rm+/merge up to 15%/25% high. The step in charm's speedup "

@@ -22,9 +22,9 @@ def main() -> None:
     compute = h100.compute_model()
     print(f"Generated {datetime.date.today()} by `python scripts/bench/gqa_sim.py`.")
     print(
-        "H100 preset (Table 2's bandwidths and the fitted efficiency), causal, batch 1, bf16; "
-        "one attention layer; `rails`: one cross link per GPU, `shared`: one per node. Times "
-        "are forward / backward in ms; speedup of the default over ring.\n"
+        "H100 preset (its efficiency, achieved cross rate and enqueue cost; docs/simulator.md), "
+        "causal, batch 1, bf16; one attention layer; `rails`: one cross link per GPU, `shared`: "
+        "one per node. Times are forward / backward in ms; speedup of the default over ring.\n"
     )
     print("| shape | GPUs | links | seq | ring | charm q | charm kv | default (picks) | speedup |")
     print("|---|---|---|---|---|---|---|---|---|")
