@@ -186,3 +186,27 @@ def test_the_table_counts_table_5_times_once_each() -> None:
     text = markdown({"H100": (PAPER_EFFICIENCY["H100"], comps)}, None, False)
     # ring fwd and bwd once each, charm fwd and bwd, tasp fwd: five times; TASP's misses
     assert "Table 5 times within +-25%: 4 of 5" in text
+
+
+def test_the_speedup_rises_with_batch_only_where_the_host_bounds_the_pass() -> None:
+    # Note [Enqueue ahead]: charm enqueues about twice ring's operations, so at small batches
+    # of a short sequence its speedup falls; without the enqueue cost it is flat in batch
+    from megatron_charm.sim.compute import Enqueue
+    from megatron_charm.sim.topology import PRESETS
+
+    hw = PRESETS["H100"]
+    topo = hw.topology(2, 8)
+
+    def speedups(compute, seq):
+        out = []
+        for batch in (1, 16):
+            pred = paper_predict(topo, Problem(batch, seq, 12, 192), compute, ("ring", "charm"))
+            out.append(pred.speedup("charm"))
+        return out
+
+    small, large = speedups(hw.compute_model(), 3360)
+    assert small < 0.5 * large
+    small, large = speedups(dataclasses.replace(hw.compute_model(), enqueue=Enqueue()), 3360)
+    assert small == pytest.approx(large, rel=0.05)
+    small, large = speedups(hw.compute_model(), 26880)  # long enough to hide the host
+    assert small == pytest.approx(large, rel=0.05)
