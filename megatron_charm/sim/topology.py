@@ -31,7 +31,7 @@ from megatron_charm.sim.compute import Enqueue, FlopsCompute
 FABRICS = ("nvlink", "pcie")
 #: Achieved fractions of peak in attention blocks. H100: the paper's own Table 5 gives it (Note
 #: [The paper's baselines] in megatron_charm/sim/baselines.py); L20 and H20: fitted on Table 4.
-EFF_L20, EFF_H20, EFF_H100 = 0.308, 0.400, 0.61
+EFF_L20, EFF_H20, EFF_H100 = 0.300, 0.529, 0.61
 #: What an H100 cross-node transfer achieves in the paper's schedules, over Table 2's 42.5 GB/s:
 #: Table 5's ring forward moves its kv at 26.7 GB/s on 2 x 8 and 25.6 GB/s on 4 x 8 (0.63 and
 #: 0.60; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
