@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 KINDS = ("Exchange", "Compute", "Merge")
 
@@ -48,15 +49,13 @@ def table(raw: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("raw", help="the benchmark's --raw JSON")
-    ap.add_argument("--md", help="write the table here as well")
+    ap.add_argument("raw", type=Path, help="the benchmark's --raw JSON")
+    ap.add_argument("--md", type=Path, help="write the table here as well")
     args = ap.parse_args()
-    with open(args.raw) as f:
-        text = table(json.load(f))
+    text = table(json.loads(args.raw.read_text()))
     print(text)
     if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text + "\n")
+        args.md.write_text(text + "\n")
     return 0
 
 
