@@ -197,6 +197,20 @@ def test_calibrate_check_fails_on_a_bad_profile(monkeypatch):
     ]
 
 
+def test_calibrate_check_bounds_the_enqueue_cost():
+    """A CUDA profile's enqueue costs must each be above 0 and below MAX_ENQUEUE_S; none
+    measured (zeros) or a synchronizing one (10 ms) fails."""
+    from megatron_charm.bench.gpu_check import calibrate_check as cc
+    from megatron_charm.sim.compute import Enqueue
+
+    result: dict = {}
+    assert cc._enqueue_problems(Enqueue(4e-5, 2e-5, 3e-5, 5e-5), result) == []
+    assert result["enqueue_us"] == {"call": 40.0, "exchange": 20.0, "kernel": 30.0, "merge": 50.0}
+    assert len(cc._enqueue_problems(Enqueue(), {})) == 4
+    bad = cc._enqueue_problems(Enqueue(4e-5, 2e-5, 1e-2, 5e-5), {})
+    assert bad == ["enqueue of one kernel took 10000.0 us (expected above 0 and below 5000 us)"]
+
+
 def test_sync_free_reports_a_synchronizing_call_and_restores_the_mode():
     from megatron_charm.bench.gpu_check.cp4 import sync_free
 

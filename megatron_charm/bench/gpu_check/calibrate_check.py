@@ -12,6 +12,10 @@ profile (:func:`megatron_charm.sim.profile.fit_profile`), which must:
 * on CUDA, reach at least ``MIN_CUDA_TFLOPS`` in the forward block kernel (an H100-class GPU runs
   the bf16 flash kernel at over 100; below the floor the timing or the kernel choice is wrong);
 * fit its own samples within ``MAX_FIT_ERROR`` (the largest relative residual of every fit);
+* on CUDA, carry the host's enqueue cost per pass, exchange, kernel call and merge, read from the
+  attention's own trace (Note [Enqueue ahead] in :mod:`megatron_charm.sim.engine`), each above
+  0 and below ``MAX_ENQUEUE_S`` (an operation whose enqueue takes longer waits for the device:
+  something in the pass synchronizes);
 * load back from its JSON and drive the simulator's ``auto`` choice for this 2 x 1 group.
 
 Any miss fails the check. The numbers are on one GPU with socket transport: they check the
@@ -20,6 +24,7 @@ measuring and fitting path, not a cluster's links.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -33,6 +38,7 @@ from megatron_charm.bench.gpu_check.procs import RanksFailed, init_group, run_ra
 WORLD = 2
 MIN_CUDA_TFLOPS = 5.0
 MAX_FIT_ERROR = 1.0
+MAX_ENQUEUE_S = 5e-3
 
 
 def calibrate_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict | None:
@@ -54,6 +60,18 @@ def _problems(profile) -> list[str]:
         f"fit of {k} misses its samples by {v:.0%} (> {MAX_FIT_ERROR:.0%})"
         for k, v in profile.fit_error.items()
         if not v <= MAX_FIT_ERROR
+    ]
+
+
+def _enqueue_problems(enqueue, result: dict) -> list[str]:
+    """A CUDA profile's enqueue costs, recorded in ``result``; each must be in (0, max)."""
+    costs = dataclasses.asdict(enqueue)
+    result["enqueue_us"] = {k: round(v * 1e6, 1) for k, v in costs.items()}
+    return [
+        f"enqueue of one {k} took {v * 1e6:.1f} us (expected above 0 and below "
+        f"{MAX_ENQUEUE_S * 1e6:.0f} us)"
+        for k, v in costs.items()
+        if not 0 < v < MAX_ENQUEUE_S
     ]
 
 
@@ -100,6 +118,8 @@ def calibrate_check(device: torch.device, plant: str | None) -> tuple[dict, list
     result["forward_tflops"] = round(tflops, 3)
     if on_cuda and not tflops >= MIN_CUDA_TFLOPS:
         bad.append(f"forward block kernel at {tflops:.3g} TFLOP/s (< {MIN_CUDA_TFLOPS})")
+    if on_cuda:
+        bad += _enqueue_problems(profile.compute_model().enqueue_cost(), result)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "profile.json")
         profile.save(path)
