@@ -19,8 +19,8 @@ from dataclasses import replace
 
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
-from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute
-from megatron_charm.sim.predict import Prediction, Problem, advise, predict
+from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, describe_compute
+from megatron_charm.sim.predict import Prediction, Problem, advise, describe_links, predict
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
 from megatron_charm.sim.topology import CROSS_LINKS, FABRICS, PRESETS, Topology, parse_gpus
@@ -208,6 +208,9 @@ def format_table(pred: Prediction) -> str:
         f"(local {pred.shape.s_local}), heads {pr.heads}x{pr.head_dim}"
         f"{', causal' if pr.causal else ''}",
         f"CCR forward {pred.ccr_forward:.3f}, backward {pred.ccr_backward:.3f}",
+        f"links: {describe_links(t)}",
+        f"compute: {describe_compute(pred.compute)}" if pred.compute is not None else "",
+        f"unit: {pred.UNIT}",
         "",
         f"{'method':<11} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
         f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",

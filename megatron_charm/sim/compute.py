@@ -296,3 +296,30 @@ class FittedCompute(_MergeCost):
 
 
 ComputeModel = FlopsCompute | CalibratedCompute | FittedCompute
+
+
+def describe_compute(compute: ComputeModel) -> str:
+    """One line that states the compute model behind a prediction (tables and JSON)."""
+    if isinstance(compute, FlopsCompute):
+        rate = compute.tflops * compute.efficiency
+        text = (
+            f"{compute.tflops:g} TFLOPS x {compute.efficiency:g} efficiency = {rate:.4g} TFLOP/s "
+            f"in blocks, backward {compute.bwd_ratio:g}x the forward's FLOPs"
+        )
+    elif isinstance(compute, FittedCompute):
+        text = (
+            f"fitted: forward {compute.fwd_flops_per_s / 1e12:.4g} TFLOP/s + "
+            f"{compute.fwd_overhead * 1e6:.0f} us per block, backward "
+            f"{compute.bwd_flops_per_s / 1e12:.4g} TFLOP/s + {compute.bwd_overhead * 1e6:.0f} us"
+        )
+    else:
+        text = (
+            f"measured full block: forward {compute.fwd_block * 1e3:.4g} ms, backward "
+            f"{compute.bwd_block * 1e3:.4g} ms, scaled by area"
+        )
+    enq = compute.enqueue_cost()
+    if enq.any:
+        ops = (enq.call, enq.exchange, enq.kernel, enq.merge)
+        text += "; host enqueue " + "/".join(f"{x * 1e6:.0f}" for x in ops)
+        text += " us per pass/exchange/kernel call/merge"
+    return text + f"; merges at {compute.mem_bw:g} GB/s"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -9,7 +10,7 @@ from megatron_charm.plan import PlanOptions, check_shape, methods_for
 from megatron_charm.plan.layout import block_parts
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Kind, Layout, Part, Payload, Wire
-from megatron_charm.sim.compute import ComputeModel
+from megatron_charm.sim.compute import ComputeModel, describe_compute
 from megatron_charm.sim.engine import PassResult, simulate_pass
 from megatron_charm.sim.programs import ProgramSet, programs
 from megatron_charm.sim.topology import Topology
@@ -83,6 +84,11 @@ class Prediction:
     ccr_forward: float
     ccr_backward: float
     methods: dict[str, MethodPrediction] = field(default_factory=dict)
+    compute: ComputeModel | None = None
+    """The compute model the methods were replayed with."""
+
+    #: What one predicted time covers.
+    UNIT = "one attention layer, one micro-batch (its batch), forward and backward separately"
 
     def speedup(self, method: str, backward: bool = False) -> float:
         """Ring's time over ``method``'s time for one pass."""
@@ -98,8 +104,16 @@ class Prediction:
             "problem": self.problem.__dict__,
             "s_local": self.shape.s_local,
             "ccr": {"forward": self.ccr_forward, "backward": self.ccr_backward},
+            "unit": self.UNIT,
+            "links": describe_links(self.topo),
             "methods": {},
         }
+        if self.compute is not None:
+            out["compute"] = {
+                "kind": type(self.compute).__name__,
+                "description": describe_compute(self.compute),
+                **dataclasses.asdict(self.compute),
+            }
         for name, mp in self.methods.items():
             entry = {}
             for tag, res in (("forward", mp.forward), ("backward", mp.backward)):
@@ -165,6 +179,7 @@ def predict(
         shape,
         ccr(topo, shape, compute, problem.causal, False),
         ccr(topo, shape, compute, problem.causal, True),
+        compute=compute,
     )
     for method in methods:
         progs = programs(options.replace(method=method), layout, problem.causal, mode, shape)
@@ -266,3 +281,12 @@ def _exposure(pred: Prediction, name: str) -> str:
         share = res.exposed_mean / res.makespan if res.makespan else 0.0
         parts.append(f"{tag} {_ms(res.exposed_mean)} of {_ms(res.makespan)} ({share:.0%})")
     return f"{name}: exposed communication (mean over ranks) " + ", ".join(parts)
+
+
+def describe_links(topo: Topology) -> str:
+    """One line that states the link model behind a prediction (tables and JSON)."""
+    return (
+        f"intra {topo.intra_bw:g} GB/s ({topo.fabric}), {topo.nics} cross link(s) per node at "
+        f"{topo.cross_bw:g} GB/s each, latency {topo.intra_lat * 1e6:g} / "
+        f"{topo.cross_lat * 1e6:g} us"
+    )

@@ -73,6 +73,14 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(json.loads(capsys.readouterr().out)["methods"]) == set(METHODS) - {"tasp"}
     assert data["methods"]["ring"]["forward"]["speedup_vs_ring"] == pytest.approx(1.0)
     assert data["s_local"] == 1024
+    # the models and the unit behind the numbers, in the table and the JSON
+    assert "links: intra 365 GB/s (nvlink), 4 cross link(s) per node at 42.5 GB/s each" in out
+    assert "compute: 989 TFLOPS x 0.5 efficiency = 494.5 TFLOP/s in blocks" in out
+    assert "unit: one attention layer, one micro-batch" in out
+    assert data["compute"]["kind"] == "FlopsCompute" and data["compute"]["efficiency"] == 0.5
+    assert data["unit"].startswith("one attention layer") and "42.5 GB/s" in data["links"]
+    assert main([*args.split(), "--enqueue-us", "7"]) == 0
+    assert "host enqueue 7/7/7/7 us" in capsys.readouterr().out
 
 
 def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
