@@ -251,8 +251,7 @@ class Engine:
         exact, unmatched_cross = self.progs.exact, self.progs.unmatched_cross
         # blocks after the first of a coalesced run share its kernel call (Note [Coalesced
         # blocks]): each still takes its FLOPs' time, the call's fixed cost is paid once
-        runs = coalesced_runs(prog.instrs)
-        joined = {i for start, end in runs.items() for i in range(start + 1, end)}
+        joined = _joined(prog)
         overhead = self.compute.call_overhead(self.backward)
         for index, ins in enumerate(prog.instrs):
             if isinstance(ins, Exchange):
@@ -311,8 +310,7 @@ class Engine:
         """Host time at which each instruction of ``prog`` is enqueued (Note [Enqueue ahead])."""
         enq = self.enqueue
         assert enq is not None
-        runs = coalesced_runs(prog.instrs)
-        joined = {i for start, end in runs.items() for i in range(start + 1, end)}
+        joined = _joined(prog)
         t, out = enq.call, []
         for index, ins in enumerate(prog.instrs):
             if isinstance(ins, Exchange):
@@ -548,6 +546,13 @@ class Engine:
                 rr.timeline.append((self.wait_start[i], now, f"W {handle}"))
             self.pc[i] += 1
             self._run_rank(i, now)
+
+
+def _joined(prog: Program) -> set[int]:
+    """Indices of the blocks that share the kernel call of the block before them (Note
+    [Coalesced blocks])."""
+    runs = coalesced_runs(prog.instrs)
+    return {i for start, end in runs.items() for i in range(start + 1, end)}
 
 
 def _label(ins: Compute | Merge) -> str:
