@@ -53,14 +53,13 @@ Ring-Attention and CHARM+ do neither:
   is 26.7 GB/s on 2 x 8, and 31 x 146.3 MB in 177.0 ms is 25.6 GB/s on 4 x 8, against Table 2's
   42.5 GB/s (0.63 and 0.60). The H100 preset takes 0.62 of it
   (:data:`megatron_charm.sim.topology.H100_CROSS_RATE`). With it the replay's absolute times
-  match the paper's ring (within 5% on every Table 5 row) where Table 2's rate made them
+  match the paper's ring (within 6% on every Table 5 row) where Table 2's rate made them
   35-40% too fast. The text's CCR statement above assumed Table 2's rate: at the achieved one,
   ring's CCR at 215,040 tokens is 0.63, which the paper's own ``C`` and ``X`` also give
   (``X / C`` grows with the sequence: 0.079 x 8).
 
-What stays ours: the planner's CHARM+ rounds (Note [CHARM+ rounds] in
-:mod:`megatron_charm.plan.pipeline`; on two nodes they differ from the paper's Algorithm 2), and
-every link model choice of the presets.
+What stays ours: the planner's CHARM+ rounds on more than two nodes (Note [CHARM+ rounds] in
+:mod:`megatron_charm.plan.pipeline`), and every link model choice of the presets.
 """
 
 from __future__ import annotations

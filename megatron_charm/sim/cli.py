@@ -23,7 +23,14 @@ from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, desc
 from megatron_charm.sim.predict import Prediction, Problem, advise, describe_links, predict
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
-from megatron_charm.sim.topology import CROSS_LINKS, FABRICS, PRESETS, Topology, parse_gpus
+from megatron_charm.sim.topology import (
+    CROSS_LINKS,
+    FABRICS,
+    GPU_ENQUEUE,
+    PRESETS,
+    Topology,
+    parse_gpus,
+)
 
 #: The plan options the simulator takes as flags.
 SIM_PLAN_OPTIONS = ("window", "cross_level", "intra_level", "memory_budget")
@@ -58,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument(
         "--enqueue-us",
         type=float,
-        help="host time to enqueue each kernel call, merge and exchange, us (presets: 30; "
-        "flags alone: 0); the device waits for it on small problems",
+        help="host time to enqueue each kernel call, merge and exchange, us (presets: "
+        f"{GPU_ENQUEUE.kernel * 1e6:g}; flags alone: 0); the device waits for it on small problems",
     )
     pb = ap.add_argument_group("problem")
     pb.add_argument("--batch", type=int, default=1, help="micro-batch size")

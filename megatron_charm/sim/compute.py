@@ -111,7 +111,7 @@ class _MergeCost:
     def enqueue_cost(self) -> Enqueue:
         """Host seconds that gate a GPU's device operations (Note [Enqueue ahead]); none unless
         given or measured."""
-        return getattr(self, "enqueue", None) or Enqueue()
+        return Enqueue()
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,9 @@ class FlopsCompute(_MergeCost):
 
     def call_overhead(self, backward: bool) -> float:
         return self.block_overhead
+
+    def enqueue_cost(self) -> Enqueue:
+        return self.enqueue or Enqueue()
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         rate = self.tflops * 1e12 * self.efficiency
@@ -250,6 +253,9 @@ class FittedCompute(_MergeCost):
 
     def host_work(self) -> tuple[float, float]:
         return self.host_call_s, self.host_post_s
+
+    def enqueue_cost(self) -> Enqueue:
+        return self.enqueue or Enqueue()
 
     def call_overhead(self, backward: bool) -> float:
         return self.bwd_overhead if backward else self.fwd_overhead
