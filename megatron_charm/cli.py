@@ -361,8 +361,8 @@ def _charm_flags(cfg: Any) -> list[Any]:
     for key in keys:
         if getattr(plan, key) != getattr(default, key):
             flags += ["--charm-" + key.replace("_", "-"), getattr(plan, key)]
-    if plan.combine_two_nodes:
-        flags.append("--charm-combine-two-nodes")
+    if plan.combine_nodes:
+        flags.append("--charm-combine-nodes")
     return flags
 
 

@@ -166,7 +166,7 @@ def _refuse_charm_flags_without_charm(args: argparse.Namespace) -> None:
             ("--charm-intra-level", _DEFAULTS.intra_level),
             ("--charm-foreign-q", _DEFAULTS.foreign_q),
             ("--charm-memory-budget", _DEFAULTS.memory_budget),
-            ("--charm-combine-two-nodes", False),
+            ("--charm-combine-nodes", False),
         )
         if getattr(args, flag[2:].replace("-", "_"), default) != default
     ]
@@ -192,14 +192,14 @@ def _check_split_flags(args: argparse.Namespace, options: PlanOptions) -> None:
             "--charm-ranks-per-node instead"
         )
     rpn = n if n is not None else (sizes[0] if sizes and len(sizes) == 2 else None)
-    if options.combine_two_nodes:
+    if options.combine_nodes:
         if options.method != "charm":
             raise ValueError(
-                f"--charm-combine-two-nodes is a charm option; --cp-comm-type is {options.method}"
+                f"--charm-combine-nodes is a charm option; --cp-comm-type is {options.method}"
             )
-        if rpn is not None and cp // rpn != 2:
+        if rpn is not None and cp // rpn < 2:
             raise ValueError(
-                f"--charm-combine-two-nodes needs exactly two nodes, but --context-parallel-size "
+                f"--charm-combine-nodes needs at least two nodes, but --context-parallel-size "
                 f"{cp} with {rpn} CP ranks per node makes {cp // rpn}; drop the flag"
             )
 
@@ -410,6 +410,6 @@ def megatron_defaults(names: Sequence[str] | None = None) -> dict[str, Any]:
         "charm_intra_level": _DEFAULTS.intra_level,
         "charm_foreign_q": _DEFAULTS.foreign_q,
         "charm_memory_budget": _DEFAULTS.memory_budget,
-        "charm_combine_two_nodes": False,
+        "charm_combine_nodes": False,
     }
     return defaults if names is None else {k: defaults[k] for k in names}

@@ -66,14 +66,6 @@ def schedule_layout(method: str, layout: Layout) -> Layout:
     return layout if method in NODE_METHODS else Layout(1, layout.cp_size)
 
 
-def _check_layout(options: PlanOptions, layout: Layout) -> None:
-    if options.combine_two_nodes and options.method == "charm" and layout.num_nodes > 2:
-        raise ValueError(
-            f"combine_two_nodes=True runs the paper's two-node pipeline, but the CP group has "
-            f"{layout.num_nodes} nodes; set combine_two_nodes=False"
-        )
-
-
 def rank_programs(
     options: PlanOptions,
     layout: Layout,
@@ -87,7 +79,6 @@ def rank_programs(
     in the forward and the backward (``q`` or ``kv``, as :func:`cross_levels` resolves it);
     ``intra``: what its ranks exchange inside a node (``split`` or ``kv``,
     :func:`intra_levels`)."""
-    _check_layout(options, layout)
     method, n, ranks = options.method, layout.cp_size, list(cp_ranks)
     if method in ("ring", "ring-contig"):
         seq = options.seq_layout
@@ -119,7 +110,7 @@ def rank_programs(
             split=True,
             scope="intra",
             window=options.window,
-            combine_two_nodes=options.combine_two_nodes,
+            combine_nodes=options.combine_nodes,
         )
         # "dout" (q kept from the forward) schedules like "q"; keep_foreign_q then trims the
         # bundles (Note [Keeping foreign queries])

@@ -78,11 +78,11 @@ class PlanOptions:
     smallest window within 1% of the best predicted time over the simulator's grid
     (``scripts/bench/window_rule.py``, docs/results/window-rule.md)."""
 
-    combine_two_nodes: bool = False
-    """charm on exactly two nodes: run own and foreign queries in one pipeline (the paper's
-    Algorithm 2) instead of split foreign rounds. Refused on other node counts. Off by default:
-    the simulator predicts it faster by more than 1% at 1 of 16 points only, and up to 1.18x
-    slower (docs/results/window-rule.md)."""
+    combine_nodes: bool = False
+    """charm on two or more nodes with queries crossing: every node's queries cross whole and
+    run with the node's own in one pipeline (the paper's Algorithm 2), instead of one round per
+    foreign piece (Note [CHARM+ rounds]). Fewer operations per rank, less overlap of the cross
+    transfers. Off by default (docs/results/window-rule.md has the simulator's comparison)."""
 
     cross_return: str = "input"
     """Wire precision of node-merged partial results that cross nodes (charm's returned outputs
@@ -150,10 +150,8 @@ class PlanOptions:
                 f"memory_budget={budget!r}: expected a number > 0, a multiple of ring "
                 "attention's memory (set memory_budget= / --memory-budget)"
             )
-        if not isinstance(self.combine_two_nodes, bool):
-            raise ValueError(
-                f"combine_two_nodes={self.combine_two_nodes!r} must be a bool (true or false)"
-            )
+        if not isinstance(self.combine_nodes, bool):
+            raise ValueError(f"combine_nodes={self.combine_nodes!r} must be a bool (true or false)")
 
     @property
     def seq_layout(self) -> str:
@@ -188,7 +186,7 @@ FLAG_HELP: dict[str, str] = {
     "intra_level": "plan option: what charm exchanges inside a node (split: RM+, kv, or auto)",
     "foreign_q": "plan option: charm's backward keeps the forward's foreign queries or resends",
     "memory_budget": "plan option: attention memory auto choices may use, x ring's (> 0)",
-    "combine_two_nodes": "plan option: charm on two nodes as one pipeline (paper Algorithm 2)",
+    "combine_nodes": "plan option: charm's own and foreign q in one pipeline (paper Algorithm 2)",
 }
 
 
@@ -208,7 +206,7 @@ def add_plan_arguments(parser, prefix: str = "", keys: tuple[str, ...] = tuple(F
         "foreign_q": FOREIGN_Q,
     }
     for key in keys:
-        if key == "combine_two_nodes":
+        if key == "combine_nodes":
             parser.add_argument(flag_name(key, prefix), action="store_true", help=FLAG_HELP[key])
         elif key == "window":
             parser.add_argument(

@@ -18,8 +18,10 @@ The next offset's q travels while the current one computes::
     intra       RM+ own q      RM+ q(a-1).first   RM+ q(a-1).second  ...
     cross out                  out(a-1).first --- out(a-1).second -----------> (last exposed)
 
-``combine_two_nodes`` gives the paper's Algorithm 2 for ``m = 2`` instead: one round over both
-query sets ([own, foreign]); the foreign q must then arrive before the q exchanges start.
+``combine_nodes`` gives the paper's Algorithm 2 instead: every q crosses whole, and one round runs
+the node's own and every foreign query set ([own, q(a-1), ..., q(a-m+1)]); the foreign q must
+then arrive before the q exchanges start, and every result returns at the end. Fewer operations
+per rank (one intra-node pipeline instead of ``2m - 1``), less overlap of the cross transfers.
 
 The rank that ran a foreign query set returns its merged (out, lse), and the owner merges it. The
 backward mirrors this: the foreign rank receives (q, dout, lse, delta), runs the same pipeline,
@@ -73,8 +75,8 @@ class PipelineConfig:
     """Channel scope of the intra-node pipeline: ``"intra"`` or ``"full"``."""
     window: int = 2
     """Exchanges in flight per channel."""
-    combine_two_nodes: bool = False
-    """For two nodes, run own and foreign q in one round (paper Algorithm 2; cross ``q`` only)."""
+    combine_nodes: bool = False
+    """Run own and every foreign q in one round (paper Algorithm 2; cross ``q`` only)."""
     split_foreign: bool = True
     """Ship a foreign q that is needed whole as two halves, processed in two rounds."""
     cross: str = "q"
@@ -136,7 +138,7 @@ class _Pass:
         self.result_kind = Kind.DQ if bwd else Kind.O  # what a q exchange returns
         self.channel = {c: f"{cfg.scope}.{c}" for c in ("kv", "q", "o")}
         self.kv_cross = cfg.cross == "kv" and layout.num_nodes > 1
-        self.combined = cfg.combine_two_nodes and layout.num_nodes == 2 and not self.kv_cross
+        self.combined = cfg.combine_nodes and layout.num_nodes >= 2 and not self.kv_cross
         # kv kept across rounds: kv owner -> part held here; (peer, kv owner) -> part held there
         self.kv_here: dict[int, Part] = {}
         self.kv_there: dict[tuple[int, int], Part] = {}
@@ -199,7 +201,7 @@ class _Pass:
         """Rounds as lists of (node offset, piece index)."""
         m = self.layout.num_nodes
         if self.combined:
-            return [[(0, 0), (1, 0)]]
+            return [[(o, 0) for o in range(m)]]
         foreign = []
         for o in range(1, m):
             count = len(self.pieces(self.source(self.x, o), self.layout.node(self.x)))
@@ -388,7 +390,7 @@ class _Pass:
         ``host`` counting 1 and each merged from a partner counting 2 (Note [Wire
         precision]). ``host`` runs the piece in the round ``[(offset, i)]`` of its own node."""
         layout, mine = self.layout, (self.x, piece)
-        rnd = [(0, 0), (1, 0)] if self.combined else [(offset, i)]
+        rnd = self.rounds()[0] if self.combined else [(offset, i)]
 
         def blocks(r: int) -> int:
             if self.kv_cross:  # r's queries against this rank's kv piece
@@ -523,7 +525,7 @@ class _Pass:
           +12-14% attention memory for multi-head attention, and at eight ranks per node the
           simulator predicts the backward 1.3x slower;
         * kv crossing (GQA): the forward returns nothing, so only the wait moves earlier;
-        * more than two nodes (every piece is posted at once) and ``combine_two_nodes``.
+        * more than two nodes (every piece is posted at once) and ``combine_nodes``.
         """
         return (
             self.layout.num_nodes == 2

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
     keys = (
         "window",
-        "combine_two_nodes",
+        "combine_nodes",
         "cross_return",
         "intra_level",
         "foreign_q",

@@ -23,17 +23,22 @@ Ring-Attention and CHARM+ do neither:
   ``X`` of 1 and 4 ms, where its blocks (2.5 times the forward's) take 27 and 21 ms.
   So the paper's ring forward is replayed with every exchange waited for right after it is
   posted (:meth:`megatron_charm.plan.types.Program.without_overlap`), and its backward as ours.
-* **On two nodes its CHARM+ is its Algorithm 2, returning float32 partial outputs.** Algorithm 2
-  (Appendix A) ships the queries across once, runs them and the node's own queries through one
-  intra-node pipeline, and sends the crossed queries' output back at the end
-  (``CommAndUpdate(out, out_cross)``); its buffers are float32 (Appendix B.2: "under FP32
-  precision, each buffer occupies BSH"). Replayed so (``combine_two_nodes``, ``cross_return=
-  "fp32"``), the 2 x 8 rows of Table 5 come within 5% (forward) and 16% (backward) of the
-  paper's times; with our two-node rounds and input-precision returns they were 7-11% and 27-33%
-  too fast. On more nodes we replay our own rounds with input-precision returns, which match the
-  4 x 8 rows within 6%; with float32 returns there they are 45-51% too slow, so the paper's
-  four-node schedule moves fewer return bytes than ours would in float32. How it does is not in
-  the paper; this choice is fitted to the 4 x 8 rows, not derived.
+* **Its CHARM+ is its Algorithm 2 on any number of nodes.** Algorithm 2 (Appendix A) ships the
+  queries across once (``q_cross <- CrossComm(q)``), runs them and the node's own queries
+  through one intra-node pipeline, and sends the crossed queries' output back at the end
+  (``CommAndUpdate(out, out_cross)``). Replayed so (``combine_nodes``): on ``m`` nodes every
+  rank's queries cross whole to the ``m - 1`` other nodes, and the node's pipeline runs ``m``
+  query sets. Until 2026-12-03 four nodes were replayed with our own rounds (one intra-node
+  pipeline per foreign half, ``2m - 1`` in all): they also matched Table 5's four 4 x 8 rows
+  (within 6%), but at batch 1 they enqueue 138 operations per rank to ring's 63 and put
+  CHARM+ at 0.55x ring at 3,360 tokens; Algorithm 2 issues fewer and keeps it above 2x there.
+* **Its returns are float32 on two nodes; on four the rows say input precision.** The paper's
+  buffers are float32 (Appendix B.2: "under FP32 precision, each buffer occupies BSH"). On
+  2 x 8 float32 returns put Table 5's CHARM+ times within 5% (forward) and 16% (backward);
+  input-precision ones make them 24-32% too fast. On 4 x 8 float32 returns make them 51-57%
+  (forward) and 27-30% (backward) too slow, input-precision ones come within 9% and 5%. The
+  paper does not say how its four-node schedule returns its outputs; this choice
+  (``cross_return``, :func:`paper_charm`) is fitted to the rows, not derived.
 * **Its CHARM+ ships queries and the whole backward bundle.** Queries cross nodes in both passes
   (the paper's cross-hardware query parallelism: ``cross_level="q"``), nothing is kept from the
   forward (``foreign_q="resend"``), and the bundle is ``q, out, dout, lse``: what
@@ -58,8 +63,8 @@ Ring-Attention and CHARM+ do neither:
   ring's CCR at 215,040 tokens is 0.63, which the paper's own ``C`` and ``X`` also give
   (``X / C`` grows with the sequence: 0.079 x 8).
 
-What stays ours: the planner's CHARM+ rounds on more than two nodes (Note [CHARM+ rounds] in
-:mod:`megatron_charm.plan.pipeline`), and every link model choice of the presets.
+What stays ours: the intra-node pipeline's order of exchanges and merges (Note [CHARM+ rounds]
+in :mod:`megatron_charm.plan.pipeline`), and every link model choice of the presets.
 """
 
 from __future__ import annotations
@@ -73,15 +78,15 @@ from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import EFF_H100, Topology
 
-#: CHARM+ as the paper runs it (the bundle's ``out`` is added by :func:`with_output_in_bundle`).
-PAPER_CHARM = PlanOptions(method="charm", cross_level="q", foreign_q="resend")
-#: On two nodes: its Algorithm 2, float32 partial outputs returned (Note [The paper's baselines]).
-PAPER_CHARM_TWO_NODES = PAPER_CHARM.replace(combine_two_nodes=True, cross_return="fp32")
+#: CHARM+ as the paper runs it, its Algorithm 2 (the bundle's ``out`` is added by
+#: :func:`with_output_in_bundle`); :func:`paper_charm` sets the returns' precision.
+PAPER_CHARM = PlanOptions(method="charm", cross_level="q", foreign_q="resend", combine_nodes=True)
 
 
 def paper_charm(num_nodes: int) -> PlanOptions:
-    """The paper's CHARM+ options for a CP group of ``num_nodes`` nodes."""
-    return PAPER_CHARM_TWO_NODES if num_nodes == 2 else PAPER_CHARM
+    """The paper's CHARM+ options for a CP group of ``num_nodes`` nodes: float32 returns on two
+    nodes, input-precision ones on more (fitted, Note [The paper's baselines])."""
+    return PAPER_CHARM.replace(cross_return="fp32") if num_nodes == 2 else PAPER_CHARM
 
 
 #: Efficiencies the paper's own numbers give (Note [The paper's baselines]); other GPUs are fitted.

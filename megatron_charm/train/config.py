@@ -173,7 +173,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanOptions = field(default_factory=PlanOptions)
     """CHARM+ plan options (``window``, ``cross_level``, ``intra_level``, ``cross_return``,
-    ``foreign_q``, ``memory_budget``, ``combine_two_nodes``:
+    ``foreign_q``, ``memory_budget``, ``combine_nodes``:
     see :class:`megatron_charm.PlanOptions`); the method is ``parallel.cp_comm_type``."""
 
     def to_dict(self) -> dict[str, Any]:

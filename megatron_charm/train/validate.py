@@ -185,17 +185,17 @@ def _check_node_split(cfg: Config) -> None:
                 "[ranks_per_node, num_nodes]; give two sizes, or set parallel.ranks_per_node."
             )
     rpn = p.ranks_per_node or (sizes[0] if sizes and len(sizes) == 2 else None)
-    if cfg.plan.combine_two_nodes:
+    if cfg.plan.combine_nodes:
         if p.cp_comm_type != "charm":
             raise ValueError(
-                f"plan.combine_two_nodes=true is a charm option, but parallel.cp_comm_type="
-                f"{p.cp_comm_type!r}; set plan.combine_two_nodes=false."
+                f"plan.combine_nodes=true is a charm option, but parallel.cp_comm_type="
+                f"{p.cp_comm_type!r}; set plan.combine_nodes=false."
             )
-        if rpn is not None and cp // rpn != 2:
+        if rpn is not None and cp // rpn < 2:
             raise ValueError(
-                f"plan.combine_two_nodes=true needs exactly two nodes, but "
+                f"plan.combine_nodes=true needs at least two nodes, but "
                 f"parallel.context_parallel_size={cp} with {rpn} ranks per node makes "
-                f"{cp // rpn}; set plan.combine_two_nodes=false."
+                f"{cp // rpn}; set plan.combine_nodes=false."
             )
 
 

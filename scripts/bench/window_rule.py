@@ -1,5 +1,5 @@
 """Plan option defaults from a sweep: the prefetch window (predicted time and planned memory per
-window) and ``combine_two_nodes``.
+window) and ``combine_nodes``.
 
 ``PlanOptions.window`` is how many exchanges each channel of CHARM+'s pipelines keeps in flight.
 For every point of a grid (hardware preset, node layout, heads, tokens per rank; causal, bf16) this
@@ -53,7 +53,7 @@ def memory(layout: Layout, shape: AttnShape, **opts) -> int:
 
 
 def combine_table() -> tuple[list[str], list[float]]:
-    """Markdown rows and the fwd+bwd ratios of ``combine_two_nodes=True`` over ``False`` on the
+    """Markdown rows and the fwd+bwd ratios of ``combine_nodes=True`` over ``False`` on the
     grid's two-node layouts."""
     lines = ["| hardware | m x p | heads (kv) | tokens per rank | fwd+bwd, True over False |"]
     lines.append("|---|---|---|---|---|")
@@ -61,10 +61,7 @@ def combine_table() -> tuple[list[str], list[float]]:
     for name, layout, topo, compute, h, h_kv, tokens in grid():
         if layout.num_nodes != 2:
             continue
-        t = {
-            c: charm_time(topo, compute, h, h_kv, tokens, combine_two_nodes=c)
-            for c in (False, True)
-        }
+        t = {c: charm_time(topo, compute, h, h_kv, tokens, combine_nodes=c) for c in (False, True)}
         ratios.append(t[True] / t[False])
         m, p = layout.num_nodes, layout.ranks_per_node
         lines.append(f"| {name} | {m} x {p} | {h} ({h_kv}) | {tokens} | {ratios[-1]:.3f} |")
@@ -116,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
             summary,
             "",
-            "`combine_two_nodes=True` (own and foreign queries in one pipeline, two nodes only) "
+            "`combine_nodes=True` (own and foreign queries in one pipeline, two nodes only) "
             "against the default `False`, predicted forward+backward, same grid on two nodes:",
             "",
             *combine_lines,
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             f"True over False: {min(combine_ratios):.3f}-{max(combine_ratios):.3f}; it is faster "
             f"by more than {args.tolerance:.0%} at "
             f"{sum(r < 1 - args.tolerance for r in combine_ratios)} of {len(combine_ratios)} "
-            f"points (the default is {PlanOptions().combine_two_nodes}).",
+            f"points (the default is {PlanOptions().combine_nodes}).",
             "",
         ]
     )

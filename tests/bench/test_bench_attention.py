@@ -171,8 +171,8 @@ def test_numerics_method_entries_carry_plan_options():
     from megatron_charm.plan import PlanOptions
 
     assert method_options("ring") == PlanOptions(method="ring")
-    got = method_options("charm:cross_return=fp32:window=1:combine_two_nodes=true")
-    assert got == PlanOptions(cross_return="fp32", window=1, combine_two_nodes=True)
+    got = method_options("charm:cross_return=fp32:window=1:combine_nodes=true")
+    assert got == PlanOptions(cross_return="fp32", window=1, combine_nodes=True)
     with pytest.raises(ValueError, match="'speed=2' is not key=value with a PlanOptions field"):
         method_options("charm:speed=2")
     with pytest.raises(ValueError, match="unknown CP attention method 'chram'"):

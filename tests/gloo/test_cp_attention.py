@@ -112,15 +112,16 @@ def test_float16(pools):
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("n,p", [(4, 2), (8, 4)])
-def test_charm_combined_two_nodes(pools, n, p):
-    """The paper's Algorithm 2 variant for two nodes (own and foreign q in one pipeline)."""
+@pytest.mark.parametrize("n,p", [(4, 2), (8, 4), (8, 2)])
+def test_charm_combined_nodes(pools, n, p):
+    """The paper's Algorithm 2 (own and every foreign node's q in one pipeline), on 2 and 4
+    nodes."""
     results = pools(n).run(
         tasks.compare_with_reference,
         method="charm",
         ranks_per_node=p,
         variants=VARIANTS,
-        options={"combine_two_nodes": True},
+        options={"combine_nodes": True},
     )
     for rank_results in results:
         check(rank_results)

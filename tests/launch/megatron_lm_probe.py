@@ -38,7 +38,7 @@ REPORTED = (
     "charm_intra_level",
     "charm_foreign_q",
     "charm_memory_budget",
-    "charm_combine_two_nodes",
+    "charm_combine_nodes",
     "charm_model_builder",
     "distributed_timeout_minutes",
     "transformer_impl",

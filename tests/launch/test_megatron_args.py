@@ -205,11 +205,13 @@ def test_charm_cross_level_flag():
     assert _refusal(charm_cross_level="both").startswith("--charm-cross-level:")
 
 
-def test_charm_combine_two_nodes_flag():
-    params = _core_attention_params(charm_combine_two_nodes=True, charm_ranks_per_node=4)
-    assert params["options"].combine_two_nodes is True
-    assert "exactly two nodes" in _refusal(charm_combine_two_nodes=True, charm_ranks_per_node=2)
-    assert "charm option" in _refusal(cp_comm_type=["rm+"], charm_combine_two_nodes=True)
+def test_charm_combine_nodes_flag():
+    params = _core_attention_params(charm_combine_nodes=True, charm_ranks_per_node=4)
+    assert params["options"].combine_nodes is True
+    four = _core_attention_params(charm_combine_nodes=True, charm_ranks_per_node=2)
+    assert four["options"].combine_nodes is True
+    assert "at least two nodes" in _refusal(charm_combine_nodes=True, charm_ranks_per_node=8)
+    assert "charm option" in _refusal(cp_comm_type=["rm+"], charm_combine_nodes=True)
 
 
 def test_charm_node_split_flag():
@@ -245,5 +247,5 @@ def test_parser_flags_match_megatron_defaults():
     parsed = vars(parser.parse_args([]))
     defaults = margs.megatron_defaults()
     assert parsed == {k: defaults[k] for k in parsed}
-    flags = parser.parse_args(["--charm-combine-two-nodes", "--charm-cross-level", "q"])
-    assert flags.charm_combine_two_nodes and flags.charm_cross_level == "q"
+    flags = parser.parse_args(["--charm-combine-nodes", "--charm-cross-level", "q"])
+    assert flags.charm_combine_nodes and flags.charm_cross_level == "q"

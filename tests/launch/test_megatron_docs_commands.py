@@ -56,7 +56,7 @@ def test_plan_options_and_node_split_become_charm_flags():
         "plan.window=4",
         "plan.cross_level=kv",
         "plan.cross_return=fp32",
-        "plan.combine_two_nodes=true",
+        "plan.combine_nodes=true",
         "parallel.node_split=numa",
     )
     joined = " ".join(flags)
@@ -65,7 +65,7 @@ def test_plan_options_and_node_split_become_charm_flags():
         "--charm-window 4",
         "--charm-cross-level kv",
         "--charm-cross-return fp32",
-        "--charm-combine-two-nodes",
+        "--charm-combine-nodes",
         "--charm-node-split numa",
     ):
         assert expected in joined

@@ -89,7 +89,7 @@ CASES: dict[str, dict] = {
             "numa",
             "--charm-ranks-per-node",
             "4",
-            "--charm-combine-two-nodes",
+            "--charm-combine-nodes",
         ]  # fmt: skip
     ),
     "bad_window": _case([*CHARM, "--charm-window", "0"]),
@@ -242,7 +242,7 @@ def test_patched_builder_swaps_in_charm_with_the_flags(probe):
     assert core["params"]["options"] == {
         "method": "charm",
         "window": 3,
-        "combine_two_nodes": True,
+        "combine_nodes": True,
         "cross_return": "input",
         "cross_level": "kv",
         "intra_level": "split",
@@ -270,5 +270,5 @@ def test_plan_flags_reach_the_args(probe):
         args["charm_memory_budget"],
         args["charm_node_split"],
         args["charm_ranks_per_node"],
-        args["charm_combine_two_nodes"],
+        args["charm_combine_nodes"],
     ) == (3, "input", "kv", "split", "resend", 1.5, "numa", 4, True)

@@ -37,14 +37,12 @@ def _plans(n: int, p: int):
             continue
         if method in ("a2a", "a2a+p2p") and n > 8:
             continue  # n**3 blocks per pass, one exchange pattern: smaller sizes cover it
-        combos = [False, True] if method == "charm" and n // p == 2 else [False]
+        combos = [False, True] if method == "charm" and n // p >= 2 else [False]
         for combine in combos:
             levels = ["q", "kv"] if method == "charm" and n // p > 1 and not combine else ["q"]
             for level in levels:
                 for causal in (True, False):
-                    options = PlanOptions(
-                        method=method, combine_two_nodes=combine, cross_level=level
-                    )
+                    options = PlanOptions(method=method, combine_nodes=combine, cross_level=level)
                     yield build_plan(options, Layout(n // p, p), causal)
 
 

@@ -37,12 +37,12 @@ def test_every_plan_validates(n, p, causal):
             continue  # flat methods ignore the node split
         if method in ("a2a", "a2a+p2p") and n > 8:
             continue  # n**3 blocks per pass; its offsets are regular, the sizes below cover them
-        variants = [False, True] if method == "charm" and n // p == 2 else [False]
+        variants = [False, True] if method == "charm" and n // p >= 2 else [False]
         for combine in variants:
             levels = ["q", "kv"] if method == "charm" and n // p > 1 and not combine else ["q"]
             for level in levels:
                 plan = plan_of(
-                    method, Layout(n // p, p), causal, combine_two_nodes=combine, cross_level=level
+                    method, Layout(n // p, p), causal, combine_nodes=combine, cross_level=level
                 )
                 _check_balanced(plan, n, causal)
 
@@ -222,8 +222,6 @@ def test_plan_options_are_checked():
         PlanOptions(cross_return="bf16")
     with pytest.raises(ValueError, match="unknown plan option"):
         PlanOptions.from_dict({"windw": 2})
-    with pytest.raises(ValueError, match="combine_two_nodes=True .* 4 nodes"):
-        plan_of("charm", Layout(4, 2), True, combine_two_nodes=True)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])

@@ -48,7 +48,7 @@ def _cases():
                 intras = [SPLIT, ("kv", "kv")] if method == "charm" and p > 2 else [SPLIT]
                 for cross, intra in itertools.product(crosses, intras):
                     for cross_return in ("fp32", "input"):
-                        for combine in (False, True) if method == "charm" and m == 2 else (False,):
+                        for combine in (False, True) if method == "charm" and m >= 2 else (False,):
                             yield method, m, p, causal, cross, intra, cross_return, combine
 
 
@@ -57,7 +57,7 @@ CASES = list(_cases())
 
 
 def _options(method, cross_return, combine):
-    return PlanOptions(method=method, cross_return=cross_return, combine_two_nodes=combine)
+    return PlanOptions(method=method, cross_return=cross_return, combine_nodes=combine)
 
 
 @pytest.mark.parametrize("method", METHODS)

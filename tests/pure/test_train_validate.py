@@ -158,13 +158,14 @@ def test_three_level_hierarchical_sizes_need_an_explicit_split():
     assert cfg.parallel.hierarchical_context_parallel_sizes == [2, 2, 2]
 
 
-def test_combine_two_nodes_needs_charm_on_two_nodes():
-    cfg = load_config(None, ["plan.combine_two_nodes=true", "parallel.ranks_per_node=2"])
-    assert cfg.plan.combine_two_nodes
-    with pytest.raises(ValueError, match=r"needs exactly two nodes.*makes 4"):
-        load_config(None, ["plan.combine_two_nodes=true", "parallel.ranks_per_node=1"])
+def test_combine_nodes_needs_charm_on_two_or_more_nodes():
+    for rpn in (2, 1):  # two and four nodes
+        cfg = load_config(None, ["plan.combine_nodes=true", f"parallel.ranks_per_node={rpn}"])
+        assert cfg.plan.combine_nodes
+    with pytest.raises(ValueError, match=r"needs at least two nodes.*makes 1"):
+        load_config(None, ["plan.combine_nodes=true", "parallel.ranks_per_node=4"])
     with pytest.raises(ValueError, match=r"is a charm option"):
-        load_config(None, ["plan.combine_two_nodes=true", "parallel.cp_comm_type=rm+"])
+        load_config(None, ["plan.combine_nodes=true", "parallel.cp_comm_type=rm+"])
 
 
 def test_channel_group_timeout_is_parallel_timeout_s():

@@ -14,6 +14,7 @@ from megatron_charm.sim.baselines import (
     PAPER_CHARM,
     PAPER_EFFICIENCY,
     paper_predict,
+    paper_programs,
     with_output_in_bundle,
 )
 from megatron_charm.sim.compute import FlopsCompute
@@ -212,19 +213,40 @@ def test_the_speedup_rises_with_batch_only_where_the_host_bounds_the_pass() -> N
     assert small == pytest.approx(large, rel=0.05)
 
 
-def test_the_papers_two_node_charm_is_its_algorithm_2_with_float32_returns() -> None:
-    # Note [The paper's baselines]: one pipeline over own and crossed queries, float32 partial
-    # outputs back; every CHARM+ time of Table 5 then within 16% on two nodes and 6% on four
+def test_the_papers_charm_is_its_algorithm_2() -> None:
+    # Note [The paper's baselines]: one pipeline over own and crossed queries, partial outputs
+    # back (float32 on two nodes); every CHARM+ time of Table 5 then within 16% on two nodes
+    # and 9% on four
     from megatron_charm.sim.baselines import paper_charm
     from megatron_charm.sim.topology import PRESETS
     from megatron_charm.sim.validation import row_topology
 
-    assert paper_charm(2).combine_two_nodes and paper_charm(2).cross_return == "fp32"
-    assert paper_charm(4) == PAPER_CHARM
+    assert paper_charm(2) == PAPER_CHARM.replace(cross_return="fp32")
+    assert paper_charm(4) == PAPER_CHARM and PAPER_CHARM.combine_nodes
     compute = PRESETS["H100"].compute_model()
     for row in (r for r in PAPER_ROWS if r.table == "5"):
         problem = Problem(row.batch, row.seq, row.heads, row.head_dim)
         charm = paper_predict(row_topology(row), problem, compute, ("charm",)).methods["charm"]
-        tol = 0.17 if row.gpus[0] == 2 else 0.06
+        tol = 0.17 if row.gpus[0] == 2 else 0.10
         assert charm.forward.makespan * 1e3 == pytest.approx(row.charm_fwd, rel=tol), row
         assert charm.backward.makespan * 1e3 == pytest.approx(row.charm_bwd, rel=tol), row
+
+
+def test_on_four_nodes_algorithm_2_keeps_small_problems_fast() -> None:
+    # Note [The paper's baselines]: our own rounds run one intra-node pipeline per foreign half
+    # and, host-bound at batch 1, fall below ring; Algorithm 2 runs one pipeline for all nodes
+    from megatron_charm.sim.topology import PRESETS
+
+    hw = PRESETS["H100"]
+    topo, compute = hw.topology(4, 8), hw.compute_model()
+    problem = Problem(1, 3360, 12, 192)
+    paper = paper_predict(topo, problem, compute, ("ring", "charm"))
+    rounds = predict(
+        topo,
+        problem,
+        compute,
+        ("ring", "charm"),
+        options=PAPER_CHARM.replace(combine_nodes=False),
+        rewrite=paper_programs,
+    )
+    assert paper.speedup("charm") > 1.5 > 1.0 > rounds.speedup("charm")
