@@ -555,6 +555,16 @@ def _joined(prog: Program) -> set[int]:
     return {i for start, end in runs.items() for i in range(start + 1, end)}
 
 
+def enqueued_operations(prog: Program) -> int:
+    """Device operations the host enqueues for ``prog`` (Note [Enqueue ahead]): its posted
+    exchanges, merges and kernel calls (coalesced blocks share one), the pass's call aside."""
+    joined = _joined(prog)
+    return sum(
+        isinstance(ins, (Exchange, Merge)) or (isinstance(ins, Compute) and i not in joined)
+        for i, ins in enumerate(prog.instrs)
+    )
+
+
 def _label(ins: Compute | Merge) -> str:
     if isinstance(ins, Compute):
         return f"C q{ins.q_owner}/kv{ins.kv_owner}"

@@ -258,8 +258,9 @@ def baselines_text(baselines: str) -> str:
     """How ``baselines`` replays ring and charm, for the tables."""
     if baselines == "paper":
         return (
-            "the paper ran them (ring's forward without overlap; charm ships q across, "
-            "and q, out, dout, lse in the backward)"
+            "the paper ran them (ring's forward without overlap; charm is Algorithm 2: every "
+            "q crosses once and runs in one pipeline with the node's own, float32 returns on "
+            "two nodes, input-precision ones on more; q, out, dout, lse in the backward)"
         )
     return "our planner runs them"
 

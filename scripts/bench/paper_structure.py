@@ -16,8 +16,16 @@ from __future__ import annotations
 import argparse
 import datetime
 
-from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
+from megatron_charm.plan import Layout, PlanOptions
+from megatron_charm.sim.baselines import (
+    PAPER_EFFICIENCY,
+    paper_charm,
+    paper_predict,
+    paper_programs,
+)
+from megatron_charm.sim.engine import enqueued_operations
 from megatron_charm.sim.predict import Problem, predict
+from megatron_charm.sim.programs import programs
 from megatron_charm.sim.topology import PRESETS
 
 # Sequences per 16 GPUs (scaled with the GPU count), and batches.
@@ -43,6 +51,23 @@ def rows(gpus: tuple[int, int], efficiency: float, baselines: str) -> list[str]:
     return out
 
 
+def operation_counts(gpus: tuple[int, int]) -> str:
+    """Operations the busiest rank enqueues per pass (Note [Enqueue ahead]): what a host-bound
+    pass's time tends to."""
+    layout, cells = Layout(*gpus), []
+    schedules = (
+        ("ring", PlanOptions(method="ring"), True),
+        ("the paper's CHARM+", paper_charm(gpus[0]), True),
+        ("our charm (default options)", PlanOptions(), False),
+    )
+    for name, options, paper in schedules:
+        progs = programs(options, layout, False)
+        progs = paper_programs(progs) if paper else progs
+        fwd, bwd = (max(map(enqueued_operations, p)) for p in (progs.forward, progs.backward))
+        cells.append(f"{name} {fwd} / {bwd}")
+    return f"* {gpus[0]} x {gpus[1]}, operations per rank (forward / backward): " + ", ".join(cells)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baselines", choices=("paper", "ours"), default="paper")
@@ -61,6 +86,8 @@ def main() -> int:
     ]
     for gpus in ((2, 8), (4, 8)):
         lines += rows(gpus, args.efficiency, args.baselines)
+    lines.append("")
+    lines += [operation_counts(gpus) for gpus in ((2, 8), (4, 8))]
     text = "\n".join(lines)
     print(text)
     if args.md:

@@ -385,6 +385,27 @@ def test_a_host_bound_pass_takes_its_enqueue_time() -> None:
             assert all(r.busy < 1e-6 for r in res.ranks)  # the device only waited
 
 
+def test_a_host_bound_pass_takes_its_operation_count() -> None:
+    # what docs/simulator.md quotes per schedule: at one cost per operation, a host-bound pass
+    # takes that cost times the busiest rank's enqueued operations
+    from megatron_charm.sim.compute import Enqueue
+    from megatron_charm.sim.engine import enqueued_operations
+
+    shape = AttnShape(b=1, s_local=64, h=8, h_kv=8, d=64)
+    t = Topology(2, 4, 1e9, 1e9, intra_lat=0.0, cross_lat=0.0)
+    each = Enqueue(exchange=1e-3, kernel=1e-3, merge=1e-3)
+    hosted = FlopsCompute(1e30, 1.0, mem_bw=1e30, enqueue=each)
+    for method in ("ring", "charm"):
+        progs = programs(PlanOptions(method=method), Layout(2, 4), True, mode="full")
+        for backward in (False, True):
+            counts = [
+                enqueued_operations(p) for p in (progs.backward if backward else progs.forward)
+            ]
+            assert min(counts) > 0
+            res = simulate_pass(progs, t, shape, hosted, backward)
+            assert res.makespan == pytest.approx(1e-3 * max(counts), rel=1e-9)
+
+
 def test_enqueue_costs_nothing_while_the_device_is_busier() -> None:
     # the host runs ahead: a microsecond per operation hides behind blocks of milliseconds,
     # except the few operations enqueued before the first block starts
