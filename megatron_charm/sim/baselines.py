@@ -30,8 +30,9 @@ Ring-Attention and CHARM+ do neither:
   rank's queries cross whole to the ``m - 1`` other nodes, and the node's pipeline runs ``m``
   query sets. Until 2026-12-03 four nodes were replayed with our own rounds (one intra-node
   pipeline per foreign half, ``2m - 1`` in all): they also matched Table 5's four 4 x 8 rows
-  (within 6%), but at batch 1 they enqueue 138 operations per rank to ring's 63 and put
-  CHARM+ at 0.55x ring at 3,360 tokens; Algorithm 2 issues fewer and keeps it above 2x there.
+  (within 6%), but they enqueue about twice ring's operations per rank and, host-bound at
+  batch 1, put CHARM+ at 0.55x ring at 3,360 tokens; Algorithm 2 enqueues fewer than half of
+  ring's (``scripts/bench/paper_structure.py`` prints the counts) and keeps it above 2x there.
 * **Its returns are float32 on two nodes; on four the rows say input precision.** The paper's
   buffers are float32 (Appendix B.2: "under FP32 precision, each buffer occupies BSH"). On
   2 x 8 float32 returns put Table 5's CHARM+ times within 5% (forward) and 16% (backward);
