@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernel", default=None, help="block kernel (default by device and dtype)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8, help="heads of the timed blocks")
+    ap.add_argument(
+        "--kernel-heads",
+        default="1",
+        help="also time the blocks on these head counts (comma-separated): a head-split "
+        "method's blocks run on a fraction of the heads",
+    )
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--tokens", default="256,512,1024,2048", help="block sizes (tokens)")
     ap.add_argument(
@@ -88,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "heads": args.heads,
         "head_dim": args.head_dim,
         "tokens": _ints(args.tokens, "--tokens"),
+        "kernel_heads": _ints(args.kernel_heads, "--kernel-heads"),
         "sizes": _ints(args.sizes, "--sizes"),
         "reps": args.reps,
         "threads": args.threads,
@@ -128,9 +135,10 @@ def describe(profile: Profile) -> str:
             f"{profile.cross_bw:.4g} GB/s + {profile.cross_lat * 1e6:.0f} us; cross links per "
             f"node: {links}",
             f"  kernel forward {c['fwd_flops_per_s'] / 1e12:.4g} TFLOP/s + "
-            f"{c['fwd_overhead'] * 1e6:.0f} us per block, backward "
-            f"{c['bwd_flops_per_s'] / 1e12:.4g} TFLOP/s + {c['bwd_overhead'] * 1e6:.0f} us; "
-            f"merges {c['mem_bw']:.3g} GB/s",
+            f"{c['fwd_overhead'] * 1e6:.0f} us per block + "
+            f"{c.get('fwd_per_element', 0) * 1e9:.3g} ns per element, backward "
+            f"{c['bwd_flops_per_s'] / 1e12:.4g} TFLOP/s + {c['bwd_overhead'] * 1e6:.0f} us + "
+            f"{c.get('bwd_per_element', 0) * 1e9:.3g} ns; merges {c['mem_bw']:.3g} GB/s",
             f"  blocks under communication: forward x{c['fwd_slowdown']:.2f}, backward "
             f"x{c['bwd_slowdown']:.2f}",
             f"  largest fit residuals: {err}",

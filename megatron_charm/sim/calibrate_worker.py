@@ -74,14 +74,17 @@ def _slowest(value: float) -> float:
     return max(out)
 
 
-def _block_calls(cfg: dict, device: torch.device, tokens: int, seed: int, causal: bool = False):
-    """Forward and backward of one ``tokens x tokens`` block of the configured shape (causal:
-    masked on the diagonal), run once to warm up: two calls without arguments."""
+def _block_calls(
+    cfg: dict, device: torch.device, tokens: int, seed: int, causal: bool = False, heads=None
+):
+    """Forward and backward of one ``tokens x tokens`` block of the configured shape (``heads``:
+    instead of the configured heads; causal: masked on the diagonal), run once to warm up: two
+    calls without arguments."""
     from megatron_charm.kernels.backends import select_kernel
 
     dtype = DTYPES[cfg["dtype"]]
     kernel = select_kernel(device, dtype, cfg.get("kernel"))
-    b, h, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
+    b, h, d = cfg["batch"], heads or cfg["heads"], cfg["head_dim"]
     gen = torch.Generator().manual_seed(seed)
     q, k, v, dout = (
         torch.randn(tokens, b, h, d, generator=gen).to(device=device, dtype=dtype) for _ in range(4)
@@ -95,20 +98,27 @@ def _block_calls(cfg: dict, device: torch.device, tokens: int, seed: int, causal
     )
 
 
+def kernel_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """``(heads, tokens)`` of every timed block: each size at the configured heads and at each of
+    ``kernel_heads`` (Note [Block shapes] in :mod:`megatron_charm.sim.compute`)."""
+    heads = sorted({cfg["heads"], *cfg.get("kernel_heads", ())})
+    return [(h, tokens) for h in heads for tokens in cfg["tokens"]]
+
+
 def time_kernels(cfg: dict, device: torch.device) -> list[dict]:
-    """Forward and backward seconds of one ``tokens x tokens`` block per size, unmasked
-    (``fwd_s``, ``bwd_s``) and causal-masked (``fwd_masked_s``, ``bwd_masked_s``; Note [Masked
-    blocks] in :mod:`megatron_charm.sim.compute`)."""
+    """Forward and backward seconds of one ``tokens x tokens`` block per shape of
+    :func:`kernel_shapes`, unmasked (``fwd_s``, ``bwd_s``) and causal-masked (``fwd_masked_s``,
+    ``bwd_masked_s``; Note [Masked blocks] in :mod:`megatron_charm.sim.compute`)."""
     samples = []
-    for tokens in cfg["tokens"]:
+    for heads, tokens in kernel_shapes(cfg):
         sample = {
             "batch": cfg["batch"],
-            "heads": cfg["heads"],
+            "heads": heads,
             "head_dim": cfg["head_dim"],
             "tokens": tokens,
         }
         for causal, tag in ((False, ""), (True, "_masked")):
-            fwd_call, bwd_call = _block_calls(cfg, device, tokens, seed=0, causal=causal)
+            fwd_call, bwd_call = _block_calls(cfg, device, tokens, 0, causal, heads)
             dist.barrier()
             fwd = _timed(fwd_call, cfg, device)
             dist.barrier()
@@ -224,7 +234,7 @@ def time_kernels_under_traffic(
                 dist.send(buf, peer, group=traffic)
         _sync(device)
 
-    fwd_call, bwd_call = _block_calls(cfg, device, solo["tokens"], seed=1)
+    fwd_call, bwd_call = _block_calls(cfg, device, solo["tokens"], 1, heads=solo["heads"])
     stream(1)  # connect the pair before anything is timed
     dist.barrier()
     worker = threading.Thread(target=stream, args=(count,), daemon=True)
@@ -318,7 +328,7 @@ def run(cfg: dict) -> dict | None:
     if m * p > 1:
         if cfg.get("one_host") or device.type == "cuda":
             raw["host_work"] = time_host_work(cfg, device, topo)
-        largest = max(raw["kernel"], key=lambda k: k["tokens"])
+        largest = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
         raw["kernel_under_traffic"] = time_kernels_under_traffic(
             cfg, device, topo.global_ranks, m, p, largest, raw
         )

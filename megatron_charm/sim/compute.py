@@ -9,10 +9,11 @@ Two sources:
   forward's two: 2.5).
 * :class:`CalibratedCompute`: measured seconds of one full ``s_local x s_local`` block, forward and
   backward (e.g. from the attention benchmark), scaled by the block's area.
-* :class:`FittedCompute`: a fixed cost per block plus FLOPs at a rate, forward and backward each
-  fitted by least squares to kernel timings over block shapes (``megatron-charm-sim calibrate``),
-  so small blocks cost more per FLOP than large ones; times a measured slowdown while
-  communication runs next to the kernel.
+* :class:`FittedCompute`: a fixed cost per block, a cost per element of the block's rows and
+  FLOPs at a rate, forward and backward each fitted by least squares to kernel timings over
+  block shapes (``megatron-charm-sim calibrate``; Note [Block shapes]), so small blocks cost
+  more per FLOP than large ones; times a measured slowdown while communication runs next to
+  the kernel.
 
 A merge (``Reduce``) reads the accumulator and the partial and writes the accumulator: three times
 the payload's bytes at memory bandwidth.
@@ -28,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_charm.plan.payloads import AttnShape
+from megatron_charm.plan.payloads import AttnShape, group_heads
 from megatron_charm.plan.types import Compute, head_fraction
 
 
@@ -37,6 +38,14 @@ def block_area(ins: Compute, shape: AttnShape) -> float:
     computes (a block of one head group of ``n`` is ``1/n`` of its area)."""
     area = ins.q_part.fraction * ins.kv_part.fraction * head_fraction(ins.heads)
     return area * 0.5 if ins.masked else area
+
+
+def block_elements(ins: Compute, shape: AttnShape) -> float:
+    """Elements of the rows one block reads: ``b * d * (h * tq + h_kv * tk)`` for ``tq`` query
+    and ``tk`` key tokens of the block's head group (Note [Block shapes])."""
+    h, h_kv = group_heads(shape, ins.heads)
+    tq, tk = shape.s_local * ins.q_part.fraction, shape.s_local * ins.kv_part.fraction
+    return float(shape.b * shape.d * (h * tq + h_kv * tk))
 
 
 def block_flops(ins: Compute, shape: AttnShape, backward: bool, bwd_ratio: float = 2.5) -> float:
@@ -173,7 +182,8 @@ class CalibratedCompute(_MergeCost):
 
 @dataclass(frozen=True)
 class FittedCompute(_MergeCost):
-    """Block time ``overhead + flops / rate``, fitted separately for forward and backward."""
+    """Block time ``overhead + elements * per_element + flops / rate``, fitted separately for
+    forward and backward (Note [Block shapes])."""
 
     fwd_flops_per_s: float
     """Achieved forward FLOP/s of the block kernel on large blocks."""
@@ -185,6 +195,12 @@ class FittedCompute(_MergeCost):
     """Fixed seconds per backward block."""
     mem_bw: float = 10.0
     """Memory bandwidth of a merge, GB/s."""
+    fwd_per_element: float = 0.0
+    """Forward seconds per element of the block's rows (:func:`block_elements`): the work that
+    grows with the rows, not with their products (Note [Block shapes]). 0 in profiles fitted
+    before it was measured."""
+    bwd_per_element: float = 0.0
+    """The same for backward blocks."""
     fwd_slowdown: float = 1.0
     """Forward block time under concurrent communication over its time alone (>= 1): the CPU
     cores or GPU SMs that transfers take. The engine applies it to a block that starts while
@@ -235,6 +251,12 @@ class FittedCompute(_MergeCost):
             )
         if min(self.fwd_overhead, self.bwd_overhead) < 0:
             raise ValueError("per-block overheads must be >= 0 seconds; fix the profile")
+        if not min(self.fwd_per_element, self.bwd_per_element) >= 0:
+            raise ValueError(
+                f"seconds per element (forward {self.fwd_per_element}, backward "
+                f"{self.bwd_per_element}) must be >= 0; rerun megatron-charm-sim calibrate or "
+                "fix the profile"
+            )
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
         if not min(self.host_call_s, self.host_post_s) >= 0:
@@ -265,10 +287,12 @@ class FittedCompute(_MergeCost):
             whole = dataclasses.replace(ins, masked=False)
             tokens = shape.s_local * ins.q_part.fraction
             return self.block_time(whole, shape, backward) * self.masked_ratio(tokens, backward)
-        flops = block_flops(ins, shape, backward)
+        flops, elements = block_flops(ins, shape, backward), block_elements(ins, shape)
         if backward:
-            return self.bwd_overhead + flops / self.bwd_flops_per_s
-        return self.fwd_overhead + flops / self.fwd_flops_per_s
+            return (
+                self.bwd_overhead + elements * self.bwd_per_element + flops / self.bwd_flops_per_s
+            )
+        return self.fwd_overhead + elements * self.fwd_per_element + flops / self.fwd_flops_per_s
 
     def masked_ratio(self, tokens: float, backward: bool) -> float:
         """A masked ``tokens x tokens`` block's time over the unmasked one's, interpolated
@@ -285,6 +309,33 @@ class FittedCompute(_MergeCost):
 
     def slowdown(self, backward: bool) -> float:
         return self.bwd_slowdown if backward else self.fwd_slowdown
+
+
+# Note [Block shapes]
+# ~~~~~~~~~~~~~~~~~~~
+# A block's time is more than its FLOPs at a rate. A fitted profile prices three things that a
+# kernel does, each fitted on timings over block shapes:
+#
+#     t = overhead + elements * per_element + flops / rate
+#
+# * ``overhead``: once per kernel call (dispatch, launch, allocations); a coalesced run of blocks
+#   pays it once (Note [Coalesced blocks] in megatron_charm/plan/coalesce.py).
+# * ``elements = b * d * (h * tq + h_kv * tk)``: the rows the kernel reads and writes. Work that
+#   grows with them and not with their products: the softmax statistics of every query row, the
+#   backward's float32 accumulators for dq, dk and dv and their conversion, each tile's loads.
+# * ``flops``: the two matmuls of the forward, five of the backward (2.5 x).
+#
+# Timed at one head count only, the first two cannot be told apart well: the fit puts what does
+# not grow with the FLOPs into the call (5.6 ms per backward block in the 2 x 2 testbed's profile
+# of 2026-12-03 15:02 UTC, timed at 8 heads). Head-split methods (``a2a``, ``a2a+p2p``) run
+# ``n`` times more calls on ``1/n`` of the heads, and their backward was predicted a median 28%
+# too slow on that day's testbed sweep. ``calibrate`` therefore times each size at one head
+# too (``--kernel-heads``). On the testbed host at 23:16 UTC a one-head backward block of 256
+# tokens took 0.50 ms and an eight-head one 4.66 ms: a call + FLOPs fit on eight heads prices
+# them at 2.97 and 4.56 ms, the fit on both at 0.52 and 4.15 ms (0 us per call, 10.5 ns per
+# element). Over a sweep, the kernel time each method measured divided by its blocks' predicted
+# time is then 1.8-2.1 for every method (four to eight ranks on two cores), where it was 0.8
+# (a2a) to 1.9 (ring) with the old fit (docs/results/calibrated-2x2.md).
 
 
 # Note [Masked blocks]
@@ -315,8 +366,10 @@ def describe_compute(compute: ComputeModel) -> str:
     elif isinstance(compute, FittedCompute):
         text = (
             f"fitted: forward {compute.fwd_flops_per_s / 1e12:.4g} TFLOP/s + "
-            f"{compute.fwd_overhead * 1e6:.0f} us per block, backward "
-            f"{compute.bwd_flops_per_s / 1e12:.4g} TFLOP/s + {compute.bwd_overhead * 1e6:.0f} us"
+            f"{compute.fwd_overhead * 1e6:.0f} us per block + "
+            f"{compute.fwd_per_element * 1e9:.3g} ns per row element, backward "
+            f"{compute.bwd_flops_per_s / 1e12:.4g} TFLOP/s + {compute.bwd_overhead * 1e6:.0f} us "
+            f"+ {compute.bwd_per_element * 1e9:.3g} ns"
         )
     else:
         text = (

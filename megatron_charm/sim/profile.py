@@ -12,11 +12,15 @@ Note [Fitting a profile]
 Every measured quantity is a straight line through timings over sizes, fitted by least squares on
 the relative residuals::
 
-    block kernel   t = overhead + flops / rate          (forward; backward at 2.5 x the FLOPs)
+    block kernel   t = overhead + elements * per_element + flops / rate
+                                          (forward; backward at 2.5 x the FLOPs; Note [Block
+                                           shapes] in megatron_charm/sim/compute.py)
     P2P transfer   t = latency  + bytes / bandwidth     (intra-node pair, cross-node pair)
     merge          t = 3 * bytes / memory bandwidth
 
-A negative intercept (noise on a machine whose overhead is small) is refitted through the origin.
+A negative coefficient (noise on a machine whose overhead is small) is dropped and the rest
+refitted. The blocks are timed at the configured heads and at one head (``--kernel-heads``), the
+shape of a head-split method's blocks, so that the fit can tell a cost per call from one per row.
 Where every rank runs on one host the blocks are timed one rank at a time, and the profile
 records how many ranks the host runs at full speed at once (Note [Ranks sharing a host]).
 The compute slowdown under communication is the largest block's time while the rank streams
@@ -204,6 +208,61 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return 0.0, num / sum(wi * x * x for wi, x in zip(w, xs, strict=True))
 
 
+def fit_nonnegative(
+    features: list[tuple[float, ...]], ys: list[float], drop_order: tuple[int, ...]
+) -> tuple[float, ...]:
+    """``y = sum(c_i x_i)`` minimising the squared relative residuals (weights ``1 / y^2``, as
+    :func:`fit_line`) with every ``c_i >= 0``. While a coefficient comes out negative, or the
+    samples cannot tell the features apart, the first feature of ``drop_order`` still in the fit
+    is fixed at 0 (the most negative one, where one of them is negative) and the rest refitted;
+    the features not in ``drop_order`` always stay.
+    ``features``: one tuple per sample."""
+    if len(features) != len(ys) or not ys or min(ys) <= 0:
+        raise ValueError(f"fit_nonnegative needs equal, non-empty, positive samples (got {ys})")
+    width = len(features[0])
+    active = [i for i in range(width) if any(f[i] for f in features)]
+    droppable = [i for i in drop_order if i in active]
+    # columns scaled to at most 1: FLOPs and a constant differ by ten orders of magnitude
+    scale = [max(abs(f[i]) for f in features) or 1.0 for i in range(width)]
+    while True:
+        coef = _weighted_lstsq(
+            [[f[i] / scale[i] / y for i in active] for f, y in zip(features, ys, strict=True)]
+        )
+        if coef is not None and min(coef) >= 0:
+            out = [0.0] * width
+            for i, c in zip(active, coef, strict=True):
+                out[i] = c / scale[i]
+            return tuple(out)
+        if not droppable:
+            raise ValueError(f"fit_nonnegative: no non-negative fit to {ys}")
+        drop = droppable[0]
+        if coef is not None:  # the most negative droppable coefficient, if any is negative
+            worst = min(droppable, key=lambda i: coef[active.index(i)])
+            drop = worst if coef[active.index(worst)] < 0 else drop
+        droppable.remove(drop)
+        active.remove(drop)
+
+
+def _weighted_lstsq(rows: list[list[float]]) -> list[float] | None:
+    """Least squares of ``rows @ c = 1`` through the normal equations (a few unknowns);
+    ``None`` when they are singular."""
+    k = len(rows[0])
+    a = [
+        [sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] for r in rows)]
+        for i in range(k)
+    ]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) <= 1e-12 * max(1.0, max(abs(x) for x in a[piv][:k])):
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
 def fit_link(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """:func:`fit_line` for transfer samples ``(bytes, seconds)``: while the fit needs a negative
     latency, the smallest transfer is dropped and the rest refit (down to the two largest). A
@@ -232,6 +291,28 @@ def _divisor_near(p: int, x: float) -> int:
 def block_flops_full(batch: int, heads: int, head_dim: int, tokens: int) -> float:
     """Forward FLOPs of one unmasked ``tokens x tokens`` block (``QK^T`` and ``PV``)."""
     return 4.0 * batch * heads * head_dim * tokens * tokens
+
+
+def block_elements_full(batch: int, heads: int, head_dim: int, tokens: int) -> float:
+    """Elements of the rows of one ``tokens x tokens`` block, queries and keys (Note [Block
+    shapes] in :mod:`megatron_charm.sim.compute`)."""
+    return 2.0 * batch * heads * head_dim * tokens
+
+
+def fit_kernel(samples: list[dict], backward: bool) -> tuple[float, float, float, float]:
+    """``(overhead, seconds per element, seconds per FLOP, largest relative residual)`` of the
+    forward (or backward) block times of ``samples`` (Note [Fitting a profile])."""
+    feats, ys = [], []
+    for k in samples:
+        flops = block_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
+        elements = block_elements_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
+        feats.append((1.0, elements, flops * (BWD_FLOPS_RATIO if backward else 1.0)))
+        ys.append(k["bwd_s" if backward else "fwd_s"])
+    # the FLOPs term always stays; then the per-element term goes first (a single head count
+    # and one size cannot tell it from the rest), then the overhead
+    c0, c1, c2 = fit_nonnegative(feats, ys, drop_order=(1, 0))
+    worst = max(abs(c0 + c1 * f[1] + c2 * f[2] - y) / y for f, y in zip(feats, ys, strict=True))
+    return c0, c1, c2, worst
 
 
 def host_work(raw: dict, slots: float) -> tuple[float, float]:
@@ -283,18 +364,11 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     """
     m, p = raw["nodes"], raw["ranks_per_node"]
     ks = raw["kernel"]
-    fx = [block_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"]) for k in ks]
-    fy = [k["fwd_s"] for k in ks]
-    bx = [BWD_FLOPS_RATIO * x for x in fx]
-    by = [k["bwd_s"] for k in ks]
-    f0, f1 = fit_line(fx, fy)
-    b0, b1 = fit_line(bx, by)
+    f0, fe, f1, ferr = fit_kernel(ks, backward=False)
+    b0, be, b1, berr = fit_kernel(ks, backward=True)
     merge = raw["merge"]
     _, mslope = fit_line([3.0 * s["bytes"] for s in merge], [s["s"] for s in merge])
-    err = {
-        "kernel_fwd": max_rel_residual(fx, fy, f0, f1),
-        "kernel_bwd": max_rel_residual(bx, by, b0, b1),
-    }
+    err = {"kernel_fwd": ferr, "kernel_bwd": berr}
     links: dict[str, tuple[float, float]] = {}
     for cls in ("intra", "cross"):
         samples = raw["p2p"].get(cls) or []
@@ -328,11 +402,13 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     if raw.get("one_host"):
         slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
     call, post = host_work(raw, slots)
-    # Note [Masked blocks] in megatron_charm/sim/compute.py (older raw samples have none)
+    # Note [Masked blocks] in megatron_charm/sim/compute.py (older raw samples have none), at
+    # the most heads timed: one ratio per size
+    most = max(k["heads"] for k in ks)
     masked = tuple(
         (k["tokens"], k["fwd_masked_s"] / k["fwd_s"], k["bwd_masked_s"] / k["bwd_s"])
         for k in ks
-        if "fwd_masked_s" in k
+        if "fwd_masked_s" in k and k["heads"] == most
     )
     compute = FittedCompute(
         fwd_flops_per_s=1.0 / f1,
@@ -340,6 +416,8 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         fwd_overhead=f0,
         bwd_overhead=b0,
         mem_bw=1.0 / mslope / 1e9,
+        fwd_per_element=fe,
+        bwd_per_element=be,
         fwd_slowdown=slow["fwd"],
         bwd_slowdown=slow["bwd"],
         shared_slots=slots,

@@ -27,7 +27,9 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert set(prof.fit_error) == {"kernel_fwd", "kernel_bwd", "intra", "cross"}
     assert prof.provenance["command"].startswith("megatron-charm-sim calibrate --launcher")
     samples = prof.provenance["samples"]
-    assert [k["tokens"] for k in samples["kernel"]] == [64, 128]
+    # every size at the configured heads and at one head (Note [Block shapes])
+    shapes = [(k["heads"], k["tokens"]) for k in samples["kernel"]]
+    assert shapes == [(1, 64), (1, 128), (2, 64), (2, 128)]
     assert [s["bytes"] for s in samples["p2p"]["cross"]] == [4096, 65536]
     assert samples["concurrent_cross"]["flows"] == 2
     assert all(k["fwd_s"] > 0 and k["bwd_s"] > 0 for k in samples["kernel"])

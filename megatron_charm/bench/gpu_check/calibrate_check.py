@@ -86,7 +86,7 @@ def calibrate_check(device: torch.device, plant: str | None) -> tuple[dict, list
     on_cuda = device.type == "cuda"
     cfg = {
         "device": device.type, "dtype": "bf16" if on_cuda else "fp32", "kernel": None,
-        "batch": 1, "heads": 8, "head_dim": 128 if on_cuda else 32,
+        "batch": 1, "heads": 8, "kernel_heads": [1], "head_dim": 128 if on_cuda else 32,
         "tokens": [512, 1024, 2048, 4096] if on_cuda else [32, 64, 128],
         "sizes": [1 << 12, 1 << 16, 1 << 20, 1 << 22] if on_cuda else [1 << 10, 1 << 14, 1 << 16],
         "reps": 5 if on_cuda else 3, "threads": 1, "nodes": 2, "ranks_per_node": 1,
