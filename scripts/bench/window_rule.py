@@ -54,12 +54,12 @@ def memory(layout: Layout, shape: AttnShape, **opts) -> int:
 
 def combine_table() -> tuple[list[str], list[float]]:
     """Markdown rows and the fwd+bwd ratios of ``combine_nodes=True`` over ``False`` on the
-    grid's two-node layouts."""
+    grid's layouts of two or more nodes."""
     lines = ["| hardware | m x p | heads (kv) | tokens per rank | fwd+bwd, True over False |"]
     lines.append("|---|---|---|---|---|")
     ratios = []
     for name, layout, topo, compute, h, h_kv, tokens in grid():
-        if layout.num_nodes != 2:
+        if layout.num_nodes < 2:
             continue
         t = {c: charm_time(topo, compute, h, h_kv, tokens, combine_nodes=c) for c in (False, True)}
         ratios.append(t[True] / t[False])
@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
             "",
             summary,
             "",
-            "`combine_nodes=True` (own and foreign queries in one pipeline, two nodes only) "
-            "against the default `False`, predicted forward+backward, same grid on two nodes:",
+            "`combine_nodes=True` (own and every foreign node's queries in one pipeline) "
+            "against the default `False`, predicted forward+backward, same grid on every layout "
+            "of two or more nodes:",
             "",
             *combine_lines,
             "",
