@@ -310,15 +310,10 @@ class Engine:
         """Host time at which each instruction of ``prog`` is enqueued (Note [Enqueue ahead])."""
         enq = self.enqueue
         assert enq is not None
-        joined = _joined(prog)
+        cost = {None: 0.0, "exchange": enq.exchange, "kernel": enq.kernel, "merge": enq.merge}
         t, out = enq.call, []
-        for index, ins in enumerate(prog.instrs):
-            if isinstance(ins, Exchange):
-                t += enq.exchange
-            elif isinstance(ins, Compute):
-                t += 0.0 if index in joined else enq.kernel
-            elif isinstance(ins, Merge):
-                t += enq.merge
+        for kind in _operation_kinds(prog):
+            t += cost[kind]
             out.append(t)
         return out
 
@@ -555,14 +550,28 @@ def _joined(prog: Program) -> set[int]:
     return {i for start, end in runs.items() for i in range(start + 1, end)}
 
 
+def _operation_kinds(prog: Program) -> list[str | None]:
+    """Per instruction of ``prog``, the device operation the host enqueues for it: ``"exchange"``
+    (posted), ``"kernel"`` (a call; coalesced blocks after the first share it), ``"merge"``, or
+    ``None`` (a wait, a joined block)."""
+    joined = _joined(prog)
+    kinds: list[str | None] = []
+    for index, ins in enumerate(prog.instrs):
+        if isinstance(ins, Exchange):
+            kinds.append("exchange")
+        elif isinstance(ins, Compute):
+            kinds.append(None if index in joined else "kernel")
+        elif isinstance(ins, Merge):
+            kinds.append("merge")
+        else:
+            kinds.append(None)
+    return kinds
+
+
 def enqueued_operations(prog: Program) -> int:
     """Device operations the host enqueues for ``prog`` (Note [Enqueue ahead]): its posted
     exchanges, merges and kernel calls (coalesced blocks share one), the pass's call aside."""
-    joined = _joined(prog)
-    return sum(
-        isinstance(ins, (Exchange, Merge)) or (isinstance(ins, Compute) and i not in joined)
-        for i, ins in enumerate(prog.instrs)
-    )
+    return sum(kind is not None for kind in _operation_kinds(prog))
 
 
 def _label(ins: Compute | Merge) -> str:
