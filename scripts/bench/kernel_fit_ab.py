@@ -1,6 +1,7 @@
-"""A profile's blocks priced the old way, for comparison: its kernel samples at the configured
-head count only, fitted as a cost per call plus FLOPs at a rate (no cost per row element; Note
-[Block shapes] in megatron_charm/sim/compute.py). Everything else stays as calibrated.
+"""A profile's blocks priced the old way, for comparison: its kernel samples at the most heads
+timed only (the configured heads, with calibrate's default --kernel-heads), fitted as a cost per
+call plus FLOPs at a rate (no cost per row element; Note [Block shapes] in
+megatron_charm/sim/compute.py). Everything else stays as calibrated.
 
     python scripts/bench/kernel_fit_ab.py PROFILE.json --out PROFILE-callrate.json
 
@@ -43,9 +44,10 @@ def main() -> None:
     args = ap.parse_args()
     with open(args.profile) as f:
         profile = json.load(f)
+    old = refit(profile)
     with open(args.out, "w") as f:
-        json.dump(refit(profile), f, indent=1)
-    c = refit(profile)["compute"]
+        json.dump(old, f, indent=1)
+    c = old["compute"]
     print(
         f"forward {c['fwd_overhead'] * 1e6:.0f} us + {c['fwd_flops_per_s'] / 1e12:.4g} TFLOP/s, "
         f"backward {c['bwd_overhead'] * 1e6:.0f} us + {c['bwd_flops_per_s'] / 1e12:.4g} TFLOP/s"
