@@ -314,7 +314,7 @@ def cp_attention(
     softmax_scale: float | None = None,
     qkv_format: str = "bshd",
     return_lse: bool = False,
-    kernel: str | None = None,
+    kernel: str | BlockKernel | None = None,
     trace: list[RunTrace] | None = None,
     mask: DocMask | None = None,
     profile: Profile | str | None = None,
@@ -339,7 +339,8 @@ def cp_attention(
             ``ring-contig``, the contiguous layout (chunk ``cp_rank`` of ``cp_size``).
         softmax_scale: defaults to ``d ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[b, h, s_local]`` (it has no gradient).
-        kernel: block kernel (``"torch"``, ``"flash_attn"``, ``"math"``); default by device/dtype.
+        kernel: block kernel (``"torch"``, ``"flash_attn"``, ``"math"``, or a
+            :class:`~megatron_charm.kernels.BlockKernel` of your own); default by device/dtype.
         trace: a list that receives one :class:`megatron_charm.comm.executor.RunTrace` per pass
             (forward, then backward): timelines, bytes sent and peak buffer bytes. ``None`` (the
             default) measures nothing.
@@ -403,7 +404,7 @@ def cp_attention(
         programs = checked_programs(
             options, topo.layout, model.dense_causal, x, shape, model.pattern
         )
-    blk: BlockKernel = select_kernel(q.device, q.dtype, kernel)
+    blk = kernel if isinstance(kernel, BlockKernel) else select_kernel(q.device, q.dtype, kernel)
     with topo.exclusive():
         out, lse = _CPAttention.apply(q, k, v, topo, programs, blk, scale, trace, model)
     if order is not None:
