@@ -141,6 +141,9 @@ def describe(profile: Profile) -> str:
             f"{c.get('bwd_per_element', 0) * 1e9:.3g} ns; merges {c['mem_bw']:.3g} GB/s",
             f"  blocks under communication: forward x{c['fwd_slowdown']:.2f}, backward "
             f"x{c['bwd_slowdown']:.2f}",
+            f"  host work (CPU hosts): {c.get('host_call_s', 0) * 1e3:.3g} ms per pass + "
+            f"{c.get('host_post_s', 0) * 1e3:.3g} ms per exchange + "
+            f"{c.get('host_byte_s', 0) * 1e9:.3g} ns per byte sent",
             f"  largest fit residuals: {err}",
         ]
     )
@@ -179,7 +182,7 @@ def main(argv: list[str]) -> int:
             json.dump(raw, f, indent=1)
     profile = fit_profile(raw, fabric=args.fabric)
     samples = ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
-    samples += ("one_host", "host_cores", "threads", "host_work")
+    samples += ("one_host", "host_cores", "threads", "host_work", "host_cpu")
     profile = replace(
         profile,
         provenance={

@@ -306,6 +306,72 @@ def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
     }
 
 
+#: Tokens per rank of the passes :func:`time_host_cpu` measures: bytes grow with them, the
+#: exchanges posted do not, so the fit can tell the two apart.
+HOST_CPU_TOKENS = (256, 512, 1024)
+
+
+def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
+    """CPU seconds one rank spends in a pass of the real attention outside its kernels
+    (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): calls of
+    ``HOST_METHODS`` and ``a2a`` (where the heads divide over the CP group) at each of
+    ``HOST_CPU_TOKENS`` tokens per rank, every rank at once, with a block kernel that computes
+    nothing (``NULL_KERNEL``), so that the process's CPU time (all its threads: Python, the
+    executor, gloo's transport) is the host work alone. One sample per method, size and pass:
+    the ``exchanges`` posted and the ``bytes`` sent by the rank (from its trace), and ``cpu_s``,
+    the median over the calls of each rank, averaged over the ranks."""
+    from megatron_charm import cp_attention
+    from megatron_charm.bench.sequential import NULL_KERNEL
+
+    dtype = DTYPES[cfg["dtype"]]
+    methods = list(HOST_METHODS)
+    if cfg["heads"] % topo.cp_size == 0:
+        methods.append("a2a")
+    gen = torch.Generator().manual_seed(3)
+    mine: list[tuple] = []
+    for tokens in HOST_CPU_TOKENS:
+        shape = (cfg["batch"], tokens, cfg["heads"], cfg["head_dim"])
+        for method in methods:
+            q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
+            for t in (q, k, v):
+                t.requires_grad_(True)
+            dout = torch.ones(shape, device=device, dtype=dtype)
+            cpu: dict[bool, list[float]] = {False: [], True: []}
+            counts: dict[bool, tuple[int, int]] = {}
+            for rep in range(max(cfg["reps"], 3) + 1):  # the first builds and caches the plans
+                trace: list = []
+                dist.barrier()
+                c0 = time.process_time()
+                out = cp_attention(q, k, v, topo, method=method, kernel=NULL_KERNEL, trace=trace)
+                c1 = time.process_time()
+                out.backward(dout)
+                c2 = time.process_time()
+                if rep == 0:
+                    continue
+                cpu[False].append(c1 - c0)
+                cpu[True].append(c2 - c1)
+                for run in trace:
+                    posted = sum(1 for e in run.events if e[0] == "Exchange")
+                    counts[run.backward] = (posted, sum(run.stats.bytes_sent.values()))
+            for backward in (False, True):
+                posted, nbytes = counts[backward]
+                median = statistics.median(cpu[backward])
+                mine.append((method, tokens, backward, posted, nbytes, median))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [
+        {
+            "method": method,
+            "s_local": tokens,
+            "backward": backward,
+            "exchanges": posted,
+            "bytes": nbytes,
+            "cpu_s": statistics.mean(rank[j][-1] for rank in everyone),
+        }
+        for j, (method, tokens, backward, posted, nbytes, _) in enumerate(mine)
+    ]
+
+
 def run(cfg: dict) -> dict | None:
     """Measure on this rank; returns the raw samples on rank 0, ``None`` elsewhere."""
     from megatron_charm.bench.worker import start_rank
@@ -328,6 +394,8 @@ def run(cfg: dict) -> dict | None:
     if m * p > 1:
         if cfg.get("one_host") or device.type == "cuda":
             raw["host_work"] = time_host_work(cfg, device, topo)
+        if cfg.get("one_host") and device.type != "cuda":
+            raw["host_cpu"] = time_host_cpu(cfg, device, topo)
         largest = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
         raw["kernel_under_traffic"] = time_kernels_under_traffic(
             cfg, device, topo.global_ranks, m, p, largest, raw

@@ -112,6 +112,11 @@ class _MergeCost:
         [Host work of a call] in :mod:`megatron_charm.sim.profile`); none unless measured."""
         return 0.0, 0.0
 
+    def host_per_byte(self) -> float:
+        """Host seconds per byte a rank sends, charged with the exchange's posting (Note [Host
+        work of a call]); none unless measured."""
+        return 0.0
+
     def host_slots(self) -> float:
         """How many ranks can compute at full speed at once when every rank of the group shares
         one host's cores (Note [Ranks sharing a host]); 0: each rank has its own device."""
@@ -218,6 +223,9 @@ class FittedCompute(_MergeCost):
     :mod:`megatron_charm.sim.profile`), one rank's alone."""
     host_post_s: float = 0.0
     """Host seconds of posting one exchange, one rank's alone."""
+    host_byte_s: float = 0.0
+    """Host seconds per byte an exchange sends (copies, the transport's own work at both ends),
+    one rank's alone. 0 in profiles fitted before it was measured."""
     masked_cost: tuple[tuple[int, float, float], ...] = ()
     """``(tokens, forward, backward)`` per measured size: the time of a causal-masked ``tokens x
     tokens`` block over the unmasked one's (Note [Masked blocks]). Empty: half, the masked
@@ -259,10 +267,10 @@ class FittedCompute(_MergeCost):
             )
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
-        if not min(self.host_call_s, self.host_post_s) >= 0:
+        if not min(self.host_call_s, self.host_post_s, self.host_byte_s) >= 0:
             raise ValueError(
-                f"host work per pass {self.host_call_s} s and per exchange {self.host_post_s} s "
-                "must be >= 0; fix the profile"
+                f"host work per pass {self.host_call_s} s, per exchange {self.host_post_s} s and "
+                f"per byte {self.host_byte_s} s must be >= 0; fix the profile"
             )
         if not self.shared_slots >= 0:
             raise ValueError(
@@ -275,6 +283,9 @@ class FittedCompute(_MergeCost):
 
     def host_work(self) -> tuple[float, float]:
         return self.host_call_s, self.host_post_s
+
+    def host_per_byte(self) -> float:
+        return self.host_byte_s
 
     def enqueue_cost(self) -> Enqueue:
         return self.enqueue or Enqueue()

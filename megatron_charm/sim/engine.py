@@ -198,6 +198,7 @@ class Engine:
         self.record = record
         self.slowdown = compute.slowdown(backward)
         self.host_call, self.host_post = compute.host_work()
+        self.host_byte = compute.host_per_byte()
         enqueue = compute.enqueue_cost()
         self.enqueue = enqueue if enqueue.any and compute.host_slots() == 0 else None
         self.pair_order = topo.exchange_order == "pair"
@@ -429,6 +430,10 @@ class Engine:
     def _start(self, i: int, handle: int, now: float) -> None:
         self.active[i][self.chan_of[i][handle]] += 1
         self.ex_start[i][handle] = now
+        if self.host_byte > 0 and self.host is not None:  # Note [Host work of a call]
+            sent = sum(t.nbytes for t in self.ops_of[i][handle] if t.send)
+            if sent:  # the transport's copies take the shared cores; nothing waits for them
+                self._activate(_Flow(self.host_byte * sent, self.host, 1.0, []), now)
         pending = self.pending
         for key, _, nbytes, res, bw, lat in self.ops_of[i][handle]:  # Transfer fields
             if key is None:  # unmatched (see _compile)

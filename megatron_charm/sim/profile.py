@@ -315,33 +315,71 @@ def fit_kernel(samples: list[dict], backward: bool) -> tuple[float, float, float
     return c0, c1, c2, worst
 
 
-def host_work(raw: dict, slots: float) -> tuple[float, float]:
+def host_work(raw: dict, slots: float) -> tuple[float, float, float]:
     """Note [Host work of a call]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    A call of the attention costs the host more than its kernels and transfers: the autograd
-    function, the plan lookup and the buffers before its first instruction, and the backend's
-    work to post each exchange. On the 2-core testbed a ring forward at 16 tokens per rank took
-    14 ms, almost all of it such work, and the sweep's times were predicted a median 15-34% too
-    fast without it (docs/results/calibrated-2x2.md).
-    ``calibrate`` reads both from the attention's own trace (``time_host_work`` in
-    :mod:`megatron_charm.sim.calibrate_worker`): the time from a pass's call to its first
-    instruction, and each exchange's posting time. The engine charges the first at the start of
-    every pass and the second before every exchange is posted.
+    A call of the attention costs the host more than its kernels: the autograd function, the
+    plan lookup and the buffers, the executor's work around each instruction, and the
+    transport's work to move each byte (copies into and out of its buffers and the TCP stack at
+    both ends). On the 2-core testbed a ring forward at 16 tokens per rank took 14 ms, almost
+    all of it such work. Where the ranks share one host, it takes cores from the kernels of
+    every rank: on eight ranks with fast links the sweep's processes kept the two cores 88-97%
+    busy, and with the host work read from the trace alone (below) the replay charged the host
+    about half the CPU they used, and its passes came out up to 54% too fast
+    (docs/results/calibrated-2x2.md).
 
-    Only where the ranks run on a CPU host, whose cores the host work takes from the kernels.
-    On GPUs it is enqueue work that runs ahead of the device (:func:`enqueue_work`). The
-    calls ran on every rank at once; where the ranks share one host (``slots`` > 0) the
-    measured seconds are scaled to one rank's alone (by slots over ranks, at most 1), since the
-    replay shares the host again (Note [Ranks sharing a host] in
-    :mod:`megatron_charm.sim.engine`).
+    ``calibrate`` measures it as CPU time (``time_host_cpu`` in
+    :mod:`megatron_charm.sim.calibrate_worker`): passes of the real attention with a block
+    kernel that computes nothing, for three methods at three sizes, every rank at once. Each
+    pass's process CPU seconds are fitted as
 
-    Returns ``(per pass, per exchange)`` seconds; zeros without the samples or on a GPU.
+        cpu = call + post x (exchanges posted) + per_byte x (bytes sent)
+
+    (non-negative, :func:`fit_nonnegative`). CPU seconds are one rank's alone: no scaling for
+    the sharing. The engine charges ``call`` at the start of every pass and ``post`` before
+    every exchange is posted, on the rank's stream; the bytes' work runs on the shared host
+    while the exchange is in flight, taking its share of the cores without blocking the
+    rank (Note [Ranks sharing a host] in :mod:`megatron_charm.sim.engine`).
+
+        host  |call|post|  block  |post|   block   |...
+        cores      ~~~~~~~~~~ bytes of the exchange ~~~~~~~~~~     (shares the cores)
+
+    Known limits: the bytes are priced at the rate of the link calibrate ran on, and the
+    transport's work per byte is two to three times larger on a 50 Mbit/s link than on a
+    1 Gbit/s one (scripts/bench/transport_cpu.py); merges of the null kernel's zeros are counted
+    here as well as in the merges.
+
+    Raw samples from before this measurement carry only the attention's trace: the time from a
+    pass's call to its first instruction and each exchange's posting time, wall seconds taken
+    with every rank at once, scaled to one rank's alone by slots over ranks (at most 1), and
+    no per-byte term.
+
+    Returns ``(per pass, per exchange, per byte)`` seconds; zeros without samples or on a GPU,
+    where host work is enqueue work that runs ahead of the device (:func:`enqueue_work`).
     """
+    if raw.get("device") == "cuda":
+        return 0.0, 0.0, 0.0
+    cpu = raw.get("host_cpu")
+    if cpu:
+        feats = [(1.0, float(c["exchanges"]), float(c["bytes"])) for c in cpu]
+        call, post, per_byte = fit_nonnegative(feats, [c["cpu_s"] for c in cpu], (0, 2, 1))
+        return call, post, per_byte
     got = raw.get("host_work")
-    if not got or raw.get("device") == "cuda":
-        return 0.0, 0.0
+    if not got:
+        return 0.0, 0.0, 0.0
     alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
-    return got["call_s"] * alone, got["post_s"] * alone
+    return got["call_s"] * alone, got["post_s"] * alone, 0.0
+
+
+def host_cpu_residual(raw: dict, call: float, post: float, per_byte: float) -> float | None:
+    """Largest relative miss of the host-work fit on its own ``host_cpu`` samples."""
+    cpu = raw.get("host_cpu")
+    if not cpu or raw.get("device") == "cuda":
+        return None
+    return max(
+        abs(call + post * c["exchanges"] + per_byte * c["bytes"] - c["cpu_s"]) / c["cpu_s"]
+        for c in cpu
+    )
 
 
 def enqueue_work(raw: dict) -> Enqueue | None:
@@ -401,7 +439,10 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     slots = 0.0
     if raw.get("one_host"):
         slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
-    call, post = host_work(raw, slots)
+    call, post, per_byte = host_work(raw, slots)
+    miss = host_cpu_residual(raw, call, post, per_byte)
+    if miss is not None:
+        err["host_cpu"] = miss
     # Note [Masked blocks] in megatron_charm/sim/compute.py (older raw samples have none), at
     # the most heads timed: one ratio per size
     most = max(k["heads"] for k in ks)
@@ -423,6 +464,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         shared_slots=slots,
         host_call_s=call,
         host_post_s=post,
+        host_byte_s=per_byte,
         masked_cost=masked,
         enqueue=enqueue_work(raw),
     )

@@ -24,7 +24,7 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert "cross links per node" in done.stdout
     prof = load_profile(str(out))
     assert prof.measured and prof.gpus == "2x2"
-    assert set(prof.fit_error) == {"kernel_fwd", "kernel_bwd", "intra", "cross"}
+    assert set(prof.fit_error) == {"kernel_fwd", "kernel_bwd", "intra", "cross", "host_cpu"}
     assert prof.provenance["command"].startswith("megatron-charm-sim calibrate --launcher")
     samples = prof.provenance["samples"]
     # every size at the configured heads and at one head (Note [Block shapes])
@@ -42,7 +42,15 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert samples["one_host"] and compute.host_slots() == samples["host_cores"] >= 1
     # and the host work of whole calls, from the attention's own trace
     assert samples["host_work"]["call_s"] > 0 and samples["host_work"]["post_s"] > 0
-    assert min(compute.host_work()) > 0
+    # and the CPU time of whole calls outside kernels, per method, size and pass
+    cpu = samples["host_cpu"]
+    # (a2a needs the heads to divide over the 4 ranks; here they do not)
+    assert {(c["method"], c["s_local"]) for c in cpu} == {
+        (m, t) for m in ("ring", "charm") for t in (256, 512, 1024)
+    }
+    assert all(c["cpu_s"] > 0 and c["exchanges"] > 0 and c["bytes"] > 0 for c in cpu)
+    host = (*compute.host_work(), compute.host_per_byte())
+    assert min(host) >= 0 and host[1] + host[2] > 0
     choice = choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
     assert choice.method in choice.predicted_s
 

@@ -316,6 +316,33 @@ def test_host_work_is_charged_per_pass_and_per_posted_exchange() -> None:
         FittedCompute(1e10, 1e10, host_post_s=-1.0)
 
 
+def test_the_bytes_host_work_shares_the_host_without_blocking_the_rank() -> None:
+    # Note [Host work of a call]: ring on 1 x 2 forward on one core. Each rank posts its kv
+    # (2 ms of host work per exchange at 1 us per kB), then computes a 4 ms block while the
+    # transfer (instant) is in flight; its bytes' work takes half the core while both run
+    from megatron_charm.sim.compute import FittedCompute, block_flops
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    progs = programs(PlanOptions(method="ring"), Layout(1, 2), False, mode="full")
+    t = Topology(1, 2, 1e9, 1e9, intra_lat=0.0, cross_lat=0.0)
+    first = next(i for i in progs.forward[0].instrs if isinstance(i, Compute))
+    rate = block_flops(first, shape, False) / 4e-3  # one block alone: 4 ms
+    sent = 2 * 64 * 64 * 2  # k and v of one rank, bf16
+    per_byte = 2e-3 / sent
+    plain = FittedCompute(rate, rate, mem_bw=1e30, shared_slots=2.0)
+    busy = FittedCompute(rate, rate, mem_bw=1e30, shared_slots=2.0, host_byte_s=per_byte)
+    base = simulate_pass(progs, t, shape, plain, False).makespan
+    got = simulate_pass(progs, t, shape, busy, False).makespan
+    # two ranks, two slots: each rank's core is shared by its block and its bytes' work
+    # (2 ms), so the first block ends 2 ms late; nothing else waits for the bytes
+    assert got == pytest.approx(base + 2e-3, rel=1e-6)
+    # a profile without a shared host has no cores to share: the bytes cost nothing
+    own = FittedCompute(rate, rate, mem_bw=1e30, host_byte_s=per_byte)
+    assert simulate_pass(progs, t, shape, own, False).makespan == pytest.approx(
+        simulate_pass(progs, t, shape, FittedCompute(rate, rate, mem_bw=1e30), False).makespan
+    )
+
+
 @pytest.mark.parametrize(
     ("order", "peers", "want"),
     [
