@@ -318,8 +318,10 @@ def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
     ``HOST_CPU_TOKENS`` tokens per rank, every rank at once, with a block kernel that computes
     nothing (``NULL_KERNEL``), so that the process's CPU time (all its threads: Python, the
     executor, gloo's transport) is the host work alone. One sample per method, size and pass:
-    the ``exchanges`` posted and the ``bytes`` sent by the rank (from its trace), and ``cpu_s``,
-    the median over the calls of each rank, averaged over the ranks."""
+    the ``exchanges`` posted and the ``bytes`` sent by the rank (from its trace); ``cpu_s``, the
+    process's CPU seconds, and ``thread_s``, those of the thread that called the attention
+    (the rest ran in the transport's threads), each the median over the calls of each rank,
+    averaged over the ranks."""
     from megatron_charm import cp_attention
     from megatron_charm.bench.sequential import NULL_KERNEL
 
@@ -337,26 +339,29 @@ def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
                 t.requires_grad_(True)
             dout = torch.ones(shape, device=device, dtype=dtype)
             cpu: dict[bool, list[float]] = {False: [], True: []}
+            own: dict[bool, list[float]] = {False: [], True: []}  # this thread's share
             counts: dict[bool, tuple[int, int]] = {}
             for rep in range(max(cfg["reps"], 3) + 1):  # the first builds and caches the plans
                 trace: list = []
                 dist.barrier()
-                c0 = time.process_time()
+                c0, t0 = time.process_time(), time.thread_time()
                 out = cp_attention(q, k, v, topo, method=method, kernel=NULL_KERNEL, trace=trace)
-                c1 = time.process_time()
+                c1, t1 = time.process_time(), time.thread_time()
                 out.backward(dout)
-                c2 = time.process_time()
+                c2, t2 = time.process_time(), time.thread_time()
                 if rep == 0:
                     continue
                 cpu[False].append(c1 - c0)
                 cpu[True].append(c2 - c1)
+                own[False].append(t1 - t0)
+                own[True].append(t2 - t1)
                 for run in trace:
                     posted = sum(1 for e in run.events if e[0] == "Exchange")
                     counts[run.backward] = (posted, sum(run.stats.bytes_sent.values()))
             for backward in (False, True):
                 posted, nbytes = counts[backward]
-                median = statistics.median(cpu[backward])
-                mine.append((method, tokens, backward, posted, nbytes, median))
+                medians = statistics.median(own[backward]), statistics.median(cpu[backward])
+                mine.append((method, tokens, backward, posted, nbytes, *medians))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [
@@ -366,9 +371,10 @@ def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
             "backward": backward,
             "exchanges": posted,
             "bytes": nbytes,
+            "thread_s": statistics.mean(rank[j][-2] for rank in everyone),
             "cpu_s": statistics.mean(rank[j][-1] for rank in everyone),
         }
-        for j, (method, tokens, backward, posted, nbytes, _) in enumerate(mine)
+        for j, (method, tokens, backward, posted, nbytes, _, _) in enumerate(mine)
     ]
 
 

@@ -113,9 +113,15 @@ class _MergeCost:
         return 0.0, 0.0
 
     def host_per_byte(self) -> float:
-        """Host seconds per byte a rank sends, charged with the exchange's posting (Note [Host
-        work of a call]); none unless measured."""
+        """Host seconds per byte a rank sends, charged on its stream with the exchange's
+        posting (Note [Host work of a call]); none unless measured."""
         return 0.0
+
+    def transport_work(self) -> tuple[float, float]:
+        """Seconds ``(per exchange, per byte sent)`` of the transport's own threads, which run
+        on a shared host's cores while the exchange is in flight (Note [Host work of a call]);
+        none unless measured."""
+        return 0.0, 0.0
 
     def host_slots(self) -> float:
         """How many ranks can compute at full speed at once when every rank of the group shares
@@ -224,8 +230,13 @@ class FittedCompute(_MergeCost):
     host_post_s: float = 0.0
     """Host seconds of posting one exchange, one rank's alone."""
     host_byte_s: float = 0.0
-    """Host seconds per byte an exchange sends (copies, the transport's own work at both ends),
-    one rank's alone. 0 in profiles fitted before it was measured."""
+    """Host seconds per byte an exchange sends, on the rank's own thread (buffers packed and
+    unpacked), one rank's alone. 0 in profiles fitted before it was measured."""
+    transport_post_s: float = 0.0
+    """Seconds of the transport's threads per exchange (gloo's copies and TCP work at both
+    ends), which take a shared host's cores while the exchange is in flight."""
+    transport_byte_s: float = 0.0
+    """The same per byte sent."""
     masked_cost: tuple[tuple[int, float, float], ...] = ()
     """``(tokens, forward, backward)`` per measured size: the time of a causal-masked ``tokens x
     tokens`` block over the unmasked one's (Note [Masked blocks]). Empty: half, the masked
@@ -267,10 +278,13 @@ class FittedCompute(_MergeCost):
             )
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
-        if not min(self.host_call_s, self.host_post_s, self.host_byte_s) >= 0:
+        host = (self.host_call_s, self.host_post_s, self.host_byte_s)
+        if not min(*host, self.transport_post_s, self.transport_byte_s) >= 0:
             raise ValueError(
                 f"host work per pass {self.host_call_s} s, per exchange {self.host_post_s} s and "
-                f"per byte {self.host_byte_s} s must be >= 0; fix the profile"
+                f"per byte {self.host_byte_s} s, and the transport's per exchange "
+                f"{self.transport_post_s} s and per byte {self.transport_byte_s} s must be >= 0; "
+                "fix the profile"
             )
         if not self.shared_slots >= 0:
             raise ValueError(
@@ -286,6 +300,9 @@ class FittedCompute(_MergeCost):
 
     def host_per_byte(self) -> float:
         return self.host_byte_s
+
+    def transport_work(self) -> tuple[float, float]:
+        return self.transport_post_s, self.transport_byte_s
 
     def enqueue_cost(self) -> Enqueue:
         return self.enqueue or Enqueue()

@@ -199,6 +199,7 @@ class Engine:
         self.slowdown = compute.slowdown(backward)
         self.host_call, self.host_post = compute.host_work()
         self.host_byte = compute.host_per_byte()
+        self.transport_post, self.transport_byte = compute.transport_work()
         enqueue = compute.enqueue_cost()
         self.enqueue = enqueue if enqueue.any and compute.host_slots() == 0 else None
         self.pair_order = topo.exchange_order == "pair"
@@ -384,10 +385,11 @@ class Engine:
                 self._push(enqueued[pc], _HOSTED, i)
                 return
             if isinstance(ins, Exchange):
-                if self.host_post > 0 and not self.paid[i]:
+                if (self.host_post > 0 or self.host_byte > 0) and not self.paid[i]:
                     self.paid[i] = True
                     self.pc[i] = pc
-                    self._host_busy(i, self.host_post, now)
+                    sent = sum(t.nbytes for t in costs[pc] if t.send)
+                    self._host_busy(i, self.host_post + self.host_byte * sent, now)
                     return
                 self.paid[i] = False
                 self._post(i, ins, costs[pc], now)
@@ -430,10 +432,12 @@ class Engine:
     def _start(self, i: int, handle: int, now: float) -> None:
         self.active[i][self.chan_of[i][handle]] += 1
         self.ex_start[i][handle] = now
-        if self.host_byte > 0 and self.host is not None:  # Note [Host work of a call]
+        if self.host is not None and (self.transport_post > 0 or self.transport_byte > 0):
+            # Note [Host work of a call]: the transport's threads take the shared cores while
+            # the exchange is in flight; nothing waits for them
             sent = sum(t.nbytes for t in self.ops_of[i][handle] if t.send)
-            if sent:  # the transport's copies take the shared cores; nothing waits for them
-                self._activate(_Flow(self.host_byte * sent, self.host, 1.0, []), now)
+            work = self.transport_post + self.transport_byte * sent
+            self._activate(_Flow(work, self.host, 1.0, []), now)
         pending = self.pending
         for key, _, nbytes, res, bw, lat in self.ops_of[i][handle]:  # Transfer fields
             if key is None:  # unmatched (see _compile)

@@ -38,6 +38,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from megatron_charm.sim.compute import ComputeModel, Enqueue, FittedCompute, FlopsCompute
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
@@ -315,7 +316,28 @@ def fit_kernel(samples: list[dict], backward: bool) -> tuple[float, float, float
     return c0, c1, c2, worst
 
 
-def host_work(raw: dict, slots: float) -> tuple[float, float, float]:
+class HostWork(NamedTuple):
+    """Host seconds of a call outside its kernels, one rank's alone (Note [Host work of a
+    call])."""
+
+    call: float = 0.0
+    """Per pass, on the rank's thread."""
+    post: float = 0.0
+    """Per exchange posted, on the rank's thread."""
+    byte: float = 0.0
+    """Per byte sent, on the rank's thread."""
+    transport_post: float = 0.0
+    """Per exchange, in the transport's threads."""
+    transport_byte: float = 0.0
+    """Per byte sent, in the transport's threads."""
+
+    def total(self, exchanges: float, nbytes: float) -> float:
+        """CPU seconds of a pass that posts ``exchanges`` and sends ``nbytes``."""
+        posts = (self.post + self.transport_post) * exchanges
+        return self.call + posts + (self.byte + self.transport_byte) * nbytes
+
+
+def host_work(raw: dict, slots: float) -> HostWork:
     """Note [Host work of a call]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     A call of the attention costs the host more than its kernels: the autograd function, the
@@ -323,63 +345,69 @@ def host_work(raw: dict, slots: float) -> tuple[float, float, float]:
     transport's work to move each byte (copies into and out of its buffers and the TCP stack at
     both ends). On the 2-core testbed a ring forward at 16 tokens per rank took 14 ms, almost
     all of it such work. Where the ranks share one host, it takes cores from the kernels of
-    every rank: on eight ranks with fast links the sweep's processes kept the two cores 88-97%
+    every rank: on eight ranks with fast links the sweep's processes kept the two cores 90-98%
     busy, and with the host work read from the trace alone (below) the replay charged the host
-    about half the CPU they used, and its passes came out up to 54% too fast
+    about half the CPU they used, and its passes came out up to 49% too fast
     (docs/results/calibrated-2x2.md).
 
     ``calibrate`` measures it as CPU time (``time_host_cpu`` in
     :mod:`megatron_charm.sim.calibrate_worker`): passes of the real attention with a block
-    kernel that computes nothing, for three methods at three sizes, every rank at once. Each
-    pass's process CPU seconds are fitted as
+    kernel that computes nothing, for three methods at three sizes, every rank at once. It
+    reads each pass's CPU seconds twice: of the thread that called the attention, and of the
+    whole process; the difference ran in the transport's threads (gloo's). Each part is fitted
+    on its own (non-negative, :func:`fit_nonnegative`):
 
-        cpu = call + post x (exchanges posted) + per_byte x (bytes sent)
+        thread    = call + post x (exchanges posted) + byte x (bytes sent)
+        transport =        transport_post x (exchanges) + transport_byte x (bytes sent)
 
-    (non-negative, :func:`fit_nonnegative`). CPU seconds are one rank's alone: no scaling for
-    the sharing. The engine charges ``call`` at the start of every pass and ``post`` before
-    every exchange is posted, on the rank's stream; the bytes' work runs on the shared host
-    while the exchange is in flight, taking its share of the cores without blocking the
-    rank (Note [Ranks sharing a host] in :mod:`megatron_charm.sim.engine`).
+    CPU seconds are one rank's alone: no scaling for the sharing. The engine charges the
+    thread's part on the rank's stream (``call`` at the start of every pass, ``post`` and
+    ``byte`` before every exchange is posted), and the transport's part as a flow on the shared
+    host while the exchange is in flight: it takes its share of the cores, slowing every rank's
+    blocks, and nothing waits for it (Note [Ranks sharing a host] in
+    :mod:`megatron_charm.sim.engine`).
 
-        host  |call|post|  block  |post|   block   |...
-        cores      ~~~~~~~~~~ bytes of the exchange ~~~~~~~~~~     (shares the cores)
+        stream  |call|post|  block  |post|   block   |...
+        cores        ~~~~~~~ transport, exchange 1 ~~~~~~~     (shares the cores)
 
     Known limits: the bytes are priced at the rate of the link calibrate ran on, and the
     transport's work per byte is two to three times larger on a 50 Mbit/s link than on a
-    1 Gbit/s one (scripts/bench/transport_cpu.py); merges of the null kernel's zeros are counted
-    here as well as in the merges.
+    1 Gbit/s one (scripts/bench/transport_cpu.py); the thread's work per byte (packing,
+    unpacking, accumulating) happens around the exchange, not all before it; merges of the
+    null kernel's zeros are counted here as well as in the merges.
 
     Raw samples from before this measurement carry only the attention's trace: the time from a
     pass's call to its first instruction and each exchange's posting time, wall seconds taken
     with every rank at once, scaled to one rank's alone by slots over ranks (at most 1), and
-    no per-byte term.
+    nothing per byte or in the transport's threads.
 
-    Returns ``(per pass, per exchange, per byte)`` seconds; zeros without samples or on a GPU,
-    where host work is enqueue work that runs ahead of the device (:func:`enqueue_work`).
+    Zeros without samples or on a GPU, where host work is enqueue work that runs ahead of the
+    device (:func:`enqueue_work`).
     """
     if raw.get("device") == "cuda":
-        return 0.0, 0.0, 0.0
+        return HostWork()
     cpu = raw.get("host_cpu")
     if cpu:
         feats = [(1.0, float(c["exchanges"]), float(c["bytes"])) for c in cpu]
-        call, post, per_byte = fit_nonnegative(feats, [c["cpu_s"] for c in cpu], (0, 2, 1))
-        return call, post, per_byte
+        own = fit_nonnegative(feats, [c["thread_s"] for c in cpu], (0, 2, 1))
+        rest = [(f[1:], c["cpu_s"] - c["thread_s"]) for f, c in zip(feats, cpu, strict=True)]
+        rest = [(f, y) for f, y in rest if y > 0]
+        other = fit_nonnegative([f for f, _ in rest], [y for _, y in rest], (1, 0)) if rest else ()
+        return HostWork(*own, *other)
     got = raw.get("host_work")
     if not got:
-        return 0.0, 0.0, 0.0
+        return HostWork()
     alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
-    return got["call_s"] * alone, got["post_s"] * alone, 0.0
+    return HostWork(got["call_s"] * alone, got["post_s"] * alone)
 
 
-def host_cpu_residual(raw: dict, call: float, post: float, per_byte: float) -> float | None:
-    """Largest relative miss of the host-work fit on its own ``host_cpu`` samples."""
+def host_cpu_residual(raw: dict, work: HostWork) -> float | None:
+    """Largest relative miss of the host-work fit on its own ``host_cpu`` samples (their whole
+    CPU seconds)."""
     cpu = raw.get("host_cpu")
     if not cpu or raw.get("device") == "cuda":
         return None
-    return max(
-        abs(call + post * c["exchanges"] + per_byte * c["bytes"] - c["cpu_s"]) / c["cpu_s"]
-        for c in cpu
-    )
+    return max(abs(work.total(c["exchanges"], c["bytes"]) - c["cpu_s"]) / c["cpu_s"] for c in cpu)
 
 
 def enqueue_work(raw: dict) -> Enqueue | None:
@@ -439,8 +467,8 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     slots = 0.0
     if raw.get("one_host"):
         slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
-    call, post, per_byte = host_work(raw, slots)
-    miss = host_cpu_residual(raw, call, post, per_byte)
+    work = host_work(raw, slots)
+    miss = host_cpu_residual(raw, work)
     if miss is not None:
         err["host_cpu"] = miss
     # Note [Masked blocks] in megatron_charm/sim/compute.py (older raw samples have none), at
@@ -462,9 +490,11 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         fwd_slowdown=slow["fwd"],
         bwd_slowdown=slow["bwd"],
         shared_slots=slots,
-        host_call_s=call,
-        host_post_s=post,
-        host_byte_s=per_byte,
+        host_call_s=work.call,
+        host_post_s=work.post,
+        host_byte_s=work.byte,
+        transport_post_s=work.transport_post,
+        transport_byte_s=work.transport_byte,
         masked_cost=masked,
         enqueue=enqueue_work(raw),
     )

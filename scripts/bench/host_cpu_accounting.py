@@ -38,6 +38,7 @@ def charged(result: dict, cal: testbed.Calibration, method: str, backward: bool)
             if isinstance(ins, Exchange):
                 sent = sum(t.nbytes for t in cost if t.send)
                 total += eng.host_post + eng.host_byte * sent
+                total += eng.transport_post + eng.transport_byte * sent
             elif not isinstance(ins, Wait):
                 total += cost
     return total * (m * p) / len(eng.instrs)  # a symmetric replay stands for every node

@@ -48,9 +48,10 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert {(c["method"], c["s_local"]) for c in cpu} == {
         (m, t) for m in ("ring", "charm") for t in (256, 512, 1024)
     }
-    assert all(c["cpu_s"] > 0 and c["exchanges"] > 0 and c["bytes"] > 0 for c in cpu)
-    host = (*compute.host_work(), compute.host_per_byte())
-    assert min(host) >= 0 and host[1] + host[2] > 0
+    assert all(c["cpu_s"] >= c["thread_s"] > 0 for c in cpu)
+    assert all(c["exchanges"] > 0 and c["bytes"] > 0 for c in cpu)
+    host = (*compute.host_work(), compute.host_per_byte(), *compute.transport_work())
+    assert min(host) >= 0 and sum(host[1:]) > 0
     choice = choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
     assert choice.method in choice.predicted_s
 

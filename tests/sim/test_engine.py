@@ -316,10 +316,10 @@ def test_host_work_is_charged_per_pass_and_per_posted_exchange() -> None:
         FittedCompute(1e10, 1e10, host_post_s=-1.0)
 
 
-def test_the_bytes_host_work_shares_the_host_without_blocking_the_rank() -> None:
-    # Note [Host work of a call]: ring on 1 x 2 forward on one core. Each rank posts its kv
-    # (2 ms of host work per exchange at 1 us per kB), then computes a 4 ms block while the
-    # transfer (instant) is in flight; its bytes' work takes half the core while both run
+def test_the_transports_work_shares_the_host_without_blocking_the_rank() -> None:
+    # Note [Host work of a call]: ring on 1 x 2 forward on one host of two slots. Each rank
+    # posts its kv, then computes a 4 ms block while the transfer (instant) is in flight; the
+    # transport's 2 ms of work for it takes half the rank's slot while both run
     from megatron_charm.sim.compute import FittedCompute, block_flops
 
     shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
@@ -328,19 +328,22 @@ def test_the_bytes_host_work_shares_the_host_without_blocking_the_rank() -> None
     first = next(i for i in progs.forward[0].instrs if isinstance(i, Compute))
     rate = block_flops(first, shape, False) / 4e-3  # one block alone: 4 ms
     sent = 2 * 64 * 64 * 2  # k and v of one rank, bf16
-    per_byte = 2e-3 / sent
-    plain = FittedCompute(rate, rate, mem_bw=1e30, shared_slots=2.0)
-    busy = FittedCompute(rate, rate, mem_bw=1e30, shared_slots=2.0, host_byte_s=per_byte)
-    base = simulate_pass(progs, t, shape, plain, False).makespan
-    got = simulate_pass(progs, t, shape, busy, False).makespan
-    # two ranks, two slots: each rank's core is shared by its block and its bytes' work
-    # (2 ms), so the first block ends 2 ms late; nothing else waits for the bytes
-    assert got == pytest.approx(base + 2e-3, rel=1e-6)
-    # a profile without a shared host has no cores to share: the bytes cost nothing
-    own = FittedCompute(rate, rate, mem_bw=1e30, host_byte_s=per_byte)
-    assert simulate_pass(progs, t, shape, own, False).makespan == pytest.approx(
-        simulate_pass(progs, t, shape, FittedCompute(rate, rate, mem_bw=1e30), False).makespan
-    )
+
+    def makespan(**host) -> float:
+        model = FittedCompute(rate, rate, mem_bw=1e30, **host)
+        return simulate_pass(progs, t, shape, model, False).makespan
+
+    base = makespan(shared_slots=2.0)
+    # per byte or per exchange alike: the first block ends 2 ms late, nothing waits for more
+    by_bytes = makespan(shared_slots=2.0, transport_byte_s=2e-3 / sent)
+    by_post = makespan(shared_slots=2.0, transport_post_s=2e-3)
+    assert by_bytes == pytest.approx(base + 2e-3, rel=1e-6)
+    assert by_post == pytest.approx(base + 2e-3, rel=1e-6)
+    # the same work on the rank's own thread blocks it: the exchange posts 2 ms late, and the
+    # block after it starts 2 ms late
+    assert makespan(shared_slots=2.0, host_byte_s=2e-3 / sent) == pytest.approx(base + 2e-3)
+    # a profile without a shared host has no cores to share: the transport costs nothing
+    assert makespan(transport_byte_s=2e-3 / sent) == pytest.approx(makespan())
 
 
 @pytest.mark.parametrize(

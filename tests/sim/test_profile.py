@@ -281,22 +281,26 @@ def test_host_work_comes_from_the_trace_and_is_scaled_to_one_rank_alone() -> Non
 
 
 def test_host_work_measured_as_cpu_time_is_fitted_per_pass_exchange_and_byte() -> None:
-    # Note [Host work of a call]: samples of a known host (1 ms per pass, 0.5 ms per exchange,
-    # 2 ns per byte) are fitted back, taken as they are (CPU seconds need no sharing scale),
-    # preferred over the trace, and unused on a GPU
+    # Note [Host work of a call]: samples of a known host are fitted back, taken as they are
+    # (CPU seconds need no sharing scale), preferred over the trace, and unused on a GPU. The
+    # calling thread: 1 ms per pass, 0.5 ms per exchange, 1 ns per byte; the transport's
+    # threads: 0.1 ms per exchange, 2 ns per byte
     raw = _raw()
     raw.update(one_host=True, host_cores=2, threads=1)
     raw["host_work"] = {"s_local": 512, "call_s": 4e-3, "post_s": 1e-3}
     shapes = [(3, 1_500_000), (7, 5_000_000), (6, 700_000), (9, 1_700_000), (9, 800_000)]
-    raw["host_cpu"] = [
-        {"method": "ring", "s_local": 512, "backward": False, "exchanges": ex, "bytes": nb,
-         "cpu_s": 1e-3 + 5e-4 * ex + 2e-9 * nb}
-        for ex, nb in shapes
-    ]  # fmt: skip
+    raw["host_cpu"] = []
+    for ex, nb in shapes:
+        own = 1e-3 + 5e-4 * ex + 1e-9 * nb
+        raw["host_cpu"].append(
+            {"method": "ring", "s_local": 512, "backward": False, "exchanges": ex, "bytes": nb,
+             "thread_s": own, "cpu_s": own + 1e-4 * ex + 2e-9 * nb}
+        )  # fmt: skip
     prof = fit_profile(raw)
     model = prof.compute_model()
     assert model.host_work() == pytest.approx((1e-3, 5e-4), rel=1e-6)
-    assert model.host_per_byte() == pytest.approx(2e-9, rel=1e-6)
+    assert model.host_per_byte() == pytest.approx(1e-9, rel=1e-6)
+    assert model.transport_work() == pytest.approx((1e-4, 2e-9), rel=1e-6)
     assert prof.fit_error["host_cpu"] == pytest.approx(0.0, abs=1e-9)
     # a sample off by 10% shows in the residual
     raw["host_cpu"][0]["cpu_s"] *= 1.1
@@ -305,8 +309,11 @@ def test_host_work_measured_as_cpu_time_is_fitted_per_pass_exchange_and_byte() -
     raw["device"] = "cuda"
     cuda = fit_profile(raw).compute_model()
     assert cuda.host_work() == (0.0, 0.0) and cuda.host_per_byte() == 0.0
+    assert cuda.transport_work() == (0.0, 0.0)
     with pytest.raises(ValueError, match="per byte -1"):
         FittedCompute(1e10, 1e10, host_byte_s=-1.0)
+    with pytest.raises(ValueError, match="transport's per exchange -1"):
+        FittedCompute(1e10, 1e10, transport_post_s=-1.0)
 
 
 def test_the_comparison_script_charges_host_work_from_the_trace() -> None:
@@ -324,14 +331,24 @@ def test_the_comparison_script_charges_host_work_from_the_trace() -> None:
     raw["host_work"] = {"s_local": 512, "call_s": 4e-3, "post_s": 1e-3}
     raw["host_cpu"] = [
         {"method": "ring", "s_local": 512, "backward": b, "exchanges": ex, "bytes": nb,
-         "cpu_s": 5e-4 * ex + 2e-9 * nb}
+         "thread_s": 5e-4 * ex, "cpu_s": 5e-4 * ex + 2e-9 * nb}
         for b, ex, nb in ((False, 3, 1_500_000), (True, 7, 5_000_000), (False, 6, 700_000))
     ]  # fmt: skip
     prof = fit_profile(raw)
+    assert prof.compute["transport_byte_s"] == pytest.approx(2e-9)
     as_json = {**prof.__dict__, "provenance": {"samples": {"host_work": raw["host_work"]}}}
     old = mod.refit(as_json)["compute"]
     assert (old["host_call_s"], old["host_post_s"]) == pytest.approx((2e-3, 5e-4))
-    assert old["host_byte_s"] == 0.0 and prof.compute["host_byte_s"] == pytest.approx(2e-9)
+    assert old["host_byte_s"] == old["transport_post_s"] == old["transport_byte_s"] == 0.0
+    # the process's CPU fitted as one: bytes in the transport's threads, the rest on the stream
+    as_json["provenance"]["samples"]["host_cpu"] = raw["host_cpu"]
+    one = mod.refit(as_json, "process")["compute"]
+    assert (one["host_call_s"], one["host_post_s"], one["host_byte_s"]) == pytest.approx(
+        (0.0, 5e-4, 0.0), abs=1e-12
+    )
+    assert one["transport_byte_s"] == pytest.approx(2e-9) and one["transport_post_s"] == 0.0
+    with pytest.raises(ValueError, match="--form 'x'"):
+        mod.refit(as_json, "x")
 
 
 def test_a_gloo_calibration_replays_exchanges_as_gloo_runs_them(tmp_path, capsys) -> None:
