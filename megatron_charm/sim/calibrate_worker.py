@@ -257,6 +257,38 @@ def time_kernels_under_traffic(
 HOST_METHODS = ("ring", "charm")
 
 
+def _attention_calls(cfg: dict, device, topo, method: str, tokens: int, gen, kernel) -> list:
+    """Forward and backward calls of the real attention (``method``, ``tokens`` per rank,
+    ``kernel``: a name or a :class:`~megatron_charm.kernels.BlockKernel`), every rank at once
+    after a barrier; the first call builds and caches the plans and is dropped. Per kept call:
+    ``(trace, starts, cpu, thread)``, each of the last three indexed by ``backward``: the pass's
+    ``time.perf_counter()`` start, and its CPU seconds of the process and of this thread."""
+    from megatron_charm import cp_attention
+
+    dtype = DTYPES[cfg["dtype"]]
+    shape = (cfg["batch"], tokens, cfg["heads"], cfg["head_dim"])
+    q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    dout = torch.ones(shape, device=device, dtype=dtype)
+    kept = []
+    for rep in range(max(cfg["reps"], 3) + 1):
+        trace: list = []
+        dist.barrier()
+        c0, h0 = time.process_time(), time.thread_time()
+        t_fwd = time.perf_counter()
+        out = cp_attention(q, k, v, topo, method=method, kernel=kernel, trace=trace)
+        _sync(device)
+        c1, h1 = time.process_time(), time.thread_time()
+        t_bwd = time.perf_counter()
+        out.backward(dout)
+        _sync(device)
+        c2, h2 = time.process_time(), time.thread_time()
+        if rep > 0:
+            kept.append((trace, (t_fwd, t_bwd), (c1 - c0, c2 - c1), (h1 - h0, h2 - h1)))
+    return kept
+
+
 def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
     """Host seconds of the real attention's calls outside kernels and transfers, from its own
     trace (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): per pass, from the
@@ -268,37 +300,21 @@ def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
     waits for the device, so each instruction's traced time is its enqueue (Note [Enqueue
     ahead] in :mod:`megatron_charm.sim.engine`); on a CPU host they include the work itself,
     and the profile does not use them."""
-    from megatron_charm import cp_attention
-
-    dtype = DTYPES[cfg["dtype"]]
-    shape = (cfg["batch"], 512, cfg["heads"], cfg["head_dim"])
     gen = torch.Generator().manual_seed(2)
     calls: list[float] = []
     per_kind: dict[str, list[float]] = {"Exchange": [], "Compute": [], "Merge": []}
     for method in HOST_METHODS:
-        q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
-        for t in (q, k, v):
-            t.requires_grad_(True)
-        dout = torch.ones(shape, device=device, dtype=dtype)
-        for rep in range(max(cfg["reps"], 3) + 1):  # the first builds and caches the plans
-            trace: list = []
-            dist.barrier()
-            t_fwd = time.perf_counter()
-            out = cp_attention(q, k, v, topo, method=method, kernel=cfg.get("kernel"), trace=trace)
-            _sync(device)
-            t_bwd = time.perf_counter()
-            out.backward(dout)
-            _sync(device)
-            if rep == 0:
-                continue
+        for trace, starts, _, _ in _attention_calls(
+            cfg, device, topo, method, 512, gen, cfg.get("kernel")
+        ):
             for run in trace:
                 events = run.events
-                calls.append(events[0][2] - (t_bwd if run.backward else t_fwd))
+                calls.append(events[0][2] - starts[run.backward])
                 for kind, _, start, end in events:
                     if kind in per_kind:
                         per_kind[kind].append(end - start)
     return {
-        "s_local": shape[1],
+        "s_local": 512,
         "call_s": _slowest(statistics.median(calls)),
         "post_s": _slowest(statistics.median(per_kind["Exchange"])),
         "kernel_s": _slowest(statistics.median(per_kind["Compute"])),
@@ -322,46 +338,23 @@ def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
     process's CPU seconds, and ``thread_s``, those of the thread that called the attention
     (the rest ran in the transport's threads), each the median over the calls of each rank,
     averaged over the ranks."""
-    from megatron_charm import cp_attention
     from megatron_charm.bench.sequential import NULL_KERNEL
 
-    dtype = DTYPES[cfg["dtype"]]
     methods = list(HOST_METHODS)
     if cfg["heads"] % topo.cp_size == 0:
         methods.append("a2a")
     gen = torch.Generator().manual_seed(3)
     mine: list[tuple] = []
     for tokens in HOST_CPU_TOKENS:
-        shape = (cfg["batch"], tokens, cfg["heads"], cfg["head_dim"])
         for method in methods:
-            q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
-            for t in (q, k, v):
-                t.requires_grad_(True)
-            dout = torch.ones(shape, device=device, dtype=dtype)
-            cpu: dict[bool, list[float]] = {False: [], True: []}
-            own: dict[bool, list[float]] = {False: [], True: []}  # this thread's share
-            counts: dict[bool, tuple[int, int]] = {}
-            for rep in range(max(cfg["reps"], 3) + 1):  # the first builds and caches the plans
-                trace: list = []
-                dist.barrier()
-                c0, t0 = time.process_time(), time.thread_time()
-                out = cp_attention(q, k, v, topo, method=method, kernel=NULL_KERNEL, trace=trace)
-                c1, t1 = time.process_time(), time.thread_time()
-                out.backward(dout)
-                c2, t2 = time.process_time(), time.thread_time()
-                if rep == 0:
-                    continue
-                cpu[False].append(c1 - c0)
-                cpu[True].append(c2 - c1)
-                own[False].append(t1 - t0)
-                own[True].append(t2 - t1)
-                for run in trace:
-                    posted = sum(1 for e in run.events if e[0] == "Exchange")
-                    counts[run.backward] = (posted, sum(run.stats.bytes_sent.values()))
+            kept = _attention_calls(cfg, device, topo, method, tokens, gen, NULL_KERNEL)
             for backward in (False, True):
-                posted, nbytes = counts[backward]
-                medians = statistics.median(own[backward]), statistics.median(cpu[backward])
-                mine.append((method, tokens, backward, posted, nbytes, *medians))
+                run = next(r for r in kept[-1][0] if r.backward == backward)
+                posted = sum(1 for e in run.events if e[0] == "Exchange")
+                nbytes = sum(run.stats.bytes_sent.values())
+                own = statistics.median(call[3][backward] for call in kept)
+                cpu = statistics.median(call[2][backward] for call in kept)
+                mine.append((method, tokens, backward, posted, nbytes, own, cpu))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [
