@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "bench"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench_scripts import load_bench_script as _load
 
 
 def test_peers_keep_only_the_methods_whose_split_divides():

@@ -108,13 +108,9 @@ def test_a_profile_fitted_on_two_head_counts_keeps_one_masked_ratio_per_size() -
 
 
 def test_the_comparison_script_refits_blocks_the_old_way() -> None:
-    import importlib.util
-    import pathlib
+    from tests.bench_scripts import load_bench_script
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench" / "kernel_fit_ab.py"
-    spec = importlib.util.spec_from_file_location("kernel_fit_ab", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("kernel_fit_ab")
     raw = _raw()
     raw["kernel"] = _samples(per_element=0.0)  # call + FLOPs: the old form fits it exactly
     prof = fit_profile(raw)

@@ -319,13 +319,9 @@ def test_host_work_measured_as_cpu_time_is_fitted_per_pass_exchange_and_byte() -
 def test_the_comparison_script_charges_host_work_from_the_trace() -> None:
     # scripts/bench/host_work_ab.py: the same profile with the old host work (traced wall
     # seconds scaled by slots over ranks, no bytes), for the results' comparison
-    import importlib.util
-    import pathlib
+    from tests.bench_scripts import load_bench_script
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench" / "host_work_ab.py"
-    spec = importlib.util.spec_from_file_location("host_work_ab", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("host_work_ab")
     raw = _raw()
     raw.update(one_host=True, host_cores=2, threads=1)
     raw["host_work"] = {"s_local": 512, "call_s": 4e-3, "post_s": 1e-3}

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load_bench_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location(
-        "winner_map", ROOT / "scripts" / "bench" / "winner_map.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("winner_map")
 
 
 def test_cell_picks_the_fastest_runnable_method_and_the_table_marks_charm():
