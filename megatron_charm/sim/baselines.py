@@ -63,6 +63,28 @@ Ring-Attention and CHARM+ do neither:
   35-40% too fast. The text's CCR statement above assumed Table 2's rate: at the achieved one,
   ring's CCR at 215,040 tokens is 0.63, which the paper's own ``C`` and ``X`` also give
   (``X / C`` grows with the sequence: 0.079 x 8).
+* **Its TASP is the flat all-to-all form.** TASP's public code has two: ``n - 1`` Hamiltonian
+  rings over all ``n`` ranks, one all-to-all a step, and a node-aware one for two and four
+  nodes, ``p`` rings that each cross every node boundary once (one chunk across per rank and
+  step). The paper says its TASP needs the sequence divisible by ``n (n - 1)``: the flat form.
+  Its rows say so too. Per step the flat form moves ``p (n - p) / (n - 1)`` kv blocks out of
+  each node (4.27 on 2 x 8, 6.19 on 4 x 8), the node-aware one a single block on both. TASP's
+  forward over ring's transfers ``C`` is 98.01 / 139.0 = 0.705 on 2 x 8 and 183.22 / 177.0 =
+  1.035 on 4 x 8: a ratio of 1.47, where the flat form gives 1.45 and the node-aware one 1.0.
+  Our ``tasp`` is the flat form (Note [TASP schedule] in :mod:`megatron_charm.plan.tasp`): the
+  same bytes on every link at every step, each chunk sent by its owner; the paper's runs one
+  kernel a step on the gathered chunks where ours runs one per chunk.
+* **Its all-to-all reaches more of a node's cross bandwidth than its P2P schedules.** A 2 x 8
+  TASP step moves 1.06 GB out of each node in 98.01 / 15 = 6.5 ms: 162 GB/s, six ring flows,
+  three times what the presets' two links per node carry. NCCL spreads an all-to-all over every
+  NIC of a node (a DGX H100 has one per GPU), each sending and receiving at once. Per NIC the
+  rows give ``(n - p) kv / T``: 20.2 GB/s on 2 x 8 (0.48 of Table 2's rate), 19.2 GB/s on 4 x 8
+  (0.45). The validation replays TASP on one NIC per GPU at 0.48 of Table 2's rate
+  (:data:`megatron_charm.sim.topology.H100_A2A_RATE`, from the 2 x 8 rows; the 4 x 8 rows are
+  predicted) and ring and CHARM+ on the presets' two links. One NIC count cannot describe both:
+  on one NIC per GPU CHARM+'s forward is 2.6 times too fast, on two per node TASP's is 3 times
+  too slow. We replay each as its rows show; which of the paper's cluster facts reconciles them
+  is unknown.
 
 What stays ours: the intra-node pipeline's order of exchanges and merges (Note [CHARM+ rounds]
 in :mod:`megatron_charm.plan.pipeline`), and every link model choice of the presets.
@@ -126,9 +148,21 @@ def paper_programs(progs: ProgramSet) -> ProgramSet:
 
 
 def paper_predict(
-    topo: Topology, problem: Problem, compute: ComputeModel, methods: tuple[str, ...]
+    topo: Topology,
+    problem: Problem,
+    compute: ComputeModel,
+    methods: tuple[str, ...],
+    a2a_topo: Topology | None = None,
 ) -> Prediction:
     """:func:`megatron_charm.sim.predict` of ``methods`` with ``ring`` and ``charm`` replaced by
-    the paper's (Note [The paper's baselines]); other methods as the planner builds them."""
+    the paper's (Note [The paper's baselines]); other methods as the planner builds them.
+    ``a2a_topo``: the links ``tasp``'s all-to-all steps run on
+    (:meth:`megatron_charm.sim.topology.Hardware.a2a_topology`); ``None``: ``topo``."""
     options = paper_charm(topo.num_nodes)
-    return predict(topo, problem, compute, methods, options=options, rewrite=paper_programs)
+    if a2a_topo is None or "tasp" not in methods:
+        return predict(topo, problem, compute, methods, options=options, rewrite=paper_programs)
+    rest = tuple(m for m in methods if m != "tasp")
+    pred = predict(topo, problem, compute, rest, options=options, rewrite=paper_programs)
+    tasp = predict(a2a_topo, problem, compute, ("tasp",), options=options)
+    pred.methods["tasp"] = tasp.methods["tasp"]
+    return pred

@@ -23,6 +23,7 @@ Channels (kv, q, out, cross q/out) are independent: they contend only through th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,11 @@ EFF_L20, EFF_H20, EFF_H100 = 0.300, 0.529, 0.61
 #: Table 5's ring forward moves its kv at 26.7 GB/s on 2 x 8 and 25.6 GB/s on 4 x 8 (0.63 and
 #: 0.60; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
 H100_CROSS_RATE = 0.62
+#: What each of an H100 node's NICs achieves in one step of the paper's TASP all-to-all (one NIC
+#: per GPU), over Table 2's 42.5 GB/s: Table 5's TASP forward sends ``n - p`` of each rank's
+#: ``n - 1`` kv chunks across nodes per step, at 0.48 of it on 2 x 8 (0.45 on 4 x 8, which is
+#: predicted; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
+H100_A2A_RATE = 0.48
 CROSS_LINKS = ("shared", "rails")
 EXCHANGE_ORDERS = ("channel", "pair")
 
@@ -183,6 +189,12 @@ class Hardware:
     enqueue: Enqueue = field(default_factory=lambda: GPU_ENQUEUE)
     """Host seconds to enqueue each device operation (Note [Enqueue ahead] in
     :mod:`megatron_charm.sim.engine`); :data:`GPU_ENQUEUE` for every preset."""
+    a2a_rate: float = 0.0
+    """Fraction of ``cross_bw`` that each of a node's ``p`` NICs achieves in one step of an
+    all-to-all, which spreads a node's cross traffic over every NIC, where the paper's own
+    times give it (H100: Table 5's TASP rows, Note [The paper's baselines] in
+    :mod:`megatron_charm.sim.baselines`); 0 where they do not: the all-to-all then takes the
+    preset's cross links like any transfer."""
 
     @property
     def cross_achieved(self) -> float:
@@ -199,6 +211,17 @@ class Hardware:
             **links,
         }
         return Topology(num_nodes, ranks_per_node, self.intra_bw, self.cross_achieved, **given)
+
+    def a2a_topology(self, num_nodes: int, ranks_per_node: int) -> Topology:
+        """The links an all-to-all of a ``num_nodes x ranks_per_node`` group runs on: one NIC per
+        rank at ``cross_bw x a2a_rate`` where :attr:`a2a_rate` is known, else
+        :meth:`topology`."""
+        if not self.a2a_rate:
+            return self.topology(num_nodes, ranks_per_node)
+        return dataclasses.replace(
+            self.topology(num_nodes, ranks_per_node, cross_links="rails", nics_per_node=0),
+            cross_bw=self.cross_bw * self.a2a_rate,
+        )
 
     def compute_model(self, efficiency: float | None = None) -> FlopsCompute:
         """The preset's compute model (``efficiency``: instead of the preset's)."""
@@ -222,7 +245,18 @@ PRESETS: dict[str, Hardware] = {
     "L20": Hardware("L20", 119.5, 24.0, 14.7, "pcie", "shared", 0, "2x4", 864.0, EFF_L20),
     "H20": Hardware("H20", 148.0, 297.2, 42.6, "nvlink", "rails", 2, "2x8", 4000.0, EFF_H20),
     "H100": Hardware(
-        "H100", 989.0, 365.1, 42.5, "nvlink", "rails", 2, "4x8", 3350.0, EFF_H100, H100_CROSS_RATE
+        "H100",
+        989.0,
+        365.1,
+        42.5,
+        "nvlink",
+        "rails",
+        2,
+        "4x8",
+        3350.0,
+        EFF_H100,
+        H100_CROSS_RATE,
+        a2a_rate=H100_A2A_RATE,
     ),
 }
 

@@ -133,8 +133,12 @@ def compare_row(
     methods = tuple(sorted({"ring", *(m for m, _, _ in wanted)}))
     if baselines not in BASELINES:
         raise ValueError(f"baselines={baselines!r} is not one of {BASELINES}")
-    run = paper_predict if baselines == "paper" else predict
-    pred: Prediction = run(topo, problem, compute, methods)
+    if baselines == "paper":
+        # TASP's all-to-all on the links its rows show, unless a link model is asked for
+        a2a = hw.a2a_topology(*row.gpus) if cross_links is None else None
+        pred: Prediction = paper_predict(topo, problem, compute, methods, a2a_topo=a2a)
+    else:
+        pred = predict(topo, problem, compute, methods)
     out = []
     for method, bwd, paper_ms in wanted:
         ring_paper = row.ring_bwd if bwd else row.ring_fwd

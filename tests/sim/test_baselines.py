@@ -21,8 +21,8 @@ from megatron_charm.sim.compute import FlopsCompute
 from megatron_charm.sim.engine import simulate_pass
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.programs import programs
-from megatron_charm.sim.topology import Topology
-from megatron_charm.sim.validation import PAPER_ROWS, compare_row, fit_efficiency
+from megatron_charm.sim.topology import PRESETS, Topology
+from megatron_charm.sim.validation import PAPER_ROWS, compare_row, fit_efficiency, row_topology
 
 TOPO = Topology(2, 2, 100.0, 10.0)
 PROBLEM = Problem(2, 4096, 8, 64)
@@ -185,7 +185,11 @@ def test_the_table_counts_table_5_times_once_each() -> None:
     row = next(r for r in PAPER_ROWS if r.gpus == (4, 8) and r.seq == 15872)
     comps = compare_row(row, PAPER_EFFICIENCY["H100"])  # charm fwd, bwd, tasp fwd
     text = markdown({"H100": (PAPER_EFFICIENCY["H100"], comps)}, None, False)
-    # ring fwd and bwd once each, charm fwd and bwd, tasp fwd: five times; TASP's misses
+    # ring fwd and bwd once each, charm fwd and bwd, tasp fwd: five times, all within 25%
+    assert "Table 5 times within +-25%: 5 of 5" in text
+    # a TASP time twice the paper's is counted as a miss
+    slow = dataclasses.replace(comps[-1], method_ms=2 * comps[-1].method_ms)
+    text = markdown({"H100": (PAPER_EFFICIENCY["H100"], [*comps[:-1], slow])}, None, False)
     assert "Table 5 times within +-25%: 4 of 5" in text
 
 
@@ -250,3 +254,60 @@ def test_on_four_nodes_algorithm_2_keeps_small_problems_fast() -> None:
         rewrite=paper_programs,
     )
     assert paper.speedup("charm") > 1.5 > 1.0 > rounds.speedup("charm")
+
+
+def test_tasp_rows_say_the_paper_ran_the_flat_form() -> None:
+    # Note [The paper's baselines]: from 2 x 8 to 4 x 8, TASP's forward over ring's transfers
+    # grows as the kv the flat form moves out of a node per step, p (n - p) / (n - 1) blocks;
+    # the node-aware form moves one block on both
+    ratios, blocks = [], []
+    for m, p in ((2, 8), (4, 8)):
+        r1, c_ms, _ = _c_and_x((m, p))
+        assert r1.tasp_fwd is not None
+        ratios.append(r1.tasp_fwd / c_ms)
+        blocks.append(p * (m * p - p) / (m * p - 1))
+    assert ratios == pytest.approx([0.705, 1.035], abs=0.005)
+    assert blocks == pytest.approx([4.27, 6.19], abs=0.005)
+    assert ratios[1] / ratios[0] == pytest.approx(blocks[1] / blocks[0], rel=0.02)
+    assert ratios[1] / ratios[0] > 1.4  # not the node-aware form's 1.0
+
+
+def test_our_tasp_sends_n_minus_p_chunks_across_per_rank_and_step() -> None:
+    # the flat form: every rank sends each of its n - 1 chunks to every other rank once per
+    # pass, n - p of them across nodes, so a pass moves (n - p) kv per rank across nodes
+    topo, problem = Topology(2, 4, 100.0, 10.0), Problem(1, 8 * 7 * 2 * 4, 2, 8)
+    fwd = predict(topo, problem, COMPUTE, ("tasp",), mode="full").methods["tasp"].forward
+    kv = problem.batch * problem.seq // 8 * problem.heads * problem.head_dim * 2 * 2
+    assert fwd.link_bytes()["cross"] == 8 * (8 - 4) * kv
+    assert fwd.link_bytes()["intra"] == 8 * (4 - 1) * kv
+
+
+def test_table_5_tasp_gives_the_h100_all_to_all_rate() -> None:
+    # per NIC (one per GPU) a TASP step sends (n - p) chunks of kv / (n - 1): (n - p) kv / T
+    from megatron_charm.sim.topology import H100_A2A_RATE, PRESETS
+
+    hw = PRESETS["H100"]
+    rates = []
+    for m, p in ((2, 8), (4, 8)):
+        r1, _, _ = _c_and_x((m, p))
+        assert r1.tasp_fwd is not None
+        kv = r1.batch * r1.seq // (m * p) * r1.heads * r1.head_dim * 2 * 2
+        rates.append((m * p - p) * kv / (r1.tasp_fwd * 1e-3) / 1e9 / hw.cross_bw)
+    assert rates == pytest.approx([0.476, 0.451], abs=0.002)
+    assert H100_A2A_RATE == pytest.approx(rates[0], abs=0.005)  # 2 x 8; 4 x 8 is predicted
+    a2a = hw.a2a_topology(4, 8)
+    assert (a2a.nics, a2a.cross_bw) == (8, pytest.approx(hw.cross_bw * H100_A2A_RATE))
+    assert PRESETS["H20"].a2a_topology(2, 8) == PRESETS["H20"].topology(2, 8)
+
+
+def test_validation_replays_tasp_on_the_all_to_all_links() -> None:
+    row = next(r for r in PAPER_ROWS if r.gpus == (2, 8) and r.seq == 13440)
+    tasp = next(c for c in compare_row(row, PAPER_EFFICIENCY["H100"]) if c.method == "tasp")
+    assert tasp.error == pytest.approx(0.0, abs=0.1)
+    # on the presets' two links per node the same replay is about three times too slow
+    topo, a2a = row_topology(row), PRESETS["H100"].a2a_topology(2, 8)
+    problem = Problem(row.batch, row.seq, row.heads, row.head_dim)
+    compute = PRESETS["H100"].compute_model()
+    slow = paper_predict(topo, problem, compute, ("tasp",)).methods["tasp"].forward
+    fast = paper_predict(topo, problem, compute, ("tasp",), a2a).methods["tasp"].forward
+    assert slow.makespan / fast.makespan == pytest.approx(3.0, rel=0.1)
