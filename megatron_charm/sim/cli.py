@@ -176,9 +176,9 @@ def _resolve(
     return topo, problem, compute, methods, profile
 
 
-#: How far the preset model is known to miss: 23 of 30 speedups of the paper's Tables 4 and 5
-#: within +-25% (TASP's 8 not counted), and 32 of 40 of Table 5's times
-#: (docs/results/sim_validation_paper.md).
+#: How far the preset model is known to miss: 31 of 38 speedups of the paper's Tables 4 and 5
+#: within +-25% (23 of 30 without TASP's, which are replayed on the links their rows show), and
+#: 40 of 40 of Table 5's times (docs/results/sim_validation_paper.md).
 PRESET_ERROR = 0.25
 
 

@@ -240,7 +240,7 @@ def markdown(
             )
     t_ok = sum(abs(got / want - 1.0) <= 0.25 for got, want in times.values())
     head = [
-        f"Cross links: {cross_links or 'presets (L20: one shared NUMA link; H20/H100: 2/node)'}; "
+        f"Cross links: {cross_links or PRESET_LINKS}; "
         f"causal: {causal}; ring and charm replayed as {baselines_text(baselines)}.",
         "",
         "Efficiency (fraction of Table 2 TFLOPS; fitted unless the paper gives it: "
@@ -256,6 +256,13 @@ def markdown(
         "",
     ]
     return "\n".join(head + lines)
+
+
+#: The presets' links as the table header states them.
+PRESET_LINKS = (
+    "presets (L20: one shared NUMA link; H20/H100: 2/node; TASP's all-to-all on H100: one NIC "
+    f"per GPU at {PRESETS['H100'].a2a_rate:.2f} of Table 2's rate)"
+)
 
 
 def baselines_text(baselines: str) -> str:
