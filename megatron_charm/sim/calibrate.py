@@ -143,7 +143,10 @@ def describe(profile: Profile) -> str:
             f"x{c['bwd_slowdown']:.2f}",
             f"  host work (CPU hosts): {c.get('host_call_s', 0) * 1e3:.3g} ms per pass + "
             f"{c.get('host_post_s', 0) * 1e3:.3g} ms per exchange + "
-            f"{c.get('host_byte_s', 0) * 1e9:.3g} ns per byte sent; transport threads "
+            f"{c.get('host_byte_s', 0) * 1e9:.3g} ns per byte sent + "
+            f"{c.get('host_element_fwd_s', 0) * 1e9:.3g} / "
+            f"{c.get('host_element_bwd_s', 0) * 1e9:.3g} ns per query element (forward / "
+            "backward); transport threads "
             f"{c.get('transport_post_s', 0) * 1e3:.3g} ms per exchange + "
             f"{c.get('transport_byte_s', 0) * 1e9:.3g} ns per byte",
             f"  largest fit residuals: {err}",

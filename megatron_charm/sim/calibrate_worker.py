@@ -334,7 +334,8 @@ def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
     ``HOST_CPU_TOKENS`` tokens per rank, every rank at once, with a block kernel that computes
     nothing (``NULL_KERNEL``), so that the process's CPU time (all its threads: Python, the
     executor, gloo's transport) is the host work alone. One sample per method, size and pass:
-    the ``exchanges`` posted and the ``bytes`` sent by the rank (from its trace); ``cpu_s``, the
+    the ``exchanges`` posted and the ``bytes`` sent by the rank (from its trace), the
+    ``elements`` of its queries (``b x s_local x h x d``); ``cpu_s``, the
     process's CPU seconds, and ``thread_s``, those of the thread that called the attention
     (the rest ran in the transport's threads), each the median over the calls of each rank,
     averaged over the ranks."""
@@ -364,6 +365,7 @@ def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
             "backward": backward,
             "exchanges": posted,
             "bytes": nbytes,
+            "elements": cfg["batch"] * tokens * cfg["heads"] * cfg["head_dim"],
             "thread_s": statistics.mean(rank[j][-2] for rank in everyone),
             "cpu_s": statistics.mean(rank[j][-1] for rank in everyone),
         }

@@ -117,6 +117,12 @@ class _MergeCost:
         posting (Note [Host work of a call]); none unless measured."""
         return 0.0
 
+    def host_call_time(self, shape: AttnShape, backward: bool) -> float:
+        """Host seconds of one pass of ``shape`` before its first instruction: the per-pass
+        part of :meth:`host_work` plus any part that grows with the rank's problem (Note [Host
+        work of a call])."""
+        return self.host_work()[0]
+
     def transport_work(self) -> tuple[float, float]:
         """Seconds ``(per exchange, per byte sent)`` of the transport's own threads, which run
         on a shared host's cores while the exchange is in flight (Note [Host work of a call]);
@@ -237,6 +243,12 @@ class FittedCompute(_MergeCost):
     ends), which take a shared host's cores while the exchange is in flight."""
     transport_byte_s: float = 0.0
     """The same per byte sent."""
+    host_element_fwd_s: float = 0.0
+    """Host seconds per element of the rank's queries (``b x s_local x h x d``) of a forward
+    pass, on the rank's own thread at the pass's start (its buffers, casts and merges). 0 in
+    profiles fitted before it was measured."""
+    host_element_bwd_s: float = 0.0
+    """The same for a backward pass."""
     masked_cost: tuple[tuple[int, float, float], ...] = ()
     """``(tokens, forward, backward)`` per measured size: the time of a causal-masked ``tokens x
     tokens`` block over the unmasked one's (Note [Masked blocks]). Empty: half, the masked
@@ -279,12 +291,13 @@ class FittedCompute(_MergeCost):
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
         host = (self.host_call_s, self.host_post_s, self.host_byte_s)
-        if not min(*host, self.transport_post_s, self.transport_byte_s) >= 0:
+        per_element = (self.host_element_fwd_s, self.host_element_bwd_s)
+        if not min(*host, *per_element, self.transport_post_s, self.transport_byte_s) >= 0:
             raise ValueError(
-                f"host work per pass {self.host_call_s} s, per exchange {self.host_post_s} s and "
-                f"per byte {self.host_byte_s} s, and the transport's per exchange "
-                f"{self.transport_post_s} s and per byte {self.transport_byte_s} s must be >= 0; "
-                "fix the profile"
+                f"host work per pass {self.host_call_s} s, per exchange {self.host_post_s} s, "
+                f"per byte {self.host_byte_s} s and per element {per_element} s, and the "
+                f"transport's per exchange {self.transport_post_s} s and per byte "
+                f"{self.transport_byte_s} s must be >= 0; fix the profile"
             )
         if not self.shared_slots >= 0:
             raise ValueError(
@@ -300,6 +313,10 @@ class FittedCompute(_MergeCost):
 
     def host_per_byte(self) -> float:
         return self.host_byte_s
+
+    def host_call_time(self, shape: AttnShape, backward: bool) -> float:
+        per_element = self.host_element_bwd_s if backward else self.host_element_fwd_s
+        return self.host_call_s + per_element * shape.b * shape.s_local * shape.h * shape.d
 
     def transport_work(self) -> tuple[float, float]:
         return self.transport_post_s, self.transport_byte_s

@@ -197,7 +197,8 @@ class Engine:
         self.backward = backward
         self.record = record
         self.slowdown = compute.slowdown(backward)
-        self.host_call, self.host_post = compute.host_work()
+        self.host_post = compute.host_work()[1]
+        self.host_call = compute.host_call_time(shape, backward)
         self.host_byte = compute.host_per_byte()
         self.transport_post, self.transport_byte = compute.transport_work()
         enqueue = compute.enqueue_cost()

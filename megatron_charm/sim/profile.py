@@ -330,11 +330,22 @@ class HostWork(NamedTuple):
     """Per exchange, in the transport's threads."""
     transport_byte: float = 0.0
     """Per byte sent, in the transport's threads."""
+    element_fwd: float = 0.0
+    """Per element of the rank's queries (``b x s_local x h x d``) in a forward pass, on the
+    rank's thread."""
+    element_bwd: float = 0.0
+    """The same in a backward pass."""
 
-    def total(self, exchanges: float, nbytes: float) -> float:
-        """CPU seconds of a pass that posts ``exchanges`` and sends ``nbytes``."""
+    def total(
+        self, exchanges: float, nbytes: float, elements: float = 0.0, backward: bool = False
+    ) -> float:
+        """CPU seconds of a pass that posts ``exchanges`` and sends ``nbytes``, on a rank whose
+        queries hold ``elements``."""
         posts = (self.post + self.transport_post) * exchanges
-        return self.call + posts + (self.byte + self.transport_byte) * nbytes
+        per_element = self.element_bwd if backward else self.element_fwd
+        return (
+            self.call + posts + (self.byte + self.transport_byte) * nbytes + per_element * elements
+        )
 
 
 def host_work(raw: dict, slots: float) -> HostWork:
@@ -358,11 +369,20 @@ def host_work(raw: dict, slots: float) -> HostWork:
     on its own (non-negative, :func:`fit_nonnegative`):
 
         thread    = call + post x (exchanges posted) + byte x (bytes sent)
+                    + element x (elements of the rank's queries), one per pass direction
         transport =        transport_post x (exchanges) + transport_byte x (bytes sent)
 
+    The thread's work grows with the size of the rank's problem, not with the bytes it sends:
+    at 256 / 512 / 1024 tokens a ring backward sends three times charm's bytes and takes the
+    same CPU. Fitted per byte instead of per element, the thread's work missed its own samples
+    by up to 50%, charm's forward from +35% at 256 tokens to -20% at 1024; per element, by up
+    to 19-24% (2026-12-04, the four profiles of docs/results/calibrated-2x2.md). An element
+    term charges the buffers the pass allocates, casts and merges on its own thread.
+
     CPU seconds are one rank's alone: no scaling for the sharing. The engine charges the
-    thread's part on the rank's stream (``call`` at the start of every pass, ``post`` and
-    ``byte`` before every exchange is posted), and the transport's part as a flow on the shared
+    thread's part on the rank's stream (``call`` and ``element`` at the start of every pass,
+    ``post`` and ``byte`` before every exchange is posted), and the transport's part as a flow
+    on the shared
     host while the exchange is in flight: it takes its share of the cores, slowing every rank's
     blocks, and nothing waits for it (Note [Ranks sharing a host] in
     :mod:`megatron_charm.sim.engine`).
@@ -374,7 +394,8 @@ def host_work(raw: dict, slots: float) -> HostWork:
     transport's work per byte is two to three times larger on a 50 Mbit/s link than on a
     1 Gbit/s one (scripts/bench/transport_cpu.py); the thread's work per byte (packing,
     unpacking, accumulating) happens around the exchange, not all before it; merges of the
-    null kernel's zeros are counted here as well as in the merges.
+    null kernel's zeros are counted here (in the element term) as well as in the merges.
+    Samples taken before the elements were recorded fit without the element term.
 
     Raw samples from before this measurement carry only the attention's trace: the time from a
     pass's call to its first instruction and each exchange's posting time, wall seconds taken
@@ -389,11 +410,19 @@ def host_work(raw: dict, slots: float) -> HostWork:
     cpu = raw.get("host_cpu")
     if cpu:
         feats = [(1.0, float(c["exchanges"]), float(c["bytes"])) for c in cpu]
-        own = fit_nonnegative(feats, [c["thread_s"] for c in cpu], (0, 2, 1))
         rest = [(f[1:], c["cpu_s"] - c["thread_s"]) for f, c in zip(feats, cpu, strict=True)]
         rest = [(f, y) for f, y in rest if y > 0]
         other = fit_nonnegative([f for f, _ in rest], [y for _, y in rest], (1, 0)) if rest else ()
-        return HostWork(*own, *other)
+        other = other or (0.0, 0.0)
+        threads = [c["thread_s"] for c in cpu]
+        if not all("elements" in c for c in cpu):
+            return HostWork(*fit_nonnegative(feats, threads, (0, 2, 1)), *other)
+        feats = [
+            (*f, 0.0 if c["backward"] else c["elements"], c["elements"] if c["backward"] else 0.0)
+            for f, c in zip(feats, cpu, strict=True)
+        ]
+        call, post, byte, fwd, bwd = fit_nonnegative(feats, threads, (0, 2, 1, 3, 4))
+        return HostWork(call, post, byte, *other, element_fwd=fwd, element_bwd=bwd)
     got = raw.get("host_work")
     if not got:
         return HostWork()
@@ -407,7 +436,10 @@ def host_cpu_residual(raw: dict, work: HostWork) -> float | None:
     cpu = raw.get("host_cpu")
     if not cpu or raw.get("device") == "cuda":
         return None
-    return max(abs(work.total(c["exchanges"], c["bytes"]) - c["cpu_s"]) / c["cpu_s"] for c in cpu)
+    charged = [
+        work.total(c["exchanges"], c["bytes"], c.get("elements", 0), c["backward"]) for c in cpu
+    ]
+    return max(abs(got - c["cpu_s"]) / c["cpu_s"] for got, c in zip(charged, cpu, strict=True))
 
 
 def enqueue_work(raw: dict) -> Enqueue | None:
@@ -495,6 +527,8 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         host_byte_s=work.byte,
         transport_post_s=work.transport_post,
         transport_byte_s=work.transport_byte,
+        host_element_fwd_s=work.element_fwd,
+        host_element_bwd_s=work.element_bwd,
         masked_cost=masked,
         enqueue=enqueue_work(raw),
     )

@@ -7,6 +7,9 @@ byte or in the transport's threads: the host work before the CPU time was measur
 ``--form process``: the process's CPU time fitted as one, ``call + post x exchanges`` on the
 rank's stream and ``byte x bytes`` in the transport's threads, without telling the calling
 thread's share from the transport's.
+``--form elements``: the calling thread's work with a term per element of the rank's queries,
+as ``calibrate`` fits it now; samples taken before the elements were recorded get them from
+the calibration's shape (the kernel samples' batch and head dim, the most heads timed).
 
     python scripts/bench/host_work_ab.py PROFILE.json --form traced --out PROFILE-traced.json
 
@@ -34,13 +37,19 @@ def refit(profile: dict, form: str = "traced") -> dict:
             "host_work": samples["host_work"],
         }
         work = host_work(raw, profile["compute"]["shared_slots"])
+    elif form == "elements":
+        kernels = samples["kernel"]
+        most = max(k["heads"] for k in kernels)
+        per_token = kernels[0]["batch"] * most * kernels[0]["head_dim"]
+        cpu = [{"elements": c["s_local"] * per_token, **c} for c in samples["host_cpu"]]
+        work = host_work({"device": "cpu", "host_cpu": cpu}, profile["compute"]["shared_slots"])
     elif form == "process":
         cpu = samples["host_cpu"]
         feats = [(1.0, float(c["exchanges"]), float(c["bytes"])) for c in cpu]
         call, post, per_byte = fit_nonnegative(feats, [c["cpu_s"] for c in cpu], (0, 2, 1))
         work = HostWork(call, post, transport_byte=per_byte)
     else:
-        raise ValueError(f"--form {form!r}: expected 'traced' or 'process'")
+        raise ValueError(f"--form {form!r}: expected 'traced', 'process' or 'elements'")
     compute = dict(profile["compute"])
     compute.update(
         host_call_s=work.call,
@@ -48,6 +57,8 @@ def refit(profile: dict, form: str = "traced") -> dict:
         host_byte_s=work.byte,
         transport_post_s=work.transport_post,
         transport_byte_s=work.transport_byte,
+        host_element_fwd_s=work.element_fwd,
+        host_element_bwd_s=work.element_bwd,
     )
     name = f"{profile['name']} (host work: {form})"
     return {**profile, "name": name, "compute": compute}
@@ -56,7 +67,7 @@ def refit(profile: dict, form: str = "traced") -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile", help="a profile written by megatron-charm-sim calibrate")
-    ap.add_argument("--form", default="traced", choices=("traced", "process"))
+    ap.add_argument("--form", default="traced", choices=("traced", "process", "elements"))
     ap.add_argument("--out", required=True, help="where to write the refitted copy")
     args = ap.parse_args()
     with open(args.profile) as f:
@@ -67,7 +78,9 @@ def main() -> None:
     c = old["compute"]
     print(
         f"host work: {c['host_call_s'] * 1e3:.3g} ms per pass + {c['host_post_s'] * 1e3:.3g} ms "
-        f"per exchange + {c['host_byte_s'] * 1e9:.3g} ns per byte; transport "
+        f"per exchange + {c['host_byte_s'] * 1e9:.3g} ns per byte + "
+        f"{c['host_element_fwd_s'] * 1e9:.3g} / {c['host_element_bwd_s'] * 1e9:.3g} ns per "
+        "query element; transport "
         f"{c['transport_post_s'] * 1e3:.3g} ms per exchange + "
         f"{c['transport_byte_s'] * 1e9:.3g} ns per byte"
     )

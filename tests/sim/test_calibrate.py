@@ -50,6 +50,7 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     }
     assert all(c["cpu_s"] >= c["thread_s"] > 0 for c in cpu)
     assert all(c["exchanges"] > 0 and c["bytes"] > 0 for c in cpu)
+    assert [c["elements"] for c in cpu] == [c["s_local"] * 2 * 16 for c in cpu]  # b 1, 2 x 16
     host = (*compute.host_work(), compute.host_per_byte(), *compute.transport_work())
     assert min(host) >= 0 and sum(host[1:]) > 0
     choice = choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)

@@ -312,6 +312,14 @@ def test_host_work_is_charged_per_pass_and_per_posted_exchange() -> None:
     posts = max(len(p.exchanges()) for p in progs.forward)
     assert res.makespan == pytest.approx(base + 2e-3 + posts * 1e-3, rel=1e-6)
     assert all(sum(1 for x in r.timeline if x[2] == "H") == 1 + posts for r in res.ranks)
+    # work per element of the rank's queries joins the pass's own at its start, by direction
+    per_element = FittedCompute(1e30, 1e30, mem_bw=1e30, host_element_fwd_s=1e-7)
+    elements = shape.b * shape.s_local * shape.h * shape.d
+    res = simulate_pass(progs, t, shape, per_element, False)
+    assert res.makespan == pytest.approx(base + 1e-7 * elements, rel=1e-6)
+    assert simulate_pass(progs, t, shape, per_element, True).makespan == pytest.approx(
+        simulate_pass(progs, t, shape, free, True).makespan, rel=1e-9
+    )
     with pytest.raises(ValueError, match="host work per pass"):
         FittedCompute(1e10, 1e10, host_post_s=-1.0)
 

@@ -316,6 +316,45 @@ def test_host_work_measured_as_cpu_time_is_fitted_per_pass_exchange_and_byte() -
         FittedCompute(1e10, 1e10, transport_post_s=-1.0)
 
 
+def test_host_work_grows_with_the_elements_of_the_ranks_queries() -> None:
+    # Note [Host work of a call]: the thread's work per pass grows with the rank's problem, not
+    # with its bytes. A known host: 1 ms per pass, 0.5 ms per exchange, nothing per byte,
+    # 10 / 30 ns per query element forward / backward; samples of three sizes and two methods
+    # that send different bytes for the same elements
+    raw = _raw()
+    raw.update(one_host=True, host_cores=2, threads=1)
+    raw["host_cpu"] = []
+    for tokens in (256, 512, 1024):
+        elements = tokens * 8 * 64
+        for method, ex, per_token in (("ring", 3, 6000), ("charm", 6, 2500)):
+            for backward in (False, True):
+                own = 1e-3 + 5e-4 * ex + (30e-9 if backward else 10e-9) * elements
+                raw["host_cpu"].append(
+                    {"method": method, "s_local": tokens, "backward": backward,
+                     "exchanges": ex, "bytes": per_token * tokens, "elements": elements,
+                     "thread_s": own, "cpu_s": own + 2e-9 * per_token * tokens}
+                )  # fmt: skip
+    prof = fit_profile(raw)
+    c = prof.compute
+    assert (c["host_element_fwd_s"], c["host_element_bwd_s"]) == pytest.approx((1e-8, 3e-8))
+    assert (c["host_call_s"], c["host_post_s"]) == pytest.approx((1e-3, 5e-4))
+    assert c["host_byte_s"] == pytest.approx(0.0, abs=1e-15)
+    assert prof.fit_error["host_cpu"] == pytest.approx(0.0, abs=1e-9)
+    # the pass's share at its start: per pass plus per element of its shape
+    model = prof.compute_model()
+    shape = AttnShape(1, 1024, 8, 8, 64)
+    assert model.host_call_time(shape, True) == pytest.approx(1e-3 + 3e-8 * 1024 * 8 * 64)
+    assert model.host_call_time(shape, False) == pytest.approx(1e-3 + 1e-8 * 1024 * 8 * 64)
+    # without the elements (older samples) the same host is fitted per byte, and misses
+    for sample in raw["host_cpu"]:
+        del sample["elements"]
+    old = fit_profile(raw)
+    assert old.compute["host_element_fwd_s"] == old.compute["host_element_bwd_s"] == 0.0
+    assert old.fit_error["host_cpu"] > 0.1
+    with pytest.raises(ValueError, match="per element"):
+        FittedCompute(1e10, 1e10, host_element_bwd_s=-1.0)
+
+
 def test_the_comparison_script_charges_host_work_from_the_trace() -> None:
     # scripts/bench/host_work_ab.py: the same profile with the old host work (traced wall
     # seconds scaled by slots over ranks, no bytes), for the results' comparison
@@ -343,6 +382,14 @@ def test_the_comparison_script_charges_host_work_from_the_trace() -> None:
         (0.0, 5e-4, 0.0), abs=1e-12
     )
     assert one["transport_byte_s"] == pytest.approx(2e-9) and one["transport_post_s"] == 0.0
+    # samples without elements get them from the calibration's shape (kernel samples' batch
+    # and head dim, the most heads timed): 512 tokens x 1 x 8 x 64, all forward here but one
+    as_json["provenance"]["samples"]["kernel"] = [
+        {"batch": 1, "heads": h, "head_dim": 64, "tokens": 256} for h in (1, 8)
+    ]
+    per_element = mod.refit(as_json, "elements")["compute"]
+    assert per_element["host_post_s"] == pytest.approx(5e-4, rel=1e-6)
+    assert per_element["host_element_fwd_s"] == pytest.approx(0.0, abs=1e-15)
     with pytest.raises(ValueError, match="--form 'x'"):
         mod.refit(as_json, "x")
 
