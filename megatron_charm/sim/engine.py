@@ -239,8 +239,18 @@ class Engine:
             return res
         p, k = self.topo.ranks_per_node, self.topo.nics
         # Map the resource to its copy on the simulated node (ranks -> local index, links ->
-        # link index within the node).
-        return tuple((kind, idx % (k if kind.startswith("nic") else p)) for kind, idx in res)
+        # link index within the node, a pair of nodes -> their distance).
+        out = []
+        for kind, idx in res:
+            if kind == "pair":
+                m = self.topo.num_nodes
+                rails = p if self.topo.cross_links == "rails" else 1
+                (a, b), rail = divmod(idx // rails, m), idx % rails
+                dist = (b - a) % m if self.progs.symmetry == "shift" else a ^ b
+                out.append((kind, dist * rails + rail))
+            else:
+                out.append((kind, idx % (k if kind.startswith("nic") else p)))
+        return tuple(out)
 
     def _compile(self, prog: Program, rr: RankResult) -> list[object]:
         """Per instruction of ``prog``: its transfers (``Exchange``) or its duration (``Compute``,

@@ -25,14 +25,18 @@ rate over that one, so the goodput the calibration measured carries over.
 
 A profile describes the testbed it was calibrated on; a result may come from another shape of
 the same testbed. :func:`profile_for` adapts it, from the result's own configuration only: the
-sharing of its shaped cross link (``rails``: one link per rank; ``shared``: one per node; an
-unshaped loopback result keeps the profile's), and, because every rank of
+sharing of its shaped cross links (``rails``: one per rail; ``shared``: one; an unshaped
+loopback result keeps the profile's), and, because every rank of
 the testbed runs on one host, its compute: a result with more ranks than the calibration shares
 the same cores among more processes, so each rank's block and merge rates scale by the ratio of
 the rank counts (the calibration's ranks already fill the host's cores on the 2-core machine
 this testbed targets). A profile that models the shared host itself (``shared_slots``, Note
 [Ranks sharing a host]) needs no scaling: the replay shares the host among however many ranks
 compute.
+
+The testbed joins each pair of nodes by its own links (docs/testbed.md), so every replay here
+runs on that mesh (``cross_mesh``, Note [Links and contention]): on four nodes a node sends to
+the three others at the full rate each, where one NIC per node would split it.
 
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
@@ -125,7 +129,8 @@ def calibrate(
         ITEMSIZE[cfg.get("dtype", "bf16")],
     )
     if profile is not None:
-        return Calibration(profile.topology(m, p), problem, profile.compute_model(), "profile")
+        topo = replace(profile.topology(m, p), cross_mesh=True)
+        return Calibration(topo, problem, profile.compute_model(), "profile")
     intra, cross = _probe_rates(probe) if probe else (None, None)
     source = "probe"
     alone = (result.get("ring_comm_alone_s") or {}).get("fwd")
@@ -163,6 +168,7 @@ def calibrate(
         cross_lat=cross_lat_us * 1e-6,
         fabric="nvlink",  # loopback TCP: concurrent streams of a rank do not split a fixed rate
         cross_links=result.get("topology", "shared"),
+        cross_mesh=True,
     )
     area = 0.5 if causal else 1.0
     pure = result["pure_compute_s"]

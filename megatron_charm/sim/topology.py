@@ -17,6 +17,10 @@ or ends):
 * cross-node, ``cross_links="rails"``: one link per rank and direction (one NIC per GPU, rail
   optimised), so ranks with different local indices do not contend. ``nics_per_node=k`` sits in
   between: ``p / k`` neighbouring ranks share one of ``k`` links.
+* cross-node, ``cross_mesh=True``: one link per ordered pair of nodes (``pair``), the CPU
+  testbed's build: with ``shared`` a node sends to two other nodes at the full rate each; with
+  ``rails`` one such link per pair and rail, a transfer taking its destination's rail (as
+  NCCL's PXN does). On two nodes ``shared`` is the same either way.
 
 Channels (kv, q, out, cross q/out) are independent: they contend only through these resources.
 """
@@ -69,6 +73,9 @@ class Topology:
     nics_per_node: int = 0
     """Cross links per node when neither extreme fits (``k`` links, local ranks ``l * k // p``
     share one); 0: ``cross_links`` decides (shared = 1, rails = ``p``)."""
+    cross_mesh: bool = False
+    """Cross links join ordered pairs of nodes (a full mesh, as the CPU testbed builds them)
+    instead of leaving each node through its own ``nics`` (Note [Links and contention])."""
     exchange_order: str = "channel"
     """How a rank's exchanges on one channel proceed (Note [Replay semantics] in
     :mod:`megatron_charm.sim.engine`): ``"channel"`` one after another, as NCCL runs them on
@@ -134,9 +141,14 @@ class Topology:
         res: list[tuple[str, int]] = []
         if self.fabric == "pcie":
             res += [("pcie_out", src), ("pcie_in", dst)]
-        if not self.same_node(src, dst):
-            res += [("nic_out", self.nic(src)), ("nic_in", self.nic(dst))]
-        return tuple(res)
+        if self.same_node(src, dst):
+            return tuple(res)
+        if self.cross_mesh:
+            rails = self.ranks_per_node if self.cross_links == "rails" else 1
+            rail = dst % self.ranks_per_node if rails > 1 else 0
+            pair = self.node(src) * self.num_nodes + self.node(dst)
+            return (*res, ("pair", pair * rails + rail))
+        return (*res, ("nic_out", self.nic(src)), ("nic_in", self.nic(dst)))
 
     @property
     def nics(self) -> int:

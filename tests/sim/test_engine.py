@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_charm.plan import METHODS, AttnShape, PlanOptions, build_plan
@@ -159,8 +161,29 @@ def test_fewer_cross_links_are_slower_for_charm() -> None:
     assert topo(2, 4, nics_per_node=2).nic(5) == 2  # node 1, local 1 -> its node's first link
 
 
+def test_a_mesh_of_node_pairs_gives_each_pair_its_own_link() -> None:
+    # Note [Links and contention]: the CPU testbed joins every pair of nodes; rails take the
+    # destination's rail
+    mesh = topo(4, 2, cross_links="shared", cross_mesh=True)
+    assert len({mesh.resources(0, dst) for dst in (2, 4, 6)}) == 3
+    assert mesh.resources(0, 2) == mesh.resources(1, 3) == (("pair", 1),)
+    rails = topo(2, 2, cross_links="rails", cross_mesh=True)
+    assert rails.resources(0, 3) == rails.resources(1, 3) != rails.resources(1, 2)
+    # all-gather on 4 x 1 under gloo's order (every exchange at once), blocks and latencies
+    # free: a node's three kv leave on three links at once, where one NIC per node splits them
+    free = FlopsCompute(tflops=1e12, efficiency=1.0, mem_bw=1e12)
+    progs = programs(PlanOptions(method="all_gather"), Layout(4, 1), False, mode="full")
+
+    def makespan(mesh: bool) -> float:
+        t = topo(4, 1, cross_links="shared", cross_mesh=mesh, exchange_order="pair")
+        t = dataclasses.replace(t, intra_lat=0.0, cross_lat=0.0)
+        return simulate_pass(progs, t, SHAPE, free, False).makespan
+
+    assert makespan(False) == pytest.approx(3 * makespan(True), rel=1e-3)
+
+
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("links", ["rails", "shared", "nics2"])
+@pytest.mark.parametrize("links", ["rails", "shared", "nics2", "mesh", "mesh-rails"])
 @pytest.mark.parametrize("mp", [(2, 4), (4, 2), (4, 4)])
 def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[int, int]) -> None:
     if method == "charm" and mp[0] == 2:
@@ -173,7 +196,9 @@ def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[
     sym = node_programs(PlanOptions(method=method), Layout(*mp), False)
     assert len(sym.forward) == mp[1] and sym.exact
     nics = 2 if links == "nics2" else 0
-    t = topo(*mp, cross_links="rails" if nics else links, fabric="pcie", nics_per_node=nics)
+    mesh = links.startswith("mesh")
+    cross = {"mesh": "shared", "mesh-rails": "rails", "nics2": "rails"}.get(links, links)
+    t = topo(*mp, cross_links=cross, fabric="pcie", nics_per_node=nics, cross_mesh=mesh)
     for backward in (False, True):
         a = simulate_pass(full, t, SHAPE, COMPUTE, backward)
         b = simulate_pass(sym, t, SHAPE, COMPUTE, backward)

@@ -57,3 +57,17 @@ def test_more_ranks_on_the_host_share_its_compute():
     assert got["mem_bw"] == pytest.approx(10.0)
     # fewer ranks than the calibration: the cores were already full, nothing changes
     assert profile_for(PROFILE, _result(1, 2), "100mbit").compute == PROFILE.compute
+
+
+def test_the_testbed_replay_runs_on_its_mesh_of_node_pairs():
+    # docs/testbed.md: every pair of nodes has its own links, with a profile or without
+    from megatron_charm.sim.testbed import calibrate
+
+    result = {
+        "config": {"topology": "shared", "batch": 1, "seq_local": 64, "heads": 2, "head_dim": 8},
+        "layout": [4, 2],
+        "cross_bps": 100e6,
+        "pure_compute_s": {"fwd": 0.1, "fwdbwd": 0.3},
+    }
+    assert calibrate(result, profile=profile_for(PROFILE, result, "100mbit")).topo.cross_mesh
+    assert calibrate(result, intra_gbps=1.0).topo.cross_mesh
