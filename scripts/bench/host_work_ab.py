@@ -7,6 +7,8 @@ byte or in the transport's threads: the host work before the CPU time was measur
 ``--form process``: the process's CPU time fitted as one, ``call + post x exchanges`` on the
 rank's stream and ``byte x bytes`` in the transport's threads, without telling the calling
 thread's share from the transport's.
+``--form bytes``: the calling thread's work per pass, exchange and byte, without the term per
+element (as ``calibrate`` fitted it before the elements were recorded).
 ``--form elements``: the calling thread's work with a term per element of the rank's queries,
 as ``calibrate`` fits it now; samples taken before the elements were recorded get them from
 the calibration's shape (the kernel samples' batch and head dim, the most heads timed).
@@ -43,13 +45,16 @@ def refit(profile: dict, form: str = "traced") -> dict:
         per_token = kernels[0]["batch"] * most * kernels[0]["head_dim"]
         cpu = [{"elements": c["s_local"] * per_token, **c} for c in samples["host_cpu"]]
         work = host_work({"device": "cpu", "host_cpu": cpu}, profile["compute"]["shared_slots"])
+    elif form == "bytes":
+        cpu = [{k: v for k, v in c.items() if k != "elements"} for c in samples["host_cpu"]]
+        work = host_work({"device": "cpu", "host_cpu": cpu}, profile["compute"]["shared_slots"])
     elif form == "process":
         cpu = samples["host_cpu"]
         feats = [(1.0, float(c["exchanges"]), float(c["bytes"])) for c in cpu]
         call, post, per_byte = fit_nonnegative(feats, [c["cpu_s"] for c in cpu], (0, 2, 1))
         work = HostWork(call, post, transport_byte=per_byte)
     else:
-        raise ValueError(f"--form {form!r}: expected 'traced', 'process' or 'elements'")
+        raise ValueError(f"--form {form!r}: expected 'traced', 'process', 'bytes' or 'elements'")
     compute = dict(profile["compute"])
     compute.update(
         host_call_s=work.call,
@@ -67,7 +72,7 @@ def refit(profile: dict, form: str = "traced") -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile", help="a profile written by megatron-charm-sim calibrate")
-    ap.add_argument("--form", default="traced", choices=("traced", "process", "elements"))
+    ap.add_argument("--form", default="traced", choices=("traced", "process", "bytes", "elements"))
     ap.add_argument("--out", required=True, help="where to write the refitted copy")
     args = ap.parse_args()
     with open(args.profile) as f:

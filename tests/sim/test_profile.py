@@ -390,6 +390,16 @@ def test_the_comparison_script_charges_host_work_from_the_trace() -> None:
     per_element = mod.refit(as_json, "elements")["compute"]
     assert per_element["host_post_s"] == pytest.approx(5e-4, rel=1e-6)
     assert per_element["host_element_fwd_s"] == pytest.approx(0.0, abs=1e-15)
+    # and samples with elements fitted without them, per byte as before
+    as_json["provenance"]["samples"]["host_cpu"] = [
+        {**c, "elements": c["s_local"] * 512, "thread_s": c["thread_s"] + 1e-8 * c["s_local"] * 512}
+        for c in raw["host_cpu"]
+    ]
+    assert mod.refit(as_json, "elements")["compute"]["host_element_fwd_s"] == pytest.approx(1e-8)
+    per_byte = mod.refit(as_json, "bytes")["compute"]
+    # every sample has 512 tokens: without the term, the pass's constant takes it
+    assert per_byte["host_element_fwd_s"] == 0.0
+    assert per_byte["host_call_s"] == pytest.approx(1e-8 * 512 * 512, rel=1e-6)
     with pytest.raises(ValueError, match="--form 'x'"):
         mod.refit(as_json, "x")
 
