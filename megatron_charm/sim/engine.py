@@ -158,8 +158,15 @@ class PassResult:
         return dict(out)
 
 
+#: Resources that a ``cross_fifo`` topology serves first come, first served (Note [Links and
+#: contention] in megatron_charm/sim/topology.py); flows that start within this many seconds of
+#: each other count as starting together and share.
+_FIFO_LINKS = ("pair", "nic_out", "nic_in")
+_TOGETHER = 1e-9
+
+
 class _Flow:
-    __slots__ = ("remaining", "rate", "last", "version", "res", "bw", "ends", "pair")
+    __slots__ = ("remaining", "rate", "last", "version", "res", "bw", "ends", "pair", "born")
 
     def __init__(self, nbytes: float, res: tuple, bw: float, ends: list) -> None:
         self.remaining = float(nbytes)
@@ -170,6 +177,7 @@ class _Flow:
         self.bw = bw
         self.ends = ends
         self.pair: tuple | None = None  # (channel, pair) whose transfers keep their order
+        self.born = 0.0  # when its bytes started to flow
 
 
 class Engine:
@@ -470,6 +478,7 @@ class Engine:
 
     def _activate(self, flow: _Flow, now: float) -> None:
         flow.last = now
+        flow.born = now
         if not flow.res:
             self._push(now + flow.remaining / flow.bw, _FINISH, flow, flow.version)
             return
@@ -490,12 +499,23 @@ class Engine:
             cap = capacity.get(r)
             if cap is None:
                 cap = capacity[r] = self.topo.capacity(r)
-            share = cap / len(self.res_flows[r])
+            flows = self.res_flows[r]
+            if self.topo.cross_fifo and r[0] in _FIFO_LINKS:
+                # the earliest flows take the link; the globally earliest flow is first on
+                # every link it crosses, so some flow always moves
+                first = min(x.born for x in flows)
+                if f.born > first + _TOGETHER:
+                    rate = 0.0
+                    break
+                share = cap / sum(1 for x in flows if x.born <= first + _TOGETHER)
+            else:
+                share = cap / len(flows)
             if share < rate:
                 rate = share
         f.rate = rate
         f.version += 1
-        self._push(now + f.remaining / rate, _FINISH, f, f.version)
+        if rate > 0:
+            self._push(now + f.remaining / rate, _FINISH, f, f.version)
 
     def _finish(self, flow: _Flow, now: float) -> None:
         if flow.pair is not None:  # the pair's next transfer may start

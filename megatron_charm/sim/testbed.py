@@ -36,7 +36,9 @@ compute.
 
 The testbed joins each pair of nodes by its own links (docs/testbed.md), so every replay here
 runs on that mesh (``cross_mesh``, Note [Links and contention]): on four nodes a node sends to
-the three others at the full rate each, where one NIC per node would split it.
+the three others at the full rate each, where one NIC per node would split it. Each link's tbf
+queue serves transfers in the order they arrive, so the replay's cross links do too
+(``cross_fifo``).
 
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
@@ -129,7 +131,7 @@ def calibrate(
         ITEMSIZE[cfg.get("dtype", "bf16")],
     )
     if profile is not None:
-        topo = replace(profile.topology(m, p), cross_mesh=True)
+        topo = replace(profile.topology(m, p), cross_mesh=True, cross_fifo=True)
         return Calibration(topo, problem, profile.compute_model(), "profile")
     intra, cross = _probe_rates(probe) if probe else (None, None)
     source = "probe"
@@ -169,6 +171,7 @@ def calibrate(
         fabric="nvlink",  # loopback TCP: concurrent streams of a rank do not split a fixed rate
         cross_links=result.get("topology", "shared"),
         cross_mesh=True,
+        cross_fifo=True,
     )
     area = 0.5 if causal else 1.0
     pure = result["pure_compute_s"]

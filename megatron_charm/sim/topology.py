@@ -21,6 +21,13 @@ or ends):
   testbed's build: with ``shared`` a node sends to two other nodes at the full rate each; with
   ``rails`` one such link per pair and rail, a transfer taking its destination's rail (as
   NCCL's PXN does). On two nodes ``shared`` is the same either way.
+* ``cross_fifo=True``: a cross link serves its flows first come, first served instead of in
+  equal shares; flows that start together share it. The CPU testbed shapes each link with a
+  tbf whose queue holds at least 200 ms of traffic (``tbf_params`` in
+  :mod:`megatron_charm.testbed.net`): a transfer posted while another's bytes fill the queue
+  waits behind them. On 2 x 2 causal charm this decides its critical path: a node's second
+  query half and its returned outputs share one direction, and in equal shares the half
+  arrives late (charm's forward was predicted 21-30% too slow there, 2026-12-04).
 
 Channels (kv, q, out, cross q/out) are independent: they contend only through these resources.
 """
@@ -76,6 +83,10 @@ class Topology:
     cross_mesh: bool = False
     """Cross links join ordered pairs of nodes (a full mesh, as the CPU testbed builds them)
     instead of leaving each node through its own ``nics`` (Note [Links and contention])."""
+    cross_fifo: bool = False
+    """Each cross link serves its transfers first come, first served (those that start
+    together share it), as a deep FIFO queue in front of the link does, instead of in equal
+    shares (Note [Links and contention])."""
     exchange_order: str = "channel"
     """How a rank's exchanges on one channel proceed (Note [Replay semantics] in
     :mod:`megatron_charm.sim.engine`): ``"channel"`` one after another, as NCCL runs them on

@@ -183,7 +183,7 @@ def test_a_mesh_of_node_pairs_gives_each_pair_its_own_link() -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("links", ["rails", "shared", "nics2", "mesh", "mesh-rails"])
+@pytest.mark.parametrize("links", ["rails", "shared", "nics2", "mesh", "mesh-rails", "mesh-fifo"])
 @pytest.mark.parametrize("mp", [(2, 4), (4, 2), (4, 4)])
 def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[int, int]) -> None:
     if method == "charm" and mp[0] == 2:
@@ -197,8 +197,11 @@ def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[
     assert len(sym.forward) == mp[1] and sym.exact
     nics = 2 if links == "nics2" else 0
     mesh = links.startswith("mesh")
-    cross = {"mesh": "shared", "mesh-rails": "rails", "nics2": "rails"}.get(links, links)
-    t = topo(*mp, cross_links=cross, fabric="pcie", nics_per_node=nics, cross_mesh=mesh)
+    cross = {"mesh": "shared", "mesh-rails": "rails", "nics2": "rails", "mesh-fifo": "shared"}
+    cross_links = cross.get(links, links)
+    fifo = links == "mesh-fifo"
+    t = topo(*mp, cross_links=cross_links, fabric="pcie", nics_per_node=nics, cross_mesh=mesh)
+    t = dataclasses.replace(t, cross_fifo=fifo)
     for backward in (False, True):
         a = simulate_pass(full, t, SHAPE, COMPUTE, backward)
         b = simulate_pass(sym, t, SHAPE, COMPUTE, backward)
@@ -408,6 +411,41 @@ def test_exchanges_on_one_channel_follow_the_backends_order(order, peers, want) 
     t = Topology(1, 4, bw, bw, intra_lat=0.0, cross_lat=0.0, exchange_order=order)
     res = simulate_pass(sets, t, shape, COMPUTE, False)
     assert res.makespan == pytest.approx(want * 1e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize(("fifo", "want_ms"), [(True, 2.0), (False, 2.5)])
+def test_a_fifo_link_serves_the_earlier_transfer_first(fifo: bool, want_ms: float) -> None:
+    # Note [Links and contention]: rank 0 sends a on one channel, computes 0.5 ms, sends b on
+    # another; rank 1 computes 1 ms once a is in. Each transfer alone takes 1 ms. First come,
+    # first served: a ends at 1 ms, b behind it at 2 ms, rank 1's block 1-2 ms. Equal shares:
+    # a and b split the link from 0.5 ms, a ends at 1.5 ms and rank 1's block at 2.5 ms
+    from megatron_charm.plan.builder import ProgramBuilder, recv, send
+    from megatron_charm.plan.types import Kind
+    from megatron_charm.sim.compute import FittedCompute
+    from megatron_charm.sim.programs import ProgramSet
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    flops = 4.0 * 64 * 64 * 64
+    compute = FittedCompute(flops / 5e-4, flops / 5e-4, mem_bw=1e12)  # a block: 0.5 ms
+    x, y = ProgramBuilder(0), ProgramBuilder(1)
+    a = x.exchange("a", [send(1, Kind.KV, 0, Part.FULL)])
+    x.compute(0, 0, Part.FULL, Part.FULL, False)
+    b = x.exchange("b", [send(1, Kind.KV, 0, Part.FULL)])
+    x.wait(a)
+    x.wait(b)
+    ra, rb = (y.exchange(c, [recv(0, Kind.KV, 0, Part.FULL)]) for c in "ab")
+    y.wait(ra)
+    y.compute(1, 1, Part.FULL, Part.FULL, False)
+    y.compute(1, 1, Part.FULL, Part.FULL, False)
+    y.wait(rb)
+    progs = (x.finish(), y.finish())
+    sets = ProgramSet(PlanOptions(method="ring"), Layout(2, 1), False, progs, progs, "none")
+    bw = 2 * 64 * 64 * 2 / 1e-3 / 1e9  # GB/s: one kv in 1 ms
+    t = Topology(2, 1, 1e3, bw, intra_lat=0.0, cross_lat=0.0, cross_fifo=fifo)
+    t = dataclasses.replace(t, exchange_order="pair")
+    assert simulate_pass(sets, t, shape, compute, False).makespan == pytest.approx(
+        want_ms * 1e-3, rel=1e-6
+    )
 
 
 def test_an_unknown_exchange_order_is_refused() -> None:
