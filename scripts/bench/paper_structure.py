@@ -5,7 +5,8 @@ Replays the paper's ring and CHARM+ (Note [The paper's baselines] in
 cross rate, the presets' enqueue cost per operation), 12 heads of 192, non-causal, and prints
 the forward and backward speedup and ring's CCR for every batch x sequence point of a grid: the
 shape of the paper's appendix tables (speedup against batch at a fixed sequence, and at
-sequences of 100K-200K tokens), which the repository does not hold.
+sequences of 100K-200K tokens), which the repository does not hold. TASP's forward speedup too,
+on its all-to-all links, where the tokens per GPU cut into its chunks (``-`` elsewhere).
 
 Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--md FILE]`` (a few
 seconds).
@@ -17,6 +18,7 @@ import argparse
 import datetime
 
 from megatron_charm.plan import Layout, PlanOptions
+from megatron_charm.plan.tasp import check_tasp_shape
 from megatron_charm.sim.baselines import (
     PAPER_EFFICIENCY,
     paper_charm,
@@ -33,20 +35,39 @@ SEQS_16 = (1680, 3360, 6720, 13440, 26880, 53760, 107520, 161280, 215040)
 BATCHES = (1, 2, 4, 16)
 
 
-def rows(gpus: tuple[int, int], efficiency: float, baselines: str) -> list[str]:
+def rows(
+    gpus: tuple[int, int],
+    efficiency: float,
+    baselines: str,
+    seqs_16: tuple[int, ...] = SEQS_16,
+    batches: tuple[int, ...] = BATCHES,
+) -> list[str]:
+    """One table row per batch x sequence (``seqs_16``: tokens per 16 GPUs)."""
     hw = PRESETS["H100"]
     topo = hw.topology(*gpus)
     compute = hw.compute_model(efficiency)
-    run = paper_predict if baselines == "paper" else predict
+    n = gpus[0] * gpus[1]
     out = []
-    for seq16 in SEQS_16:
-        seq = seq16 * gpus[0] * gpus[1] // 16
-        for batch in BATCHES:
-            pred = run(topo, Problem(batch, seq, 12, 192), compute, ("ring", "charm"))
+    for seq16 in seqs_16:
+        seq = seq16 * n // 16
+        for batch in batches:
+            problem = Problem(batch, seq, 12, 192)
+            methods: tuple[str, ...] = ("ring", "charm")
+            try:
+                check_tasp_shape(seq // n, n)
+                methods += ("tasp",)
+            except ValueError:
+                pass
+            if baselines == "paper":
+                pred = paper_predict(topo, problem, compute, methods, hw.a2a_topology(*gpus))
+            else:
+                pred = predict(topo, problem, compute, methods)
+            tasp = f"{pred.speedup('tasp'):.2f}" if "tasp" in methods else "-"
             out.append(
                 f"| {gpus[0]}x{gpus[1]} | {batch} | {seq} | {pred.ccr_forward:.2f} | "
                 f"{pred.methods['ring'].forward.makespan * 1e3:.2f} | "
-                f"{pred.speedup('charm'):.2f} | {pred.speedup('charm', backward=True):.2f} |"
+                f"{pred.speedup('charm'):.2f} | {pred.speedup('charm', backward=True):.2f} | "
+                f"{tasp} |"
             )
     return out
 
@@ -81,8 +102,9 @@ def main() -> int:
         f"enqueue {hw.enqueue.kernel * 1e6:g} us per operation; {args.baselines} baselines, "
         f"12 x 192 heads, non-causal ({now:%Y-%m-%d %H:%M} UTC)",
         "",
-        "| GPUs | batch | seq | CCR fwd | ring fwd ms | charm fwd speedup | charm bwd speedup |",
-        "|---|---|---|---|---|---|---|",
+        "| GPUs | batch | seq | CCR fwd | ring fwd ms | charm fwd speedup | charm bwd speedup | "
+        "tasp fwd speedup |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for gpus in ((2, 8), (4, 8)):
         lines += rows(gpus, args.efficiency, args.baselines)

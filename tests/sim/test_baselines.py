@@ -311,3 +311,14 @@ def test_validation_replays_tasp_on_the_all_to_all_links() -> None:
     slow = paper_predict(topo, problem, compute, ("tasp",)).methods["tasp"].forward
     fast = paper_predict(topo, problem, compute, ("tasp",), a2a).methods["tasp"].forward
     assert slow.makespan / fast.makespan == pytest.approx(3.0, rel=0.1)
+
+
+def test_the_structure_table_predicts_tasp_where_its_chunks_fit() -> None:
+    # scripts/bench/paper_structure.py: TASP's column at Table 5's first 2 x 8 row (paper
+    # 1.53x), and "-" where 105 tokens per GPU do not cut into 2 x 15 chunks
+    from tests.bench_scripts import load_bench_script
+
+    mod = load_bench_script("paper_structure")
+    fits, cut = mod.rows((2, 8), PAPER_EFFICIENCY["H100"], "paper", (26880, 1680), (16,))
+    assert float(fits.split("|")[-2]) == pytest.approx(1.53, rel=0.1)
+    assert cut.split("|")[-2].strip() == "-"
