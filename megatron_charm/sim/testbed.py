@@ -131,7 +131,7 @@ def calibrate(
         ITEMSIZE[cfg.get("dtype", "bf16")],
     )
     if profile is not None:
-        topo = replace(profile.topology(m, p), cross_mesh=True, cross_fifo=True)
+        topo = _as_built(profile.topology(m, p))
         return Calibration(topo, problem, profile.compute_model(), "profile")
     intra, cross = _probe_rates(probe) if probe else (None, None)
     source = "probe"
@@ -170,15 +170,20 @@ def calibrate(
         cross_lat=cross_lat_us * 1e-6,
         fabric="nvlink",  # loopback TCP: concurrent streams of a rank do not split a fixed rate
         cross_links=result.get("topology", "shared"),
-        cross_mesh=True,
-        cross_fifo=True,
     )
+    topo = _as_built(topo)
     area = 0.5 if causal else 1.0
     pure = result["pure_compute_s"]
     fwd_block = pure["fwd"] / (n * area)
     bwd_block = (pure["fwdbwd"] - pure["fwd"]) / (n * area)
     compute = CalibratedCompute(fwd_block, bwd_block, mem_bw=merge_gbps)
     return Calibration(topo, problem, compute, source)
+
+
+def _as_built(topo: Topology) -> Topology:
+    """``topo`` on the testbed's cross links: a mesh of node pairs, each link's queue served in
+    arrival order (see the module docstring)."""
+    return replace(topo, cross_mesh=True, cross_fifo=True)
 
 
 def _plan_options(result: dict) -> PlanOptions:
