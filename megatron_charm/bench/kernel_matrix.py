@@ -141,10 +141,12 @@ def check_combo(kern: BlockKernel, dtype, h, h_kv, d, block, cfg: MatrixConfig, 
     for name, g, r in zip(("dq", "dk", "dv"), grads, (ref_g[0][rows], *ref_g[1:]), strict=True):
         errs[name] = _err(g, r)
     # dq is the sum of one backward call per kv part, so its budget holds two calls' errors (a
-    # float32 half_kv cell on an AVX512 CPU: 1.46e-6 against SDPA's 6.2e-7); dk and dv come
-    # from one call each
+    # float32 half_kv cell on an AVX512 CPU: 1.46e-6 against SDPA's 6.2e-7); so does the merged
+    # out, two rounded partials merged and rounded again (a bfloat16 half_kv cell with one kv
+    # head, head dim 64, 64 tokens: 0.0122 against SDPA's 0.00463); dk and dv come from one call
+    # each
     limit = {
-        "out": tols[0], "lse": LSE_TOL, "merged_out": tols[0], "merged_lse": LSE_TOL,
+        "out": tols[0], "lse": LSE_TOL, "merged_out": tols[0] + 2 * sdpa[0], "merged_lse": LSE_TOL,
         "dq": tols[1] + 2 * sdpa[1], "dk": tols[2], "dv": tols[3],
     }  # fmt: skip
     bad = sorted(n for n, e in errs.items() if not e <= limit[n])  # NaN fails too

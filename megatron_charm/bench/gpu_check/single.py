@@ -147,7 +147,15 @@ def speed(device: torch.device, seq: int) -> tuple[dict, list]:
                     torch.randn(seq, b, h, d, device=device, dtype=DTYPES[dt]) for _ in range(4)
                 )
                 rows[f"{kern.name} {dt} d={d}"] = _speed_cell(kern, q, k, v, do, device)
-    return {"shape_sbhd_causal": [seq, b, h], "rows": rows}, []
+    # full blocks over the shapes a CP step runs (Table 5's heads among them): the fixed cost
+    # and rate the simulator's compute model needs (megatron_charm.bench.kernel_shapes)
+    from megatron_charm.bench.kernel_shapes import GPU_CHECK_GRID, sweep
+
+    shapes = {
+        kern.name: list(sweep(kern, device, *GPU_CHECK_GRID, iters=10, max_tokens=65536))
+        for kern in _kernels(device)
+    }
+    return {"shape_sbhd_causal": [seq, b, h], "rows": rows, "block_shapes": shapes}, []
 
 
 def cp1(device: torch.device, seq: int) -> tuple[dict, list]:
