@@ -48,12 +48,17 @@ Ring-Attention and CHARM+ do neither:
   and its gradient (its Appendix B.2). That is our reading; the paper does not list the
   bundle. :func:`with_output_in_bundle` adds an ``out``-sized tensor to every bundle we ship
   (ours carries ``delta``, ``d`` times smaller than ``out``, in its place).
-* **Its kernels run at about 60% of the H100's peak.** ``X = 10.96`` ms is the 2 x 8 row-1
-  forward's blocks: ``6.66e12`` FLOPs per GPU (non-causal, ``4 B S^2 h d / n``) at 989 TFLOPS
-  x 0.61. The paper's text says the same independently: on 16 H100 the CCR "exceeds 1" for
-  sequences over 200K tokens, which at Table 2's 42.5 GB/s needs an efficiency near 0.6 (at
-  0.6 our CCR is 1.02 at 215,040 tokens). :data:`PAPER_EFFICIENCY` holds it; the validation
-  fits the other GPUs' efficiencies, which the paper gives nothing to derive from.
+* **Its kernels run at about 60-70% of the H100's peak.** ``X = 10.96`` ms is the 2 x 8 row-1
+  forward's blocks: ``6.66e12`` FLOPs per GPU (non-causal, ``4 B S^2 h d / n``), 0.61 of 989
+  TFLOPS as plain FLOPs. Run as FlashAttention-2's tiles in waves over the 132 SMs (Note [Tiles
+  and waves] in :mod:`megatron_charm.sim.compute`), each block is 14 query tiles of 128 for 1,680
+  tokens, 2,688 CTAs in 21 waves: 1.10 times its FLOPs, so a full wave runs at 0.68 (0.60 from
+  the 4 x 8 rows' ``X`` of 8.39 ms, whose blocks tile at 1.06). The paper's text says about the
+  same independently: on 16 H100 the CCR "exceeds 1" for sequences over 200K tokens, which at
+  Table 2's 42.5 GB/s needs an efficiency near 0.6 (at 0.6 the plain-FLOPs CCR is 1.02 at
+  215,040 tokens). :data:`PAPER_EFFICIENCY` holds 0.68 (until 2026-12-04 12:20 UTC: 0.61 as
+  plain FLOPs, without tiles); the validation fits the other GPUs' efficiencies, which the
+  paper gives nothing to derive from.
 * **Its cross-node transfers run at about 60% of Table 2's rate.** ``C`` is the ring's 15 (31)
   kv transfers one after another, each gated by one cross-node flow: 15 x 247.7 MB in 139.0 ms
   is 26.7 GB/s on 2 x 8, and 31 x 146.3 MB in 177.0 ms is 25.6 GB/s on 4 x 8, against Table 2's

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument(
         "--efficiency", type=float, help="achieved fraction of peak in attention (default 0.5)"
     )
+    hw.add_argument(
+        "--sms",
+        type=int,
+        help="streaming multiprocessors per GPU: blocks run as tiles in waves over them "
+        "(presets: their GPU's; flags alone: 0, blocks at their FLOPs)",
+    )
     hw.add_argument("--fabric", choices=FABRICS, help="intra-node fabric (default nvlink)")
     hw.add_argument("--cross-links", choices=CROSS_LINKS, help="cross links (default rails)")
     hw.add_argument(
@@ -138,12 +144,20 @@ def _resolve(
         compute = profile.compute_model()
         if args.mem_bw is not None:
             compute = replace(compute, mem_bw=args.mem_bw)
+        if args.sms is not None:
+            if not isinstance(compute, FlopsCompute):
+                raise ValueError(
+                    "--sms applies to FLOPs-based compute (a preset, or --tflops); this profile "
+                    "measured its kernels; drop --sms"
+                )
+            compute = replace(compute, sms=args.sms)
     else:
         compute = FlopsCompute(
             pick(args.tflops, "tflops"),
             pick(args.efficiency, "efficiency", 0.5),
             mem_bw=pick(args.mem_bw, "mem_bw", 2000.0),
             enqueue=profile.compute_model().enqueue_cost() if profile is not None else None,
+            sms=pick(args.sms, "sms", 0),
         )
     if args.enqueue_us is not None:
         e = args.enqueue_us * 1e-6

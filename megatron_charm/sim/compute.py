@@ -6,7 +6,8 @@ Two sources:
   A forward block of ``tq`` queries against ``tk`` keys costs ``4 * b * h * d * tq * tk`` FLOPs
   (``QK^T`` and ``PV``), half of that when causal-masked on local positions; a backward block
   costs ``bwd_ratio`` times its forward (flash-attention's backward runs five matmuls to the
-  forward's two: 2.5).
+  forward's two: 2.5). With the GPU's SM count (``sms``, every preset) the FLOPs run in tiles
+  and waves (Note [Tiles and waves]), so small blocks cost more per FLOP.
 * :class:`CalibratedCompute`: measured seconds of one full ``s_local x s_local`` block, forward and
   backward (e.g. from the attention benchmark), scaled by the block's area.
 * :class:`FittedCompute`: a fixed cost per block, a cost per element of the block's rows and
@@ -53,6 +54,53 @@ def block_flops(ins: Compute, shape: AttnShape, backward: bool, bwd_ratio: float
     full = 4.0 * shape.b * shape.h * shape.d * shape.s_local * shape.s_local
     flops = full * block_area(ins, shape)
     return flops * bwd_ratio if backward else flops
+
+
+# Note [Tiles and waves]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A GPU attention kernel (FlashAttention-2, which the paper's baselines and our CUDA path run)
+# splits a block into tiles, one thread block (CTA) each, and runs them in waves over the SMs:
+#
+#     forward, tq x tk:   CTAs = ceil(tq / 128) * b * h       each: 128 query rows x all tk keys
+#     backward, tq x tk:  CTAs = ceil(tk / T) * b * h         each: T key rows x all tq queries
+#                         T = 128 for head dims <= 128, 64 above (FA2's backward kernel traits)
+#
+#     time = ceil(CTAs / sms) * (FLOPs of one full tile) / (rate / sms)
+#
+# One CTA runs per SM at a time (FA2's 8-warp kernels use the whole register file; its 4-warp
+# forward kernel for head dim 128 can hold two, which this does not count). A partial last tile
+# costs a full one, and a last wave with few CTAs costs a full one: a block of 210 tokens, 12
+# heads and batch 1 runs 24 CTAs on an H100's 132 SMs, one wave of one tile each, 6.7 times its
+# FLOPs' time at the rate. Large blocks come within a few percent of FLOPs / rate (Table 5's
+# 2 x 8 blocks: 1.10 times). ``efficiency`` is then the rate of a full wave. The tile sizes are
+# FlashAttention-2's launch templates (``flash_fwd_launch_template.h``: ``kBlockM = 128`` for
+# every forward head dim without dropout; ``flash_bwd_launch_template.h``: ``kBlockN = 128`` up to
+# head dim 128, 64 for 160-256), the SM counts the GPUs' (Hardware.sms).
+
+#: FlashAttention-2's query rows per forward CTA, and key rows per backward CTA by head dim.
+FA2_FWD_TILE = 128
+
+
+def fa2_bwd_tile(head_dim: int) -> int:
+    """Key rows per backward CTA of FlashAttention-2 for ``head_dim`` (Note [Tiles and
+    waves])."""
+    return 128 if head_dim <= 128 else 64
+
+
+def tiled_flops(ins: Compute, shape: AttnShape, backward: bool, sms: int) -> float:
+    """Forward FLOPs that one block takes as tiles in waves over ``sms`` SMs (Note [Tiles and
+    waves]): whole waves of whole tiles, half when causal-masked (the backward's ``bwd_ratio``
+    is applied by the caller)."""
+    tq, tk = shape.s_local * ins.q_part.fraction, shape.s_local * ins.kv_part.fraction
+    heads = max(1, round(shape.h * head_fraction(ins.heads)))
+    if backward:
+        tile, rows, cols = fa2_bwd_tile(shape.d), tk, tq
+    else:
+        tile, rows, cols = FA2_FWD_TILE, tq, tk
+    ctas = math.ceil(rows / tile - 1e-9) * shape.b * heads
+    waves = math.ceil(ctas / sms - 1e-9)
+    flops = waves * sms * 4.0 * tile * cols * shape.d
+    return flops * 0.5 if ins.masked else flops
 
 
 @dataclass(frozen=True)
@@ -156,6 +204,9 @@ class FlopsCompute(_MergeCost):
     """Fixed seconds per block (kernel launch, tiny-block inefficiency)."""
     enqueue: Enqueue | None = None
     """Host enqueue seconds per device operation (Note [Enqueue ahead]); ``None``: none."""
+    sms: int = 0
+    """Streaming multiprocessors of the GPU: blocks run as tiles in waves over them (Note
+    [Tiles and waves]); 0: FLOPs at the rate, however small the block."""
 
     def __post_init__(self) -> None:
         _load_enqueue(self)
@@ -164,6 +215,8 @@ class FlopsCompute(_MergeCost):
                 f"tflops {self.tflops} must be > 0 and efficiency {self.efficiency} in (0, 1]; "
                 "pass --tflops and --efficiency accordingly"
             )
+        if not isinstance(self.sms, int) or self.sms < 0:
+            raise ValueError(f"sms {self.sms!r} must be a non-negative integer (0: no tiles)")
 
     def call_overhead(self, backward: bool) -> float:
         return self.block_overhead
@@ -173,7 +226,13 @@ class FlopsCompute(_MergeCost):
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         rate = self.tflops * 1e12 * self.efficiency
-        return block_flops(ins, shape, backward, self.bwd_ratio) / rate + self.block_overhead
+        if self.sms:
+            flops = tiled_flops(ins, shape, backward, self.sms) * (
+                self.bwd_ratio if backward else 1.0
+            )
+        else:
+            flops = block_flops(ins, shape, backward, self.bwd_ratio)
+        return flops / rate + self.block_overhead
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,7 @@ def preset_profile(name: str) -> Profile:
             "efficiency": hw.efficiency,
             "mem_bw": hw.mem_bw,
             "enqueue": asdict(hw.enqueue),
+            "sms": hw.sms,
         },
     )
 

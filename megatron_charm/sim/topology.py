@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from megatron_charm.sim.compute import Enqueue, FlopsCompute
 
 FABRICS = ("nvlink", "pcie")
-#: Achieved fractions of peak in attention blocks. H100: the paper's own Table 5 gives it (Note
-#: [The paper's baselines] in megatron_charm/sim/baselines.py); L20 and H20: fitted on Table 4.
-EFF_L20, EFF_H20, EFF_H100 = 0.300, 0.529, 0.61
+#: Achieved fractions of peak in attention blocks, of a full wave of tiles (Note [Tiles and waves]
+#: in megatron_charm/sim/compute.py). H100: the paper's own Table 5 gives it (Note [The paper's
+#: baselines] in megatron_charm/sim/baselines.py); L20 and H20: fitted on Table 4.
+EFF_L20, EFF_H20, EFF_H100 = 0.355, 0.602, 0.68
 #: What an H100 cross-node transfer achieves in the paper's schedules, over Table 2's 42.5 GB/s:
 #: Table 5's ring forward moves its kv at 26.7 GB/s on 2 x 8 and 25.6 GB/s on 4 x 8 (0.63 and
 #: 0.60; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
@@ -212,6 +213,11 @@ class Hardware:
     enqueue: Enqueue = field(default_factory=lambda: GPU_ENQUEUE)
     """Host seconds to enqueue each device operation (Note [Enqueue ahead] in
     :mod:`megatron_charm.sim.engine`); :data:`GPU_ENQUEUE` for every preset."""
+    sms: int = 0
+    """Streaming multiprocessors: the waves a block's tiles run in (Note [Tiles and waves] in
+    :mod:`megatron_charm.sim.compute`). H100 SXM: 132 (NVIDIA's Hopper architecture
+    whitepaper); L20: 92 (its data sheet's 11,776 CUDA cores over Ada's 128 per SM); H20: 78 (its
+    Geekbench 6 listing, as reported; NVIDIA publishes none). 0: no tiles."""
     a2a_rate: float = 0.0
     """Fraction of ``cross_bw`` that each of a node's ``p`` NICs achieves in one step of an
     all-to-all, which spreads a node's cross traffic over every NIC, where the paper's own
@@ -249,7 +255,9 @@ class Hardware:
     def compute_model(self, efficiency: float | None = None) -> FlopsCompute:
         """The preset's compute model (``efficiency``: instead of the preset's)."""
         eff = self.efficiency if efficiency is None else efficiency
-        return FlopsCompute(self.tflops, eff, mem_bw=self.mem_bw, enqueue=self.enqueue)
+        return FlopsCompute(
+            self.tflops, eff, mem_bw=self.mem_bw, enqueue=self.enqueue, sms=self.sms
+        )
 
 
 #: Host seconds to enqueue one device operation on a GPU host: a kernel call, a merge, a posted
@@ -265,8 +273,10 @@ GPU_ENQUEUE = Enqueue(call=20e-6, exchange=20e-6, kernel=20e-6, merge=20e-6)
 # the paper's Table 4 with the paper's baselines replayed, searched in [0.02, 0.8]; the command and
 # the fit are in docs/results/sim_validation_paper.md.
 PRESETS: dict[str, Hardware] = {
-    "L20": Hardware("L20", 119.5, 24.0, 14.7, "pcie", "shared", 0, "2x4", 864.0, EFF_L20),
-    "H20": Hardware("H20", 148.0, 297.2, 42.6, "nvlink", "rails", 2, "2x8", 4000.0, EFF_H20),
+    "L20": Hardware("L20", 119.5, 24.0, 14.7, "pcie", "shared", 0, "2x4", 864.0, EFF_L20, sms=92),
+    "H20": Hardware(
+        "H20", 148.0, 297.2, 42.6, "nvlink", "rails", 2, "2x8", 4000.0, EFF_H20, sms=78
+    ),
     "H100": Hardware(
         "H100",
         989.0,
@@ -279,6 +289,7 @@ PRESETS: dict[str, Hardware] = {
         3350.0,
         EFF_H100,
         H100_CROSS_RATE,
+        sms=132,
         a2a_rate=H100_A2A_RATE,
     ),
 }

@@ -152,3 +152,19 @@ def test_128x8_replays_one_node() -> None:
 def test_128x8_other_methods_replay_one_node(method: str) -> None:
     mp = _scale(method)
     assert len(mp.forward.ranks) == len(mp.backward.ranks) == 8
+
+
+def test_cli_runs_presets_as_tiles_and_sms_overrides() -> None:
+    from megatron_charm.sim.cli import _resolve, build_parser
+
+    def compute(argv: str):
+        args = build_parser().parse_args(argv.split())
+        return _resolve(args)[2]
+
+    base = "--seq 8192 --heads 8 --head-dim 64 --gpus 2x4"
+    assert compute(f"--preset H100 {base}").sms == 132  # Note [Tiles and waves]
+    assert compute(f"--preset H100 {base} --sms 0").sms == 0
+    assert compute(f"--preset H100 {base} --efficiency 0.5").sms == 132
+    flags = "--intra-bw 300 --cross-bw 40 --tflops 500"
+    assert compute(f"{flags} {base}").sms == 0
+    assert compute(f"{flags} {base} --sms 100").sms == 100

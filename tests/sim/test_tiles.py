@@ -1,0 +1,80 @@
+"""Note [Tiles and waves]: GPU block times from whole tiles in whole waves over the SMs."""
+
+import math
+
+import pytest
+
+from megatron_charm.plan.payloads import AttnShape
+from megatron_charm.plan.types import Compute, Heads, Part
+from megatron_charm.sim.compute import FlopsCompute, block_flops, fa2_bwd_tile, tiled_flops
+from megatron_charm.sim.topology import PRESETS
+
+FULL = Compute(0, 1, Part.FULL, Part.FULL, False)
+HALF_Q = Compute(0, 1, Part.SECOND, Part.FULL, False)
+
+
+def test_a_one_wave_block_costs_a_whole_tile_per_sm():
+    # 210 tokens, 12 heads, batch 1: 2 query tiles x 12 heads = 24 CTAs, one wave on 132 SMs
+    shape = AttnShape(1, 210, 12, 12, 192)
+    tiled = tiled_flops(FULL, shape, False, 132)
+    assert tiled == pytest.approx(132 * 4.0 * 128 * 210 * 192)
+    assert tiled / block_flops(FULL, shape, False) == pytest.approx(6.7, abs=0.05)
+
+
+def test_large_blocks_come_near_their_flops():
+    # Table 5's 2 x 8 row 1: 14 tiles of 128 for 1680 tokens, 2688 CTAs in 21 waves of 132
+    shape = AttnShape(16, 1680, 12, 12, 192)
+    ratio = tiled_flops(FULL, shape, False, 132) / block_flops(FULL, shape, False)
+    assert ratio == pytest.approx(21 * 132 * 128 / (16 * 12 * 1680), rel=1e-9)
+    assert 1.0 < ratio < 1.11
+
+
+def test_waves_count_whole():
+    shape = AttnShape(1, 128, 1, 1, 64)  # one CTA per head
+    one = tiled_flops(FULL, shape, False, 8)
+    for heads, waves in ((8, 1), (9, 2), (16, 2), (17, 3)):
+        s = AttnShape(1, 128, heads, heads, 64)
+        assert tiled_flops(FULL, s, False, 8) == pytest.approx(waves * one)
+
+
+def test_backward_tiles_the_keys_by_head_dim():
+    assert fa2_bwd_tile(64) == fa2_bwd_tile(128) == 128
+    assert fa2_bwd_tile(192) == fa2_bwd_tile(256) == 64
+    # a half-query block: the forward has half the query tiles, the backward the same key tiles
+    shape = AttnShape(1, 1024, 4, 4, 192)
+    ctas_bwd = math.ceil(1024 / 64) * 4
+    assert tiled_flops(HALF_Q, shape, True, 1000) == pytest.approx(
+        1000 * 4.0 * 64 * 512 * 192
+    )  # one wave (64 CTAs), each tile over the 512 queries
+    assert ctas_bwd < 1000
+
+
+def test_masked_blocks_and_head_groups():
+    shape = AttnShape(2, 512, 16, 4, 128)
+    masked = Compute(0, 0, Part.FULL, Part.FULL, True)
+    assert tiled_flops(masked, shape, False, 4) == pytest.approx(
+        0.5 * tiled_flops(FULL, shape, False, 4)
+    )
+    group = Compute(0, 1, Part.FULL, Part.FULL, False, Heads(0, 4))  # 4 of the 16 heads
+    assert tiled_flops(group, shape, False, 4) == pytest.approx(
+        tiled_flops(FULL, shape, False, 4) / 4
+    )
+
+
+def test_flops_compute_uses_tiles_only_with_sms():
+    shape = AttnShape(1, 210, 12, 12, 192)
+    flat = FlopsCompute(989.0, 0.5)
+    tiled = FlopsCompute(989.0, 0.5, sms=132)
+    assert flat.block_time(FULL, shape, False) == pytest.approx(
+        block_flops(FULL, shape, False) / (989e12 * 0.5)
+    )
+    assert tiled.block_time(FULL, shape, True) == pytest.approx(
+        2.5 * tiled_flops(FULL, shape, True, 132) / (989e12 * 0.5)
+    )
+    with pytest.raises(ValueError, match="sms"):
+        FlopsCompute(989.0, 0.5, sms=-1)
+
+
+def test_every_preset_has_its_sm_count():
+    assert {name: hw.sms for name, hw in PRESETS.items()} == {"L20": 92, "H20": 78, "H100": 132}
+    assert PRESETS["H100"].compute_model().sms == 132
