@@ -76,9 +76,19 @@ def block_flops(ins: Compute, shape: AttnShape, backward: bool, bwd_ratio: float
 # FlashAttention-2's launch templates (``flash_fwd_launch_template.h``: ``kBlockM = 128`` for
 # every forward head dim without dropout; ``flash_bwd_launch_template.h``: ``kBlockN = 128`` up to
 # head dim 128, 64 for 160-256), the SM counts the GPUs' (Hardware.sms).
+#
+# NCCL's kernels take SMs too: a point-to-point exchange runs its two channels per peer as two
+# CTAs for as long as it is in flight (NCCL_P2P_CTAS), so a block that starts while its rank has
+# ``k`` exchanges in flight gets ``sms - 2 k`` SMs: ``sms / (sms - 2 k)`` as long for a large
+# block, 1.5% per exchange on an H100. This is the whole of the SM sharing the model knows; the
+# compute stream's own interference with copies (memory bandwidth) is not in it.
 
 #: FlashAttention-2's query rows per forward CTA, and key rows per backward CTA by head dim.
 FA2_FWD_TILE = 128
+#: SMs that one in-flight NCCL point-to-point exchange holds: NCCL runs a channel as one CTA and
+#: gives point-to-point two channels per peer (its init log on an 8-GPU H20 node: "8 p2p
+#: channels, 2 p2p channels per peer", NVIDIA/nccl issue 1189).
+NCCL_P2P_CTAS = 2
 
 
 def fa2_bwd_tile(head_dim: int) -> int:
@@ -147,7 +157,8 @@ class _MergeCost:
     def reduce_time(self, nbytes: int) -> float:
         return 3.0 * nbytes / (self.mem_bw * 1e9)
 
-    def slowdown(self, backward: bool) -> float:
+    def slowdown(self, backward: bool, exchanges: int = 1) -> float:
+        """Block time while the rank has ``exchanges`` (>= 1) in flight over its time alone."""
         return 1.0
 
     def call_overhead(self, backward: bool) -> float:
@@ -223,6 +234,14 @@ class FlopsCompute(_MergeCost):
 
     def enqueue_cost(self) -> Enqueue:
         return self.enqueue or Enqueue()
+
+    def slowdown(self, backward: bool, exchanges: int = 1) -> float:
+        """The SMs that in-flight exchanges' NCCL kernels hold are not the block's (Note [Tiles
+        and waves]): ``sms / (sms - NCCL_P2P_CTAS x exchanges)``; 1 without an SM count."""
+        if not self.sms:
+            return 1.0
+        free = max(self.sms - NCCL_P2P_CTAS * exchanges, self.sms // 2)
+        return self.sms / free
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         rate = self.tflops * 1e12 * self.efficiency
@@ -411,7 +430,7 @@ class FittedCompute(_MergeCost):
                 return lo[col] + w * (hi[col] - lo[col])
         return cost[-1][col]
 
-    def slowdown(self, backward: bool) -> float:
+    def slowdown(self, backward: bool, exchanges: int = 1) -> float:
         return self.bwd_slowdown if backward else self.fwd_slowdown
 
 
@@ -467,6 +486,11 @@ def describe_compute(compute: ComputeModel) -> str:
             f"{compute.tflops:g} TFLOPS x {compute.efficiency:g} efficiency = {rate:.4g} TFLOP/s "
             f"in blocks, backward {compute.bwd_ratio:g}x the forward's FLOPs"
         )
+        if compute.sms:
+            text += (
+                f", as FlashAttention-2 tiles in waves over {compute.sms} SMs "
+                f"({NCCL_P2P_CTAS} held per exchange in flight)"
+            )
     elif isinstance(compute, FittedCompute):
         text = (
             f"fitted: forward {compute.fwd_flops_per_s / 1e12:.4g} TFLOP/s + "

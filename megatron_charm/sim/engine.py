@@ -9,8 +9,9 @@ Every rank is one compute stream that runs its program in order:
 * ``Wait``: blocks the stream until the exchange has completed; the blocked time is the rank's
   *exposed communication* (the paper's ``O``);
 * ``Compute`` / ``Merge``: occupy the stream for the modelled block / merge time; a block that
-  starts while the rank has an exchange in flight takes the compute model's ``slowdown`` times
-  as long (transfers take CPU cores or GPU SMs; 1 unless a calibrated profile measured it).
+  starts while the rank has ``k`` exchanges in flight takes the compute model's
+  ``slowdown(k)`` times as long (transfers take CPU cores or GPU SMs: measured by a calibrated
+  profile, NCCL's CTAs on a preset's SMs, Note [Tiles and waves]; 1 otherwise).
 
 Where every rank runs on one host (a calibrated CPU testbed: the compute model's
 ``host_slots()`` > 0), ranks also share its cores: Note [Ranks sharing a host].
@@ -204,7 +205,9 @@ class Engine:
         self.compute = compute
         self.backward = backward
         self.record = record
-        self.slowdown = compute.slowdown(backward)
+        # blocks under k exchanges in flight: slowdown(k), computed once per k
+        self.slows = compute.slowdown(backward, 1) != 1.0
+        self.slowdowns: dict[int, float] = {}
         self.host_post = compute.host_work()[1]
         self.host_call = compute.host_call_time(shape, backward)
         self.host_byte = compute.host_per_byte()
@@ -423,8 +426,13 @@ class Engine:
                 return
             else:
                 dur = costs[pc]
-                if self.slowdown != 1.0 and any(self.active[i].values()):
-                    dur *= self.slowdown  # the rank's transfers share its cores / SMs
+                if self.slows:
+                    k = sum(self.active[i].values())
+                    if k:  # the rank's transfers share its cores / SMs
+                        slow = self.slowdowns.get(k)
+                        if slow is None:
+                            slow = self.slowdowns[k] = self.compute.slowdown(self.backward, k)
+                        dur *= slow
                 self.pc[i] = pc
                 if self.host is not None:  # Note [Ranks sharing a host]
                     self.compute_start[i] = now

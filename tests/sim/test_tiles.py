@@ -78,3 +78,36 @@ def test_flops_compute_uses_tiles_only_with_sms():
 def test_every_preset_has_its_sm_count():
     assert {name: hw.sms for name, hw in PRESETS.items()} == {"L20": 92, "H20": 78, "H100": 132}
     assert PRESETS["H100"].compute_model().sms == 132
+
+
+def test_exchanges_in_flight_hold_sms():
+    # NCCL runs two channels (CTAs) per peer: k exchanges leave sms - 2k SMs to the block
+    tiled = FlopsCompute(989.0, 0.5, sms=132)
+    assert tiled.slowdown(False, 1) == pytest.approx(132 / 130)
+    assert tiled.slowdown(True, 3) == pytest.approx(132 / 126)
+    assert tiled.slowdown(False, 1000) == pytest.approx(2.0)  # at most half the SMs go
+    assert FlopsCompute(989.0, 0.5).slowdown(False, 4) == 1.0
+
+
+def test_replay_slows_blocks_under_exchanges_only_with_sms():
+    import dataclasses
+
+    from megatron_charm.sim.predict import Problem, predict
+    from megatron_charm.sim.topology import Topology
+
+    @dataclasses.dataclass(frozen=True)
+    class Unslowed(FlopsCompute):
+        def slowdown(self, backward: bool, exchanges: int = 1) -> float:
+            return 1.0
+
+    topo = Topology(2, 4, 300.0, 40.0)
+    problem = Problem(4, 16384, 16, 128)
+
+    def busy(compute):
+        ranks = predict(topo, problem, compute, ("ring",)).methods["ring"].forward.ranks
+        return sum(r.busy for r in ranks)
+
+    slowed, alone = busy(FlopsCompute(989.0, 0.5, sms=132)), busy(Unslowed(989.0, 0.5, sms=132))
+    # ring posts the next kv before each block but the last: those blocks take 132 / 130
+    assert 1.0 < slowed / alone <= 132 / 130 + 1e-9
+    assert busy(FlopsCompute(989.0, 0.5)) == pytest.approx(busy(Unslowed(989.0, 0.5)))
