@@ -388,6 +388,12 @@ def run(cfg: dict) -> dict | None:
         "one_host": bool(cfg.get("one_host")),
         "host_cores": _host_cores(),
         "threads": cfg.get("threads", 1),
+        # the SMs a GPU's tiles run in waves over (Note [Tiles and waves]); none on a CPU
+        "sms": (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 0
+        ),
         "kernel": time_kernels(cfg, device),
         "merge": time_merges(cfg, device),
     }

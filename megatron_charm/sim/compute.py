@@ -49,7 +49,14 @@ def block_elements(ins: Compute, shape: AttnShape) -> float:
     return float(shape.b * shape.d * (h * tq + h_kv * tk))
 
 
-def block_flops(ins: Compute, shape: AttnShape, backward: bool, bwd_ratio: float = 2.5) -> float:
+#: Backward FLOPs per forward FLOP of a block: flash-attention's backward runs five matmuls to
+#: the forward's two.
+BWD_FLOPS_RATIO = 2.5
+
+
+def block_flops(
+    ins: Compute, shape: AttnShape, backward: bool, bwd_ratio: float = BWD_FLOPS_RATIO
+) -> float:
     """FLOPs of one block (forward, or backward as ``bwd_ratio`` x forward)."""
     full = 4.0 * shape.b * shape.h * shape.d * shape.s_local * shape.s_local
     flops = full * block_area(ins, shape)
@@ -296,6 +303,10 @@ class FittedCompute(_MergeCost):
     before it was measured."""
     bwd_per_element: float = 0.0
     """The same for backward blocks."""
+    sms: int = 0
+    """A GPU's SMs: the FLOPs term counts whole tiles in whole waves over them (Note [Tiles and
+    waves]), as fitted; 0 (CPU profiles, and GPU profiles calibrated before 2026-12-04): the
+    block's own FLOPs."""
     fwd_slowdown: float = 1.0
     """Forward block time under concurrent communication over its time alone (>= 1): the CPU
     cores or GPU SMs that transfers take. The engine applies it to a block that starts while
@@ -368,6 +379,8 @@ class FittedCompute(_MergeCost):
             )
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError("slowdowns under communication must be >= 1; fix the profile")
+        if not isinstance(self.sms, int) or self.sms < 0:
+            raise ValueError(f"sms {self.sms!r} must be a non-negative integer; fix the profile")
         host = (self.host_call_s, self.host_post_s, self.host_byte_s)
         per_element = (self.host_element_fwd_s, self.host_element_bwd_s)
         if not min(*host, *per_element, self.transport_post_s, self.transport_byte_s) >= 0:
@@ -410,7 +423,12 @@ class FittedCompute(_MergeCost):
             whole = dataclasses.replace(ins, masked=False)
             tokens = shape.s_local * ins.q_part.fraction
             return self.block_time(whole, shape, backward) * self.masked_ratio(tokens, backward)
-        flops, elements = block_flops(ins, shape, backward), block_elements(ins, shape)
+        if self.sms:  # Note [Tiles and waves]
+            ratio = BWD_FLOPS_RATIO if backward else 1.0
+            flops = tiled_flops(ins, shape, backward, self.sms) * ratio
+        else:
+            flops = block_flops(ins, shape, backward)
+        elements = block_elements(ins, shape)
         if backward:
             return (
                 self.bwd_overhead + elements * self.bwd_per_element + flops / self.bwd_flops_per_s
@@ -499,6 +517,8 @@ def describe_compute(compute: ComputeModel) -> str:
             f"{compute.bwd_flops_per_s / 1e12:.4g} TFLOP/s + {compute.bwd_overhead * 1e6:.0f} us "
             f"+ {compute.bwd_per_element * 1e9:.3g} ns"
         )
+        if compute.sms:
+            text += f", FLOPs as tiles in waves over {compute.sms} SMs"
     else:
         text = (
             f"measured full block: forward {compute.fwd_block * 1e3:.4g} ms, backward "

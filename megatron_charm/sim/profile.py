@@ -14,7 +14,9 @@ the relative residuals::
 
     block kernel   t = overhead + elements * per_element + flops / rate
                                           (forward; backward at 2.5 x the FLOPs; Note [Block
-                                           shapes] in megatron_charm/sim/compute.py)
+                                           shapes] in megatron_charm/sim/compute.py; on a GPU
+                                           the flops of whole tiles in whole waves over its
+                                           SMs, Note [Tiles and waves])
     P2P transfer   t = latency  + bytes / bandwidth     (intra-node pair, cross-node pair)
     merge          t = 3 * bytes / memory bandwidth
 
@@ -40,11 +42,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_charm.sim.compute import ComputeModel, Enqueue, FittedCompute, FlopsCompute
+from megatron_charm.plan.payloads import AttnShape
+from megatron_charm.plan.types import Compute, Part
+from megatron_charm.sim.compute import (
+    BWD_FLOPS_RATIO,
+    ComputeModel,
+    Enqueue,
+    FittedCompute,
+    FlopsCompute,
+    tiled_flops,
+)
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
 
 FORMAT = "megatron-charm-profile/1"
-BWD_FLOPS_RATIO = 2.5
 
 
 @dataclass(frozen=True)
@@ -301,12 +311,29 @@ def block_elements_full(batch: int, heads: int, head_dim: int, tokens: int) -> f
     return 2.0 * batch * heads * head_dim * tokens
 
 
-def fit_kernel(samples: list[dict], backward: bool) -> tuple[float, float, float, float]:
+def tiled_flops_full(
+    batch: int, heads: int, head_dim: int, tokens: int, backward: bool, sms: int
+) -> float:
+    """Forward FLOPs of one unmasked ``tokens x tokens`` block as whole tiles in whole waves
+    over ``sms`` SMs (Note [Tiles and waves] in :mod:`megatron_charm.sim.compute`)."""
+    block = Compute(0, 1, Part.FULL, Part.FULL, False)
+    shape = AttnShape(batch, tokens, heads, heads, head_dim)
+    return tiled_flops(block, shape, backward, sms)
+
+
+def fit_kernel(
+    samples: list[dict], backward: bool, sms: int = 0
+) -> tuple[float, float, float, float]:
     """``(overhead, seconds per element, seconds per FLOP, largest relative residual)`` of the
-    forward (or backward) block times of ``samples`` (Note [Fitting a profile])."""
+    forward (or backward) block times of ``samples`` (Note [Fitting a profile]); with ``sms``
+    (a GPU's), the FLOPs are those of whole tiles in whole waves."""
     feats, ys = [], []
     for k in samples:
-        flops = block_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
+        flops = (
+            tiled_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"], backward, sms)
+            if sms
+            else block_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
+        )
         elements = block_elements_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
         feats.append((1.0, elements, flops * (BWD_FLOPS_RATIO if backward else 1.0)))
         ys.append(k["bwd_s" if backward else "fwd_s"])
@@ -463,8 +490,9 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     """
     m, p = raw["nodes"], raw["ranks_per_node"]
     ks = raw["kernel"]
-    f0, fe, f1, ferr = fit_kernel(ks, backward=False)
-    b0, be, b1, berr = fit_kernel(ks, backward=True)
+    sms = int(raw.get("sms", 0))  # a GPU's (raw samples before 2026-12-04 have none)
+    f0, fe, f1, ferr = fit_kernel(ks, backward=False, sms=sms)
+    b0, be, b1, berr = fit_kernel(ks, backward=True, sms=sms)
     merge = raw["merge"]
     _, mslope = fit_line([3.0 * s["bytes"] for s in merge], [s["s"] for s in merge])
     err = {"kernel_fwd": ferr, "kernel_bwd": berr}
@@ -532,6 +560,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         host_element_bwd_s=work.element_bwd,
         masked_cost=masked,
         enqueue=enqueue_work(raw),
+        sms=sms,
     )
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "

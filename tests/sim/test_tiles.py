@@ -111,3 +111,40 @@ def test_replay_slows_blocks_under_exchanges_only_with_sms():
     # ring posts the next kv before each block but the last: those blocks take 132 / 130
     assert 1.0 < slowed / alone <= 132 / 130 + 1e-9
     assert busy(FlopsCompute(989.0, 0.5)) == pytest.approx(busy(Unslowed(989.0, 0.5)))
+
+
+def test_a_gpu_profile_fits_its_kernels_as_tiles():
+    # samples drawn from the tile model (2 us per call, 400 TFLOP/s of a full wave, 132 SMs)
+    # over sizes where waves matter: the tiled fit recovers them, the plain one cannot
+    from megatron_charm.sim.profile import fit_kernel, tiled_flops_full
+
+    samples = []
+    for heads, tokens in ((4, 128), (4, 256), (12, 384), (12, 1024), (16, 2048), (8, 4096)):
+        fwd = 2e-6 + tiled_flops_full(2, heads, 128, tokens, False, 132) / 400e12
+        bwd = 2e-6 + 2.5 * tiled_flops_full(2, heads, 128, tokens, True, 132) / 200e12
+        samples.append(
+            {"batch": 2, "heads": heads, "head_dim": 128, "tokens": tokens, "fwd_s": fwd,
+             "bwd_s": bwd}
+        )  # fmt: skip
+    c0, _, c2, worst = fit_kernel(samples, backward=False, sms=132)
+    assert c0 == pytest.approx(2e-6, rel=1e-6) and 1 / c2 == pytest.approx(400e12, rel=1e-6)
+    assert worst < 1e-6
+    b0, _, b2, _ = fit_kernel(samples, backward=True, sms=132)
+    assert 1 / b2 == pytest.approx(200e12, rel=1e-6)
+    assert fit_kernel(samples, backward=False)[3] > 0.05  # as plain FLOPs the fit misses
+
+
+def test_fitted_compute_counts_tiles_with_sms():
+    from megatron_charm.sim.compute import FittedCompute
+
+    shape = AttnShape(1, 210, 12, 12, 192)
+    plain = FittedCompute(fwd_flops_per_s=4e14, bwd_flops_per_s=2e14)
+    tiled = FittedCompute(fwd_flops_per_s=4e14, bwd_flops_per_s=2e14, sms=132)
+    assert plain.block_time(FULL, shape, False) == pytest.approx(
+        block_flops(FULL, shape, False) / 4e14
+    )
+    assert tiled.block_time(FULL, shape, True) == pytest.approx(
+        2.5 * tiled_flops(FULL, shape, True, 132) / 2e14
+    )
+    with pytest.raises(ValueError, match="sms"):
+        FittedCompute(fwd_flops_per_s=1.0, bwd_flops_per_s=1.0, sms=-2)
