@@ -28,7 +28,7 @@ import torch
 from megatron_charm.kernels import select_kernel
 
 
-def _device_ms(fn, device: torch.device, iters: int) -> float:
+def device_ms(fn, device: torch.device, iters: int = 10) -> float:
     """Median milliseconds of ``fn()`` on the device (wall time on CPU)."""
     for _ in range(2):
         fn()
@@ -77,7 +77,7 @@ def cell(kern, s: int, b: int, h: int, d: int, device: torch.device, iters: int)
     def bwd():
         return kern.backward(do, q, k, v, o, lse, False, scale)
 
-    f_ms, b_ms = _device_ms(fwd, device, iters), _device_ms(bwd, device, iters)
+    f_ms, b_ms = device_ms(fwd, device, iters), device_ms(bwd, device, iters)
     return {
         "s": s, "b": b, "h": h, "d": d,
         "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import socket
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from megatron_charm.bench.kernel_matrix import DTYPES, MatrixConfig, run_matrix
+from megatron_charm.bench.kernel_shapes import device_ms
 
 Tensor = torch.Tensor
 
@@ -90,7 +90,7 @@ def merge_check(device: torch.device, seq: int) -> tuple[dict, list]:
     merge_partial(acc_o, acc_l, o_b, l_b)
     err = (acc_o.double() - ref).abs().max().item()
     lse_err = (acc_l.double() - torch.logaddexp(l_a.double(), l_b.double())).abs().max().item()
-    t = _timed(lambda: merge_partial(acc_o, acc_l, o_b, l_b), device)
+    t = device_ms(lambda: merge_partial(acc_o, acc_l, o_b, l_b), device)
     nbytes = 3 * o_a.numel() * 4 + 3 * l_a.numel() * 4
     res = {
         "max_err": err,
@@ -102,33 +102,13 @@ def merge_check(device: torch.device, seq: int) -> tuple[dict, list]:
     return res, bad
 
 
-def _timed(fn, device: torch.device, iters: int = 10) -> float:
-    """Median milliseconds of ``fn()``."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def _speed_cell(kern, q: Tensor, k: Tensor, v: Tensor, do: Tensor, device) -> dict:
     s, b, h, d = q.shape
     scale = d**-0.5
     flops = 4 * s * s * b * h * d * 0.5  # causal
-    fwd = _timed(lambda: kern.forward(q, k, v, True, scale), device)
+    fwd = device_ms(lambda: kern.forward(q, k, v, True, scale), device)
     o, lse = kern.forward(q, k, v, True, scale)
-    bwd = _timed(lambda: kern.backward(do, q, k, v, o, lse, True, scale), device)
+    bwd = device_ms(lambda: kern.backward(do, q, k, v, o, lse, True, scale), device)
     return {
         "fwd_tflops": round(flops / fwd / 1e9, 1),
         "bwd_tflops": round(2.5 * flops / bwd / 1e9, 1),
