@@ -89,6 +89,10 @@ class Profile:
     ``cross``), Note [Fitting a profile]."""
     provenance: dict = field(default_factory=dict)
     """Date, command, device, dtype, backend and the raw samples' summary."""
+    nvlink_egress: float = 0.0
+    """GB/s per GPU and direction that its NVLink flows share
+    (:attr:`megatron_charm.sim.topology.Topology.nvlink_egress`); presets only, 0 when
+    measured."""
 
     def __post_init__(self) -> None:
         if self.fabric not in FABRICS:
@@ -113,6 +117,7 @@ class Profile:
             cross_links="shared" if k == 1 else "rails",
             nics_per_node=0 if k == 1 else k,
             exchange_order=self.exchange_order,
+            nvlink_egress=self.nvlink_egress,
         )
 
     def compute_model(self) -> ComputeModel:
@@ -152,6 +157,7 @@ def preset_profile(name: str) -> Profile:
         cross_lat=10e-6,
         nics_per_node=hw.nics_per_node or (1 if hw.cross_links == "shared" else 0),
         fabric=hw.fabric,
+        nvlink_egress=hw.nvlink,
         compute={
             "kind": "flops",
             "tflops": hw.tflops,

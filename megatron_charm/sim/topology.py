@@ -7,8 +7,11 @@ moves its bytes at a rate that is the smallest fair share of the *resources* it 
 share: ``capacity / number of active flows`` on each resource, re-evaluated whenever a flow starts
 or ends):
 
-* intra-node, ``fabric="nvlink"``: no shared resource. Every flow gets the full point-to-point
-  bandwidth, however many run at once (an NVSwitch fabric: the paper's "contention-free").
+* intra-node, ``fabric="nvlink"``: every flow gets the full point-to-point bandwidth (an
+  NVSwitch fabric: the paper's "contention-free"), up to the GPU's NVLink capacity per
+  direction when ``nvlink_egress`` is set (``nvl_out[cp_rank]``, ``nvl_in[cp_rank]``): an
+  H100's 18 NVLink 4 links carry 450 GB/s each way, so two concurrent flows of Table 2's
+  365 GB/s from one GPU share it.
 * intra-node, ``fabric="pcie"``: each GPU's PCIe link is a resource in each direction
   (``pcie_out[cp_rank]``, ``pcie_in[cp_rank]``), so concurrent transfers of one GPU share its
   bandwidth (paper section 2.1). Cross-node/NUMA flows cross the endpoints' PCIe links too.
@@ -44,7 +47,7 @@ FABRICS = ("nvlink", "pcie")
 #: Achieved fractions of peak in attention blocks, of a full wave of tiles (Note [Tiles and waves]
 #: in megatron_charm/sim/compute.py). H100: the paper's own Table 5 gives it (Note [The paper's
 #: baselines] in megatron_charm/sim/baselines.py); L20 and H20: fitted on Table 4.
-EFF_L20, EFF_H20, EFF_H100 = 0.356, 0.698, 0.68
+EFF_L20, EFF_H20, EFF_H100 = 0.356, 0.800, 0.68
 #: What an H100 cross-node transfer achieves in the paper's schedules, over Table 2's 42.5 GB/s:
 #: Table 5's ring forward moves its kv at 26.7 GB/s on 2 x 8 and 25.6 GB/s on 4 x 8 (0.63 and
 #: 0.60; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
@@ -88,6 +91,9 @@ class Topology:
     """Each cross link serves its transfers first come, first served (those that start
     together share it), as a deep FIFO queue in front of the link does, instead of in equal
     shares (Note [Links and contention])."""
+    nvlink_egress: float = 0.0
+    """GB/s that all of one GPU's intra-node NVLink flows share in each direction (Note [Links
+    and contention]); 0: none, every flow at ``intra_bw`` however many run."""
     exchange_order: str = "channel"
     """How a rank's exchanges on one channel proceed (Note [Replay semantics] in
     :mod:`megatron_charm.sim.engine`): ``"channel"`` one after another, as NCCL runs them on
@@ -107,6 +113,10 @@ class Topology:
             )
         if not all(math.isfinite(x) and x >= 0 for x in (self.intra_lat, self.cross_lat)):
             raise ValueError("latencies must be >= 0 seconds")
+        if not (math.isfinite(self.nvlink_egress) and self.nvlink_egress >= 0):
+            raise ValueError(
+                f"nvlink_egress {self.nvlink_egress} must be >= 0 GB/s (0: no cap per GPU)"
+            )
         if self.fabric not in FABRICS:
             raise ValueError(
                 f"fabric {self.fabric!r} is not one of {FABRICS}; use --fabric nvlink or pcie"
@@ -154,6 +164,8 @@ class Topology:
         if self.fabric == "pcie":
             res += [("pcie_out", src), ("pcie_in", dst)]
         if self.same_node(src, dst):
+            if self.fabric == "nvlink" and self.nvlink_egress > 0:
+                res += [("nvl_out", src), ("nvl_in", dst)]
             return tuple(res)
         if self.cross_mesh:
             rails = self.ranks_per_node if self.cross_links == "rails" else 1
@@ -177,6 +189,8 @@ class Topology:
     def capacity(self, resource: tuple[str, int]) -> float:
         """Bytes per second of a resource."""
         kind = resource[0]
+        if kind.startswith("nvl"):
+            return self.nvlink_egress * 1e9
         return (self.intra_bw if kind.startswith("pcie") else self.cross_bw) * 1e9
 
 
@@ -213,6 +227,9 @@ class Hardware:
     enqueue: Enqueue = field(default_factory=lambda: GPU_ENQUEUE)
     """Host seconds to enqueue each device operation (Note [Enqueue ahead] in
     :mod:`megatron_charm.sim.engine`); :data:`GPU_ENQUEUE` for every preset."""
+    nvlink: float = 0.0
+    """GB/s of one GPU's NVLink ports per direction, which all its intra-node flows share
+    (vendor data: NVLink 4, 18 links of 25 GB/s, on H100 SXM and H20: 450); 0: PCIe."""
     sms: int = 0
     """Streaming multiprocessors: the waves a block's tiles run in (Note [Tiles and waves] in
     :mod:`megatron_charm.sim.compute`). H100 SXM: 132 (NVIDIA's Hopper architecture
@@ -237,6 +254,7 @@ class Hardware:
             "fabric": self.fabric,
             "cross_links": self.cross_links,
             "nics_per_node": self.nics_per_node,
+            "nvlink_egress": self.nvlink,
             **links,
         }
         return Topology(num_nodes, ranks_per_node, self.intra_bw, self.cross_achieved, **given)
@@ -276,7 +294,18 @@ GPU_ENQUEUE = Enqueue(call=20e-6, exchange=20e-6, kernel=20e-6, merge=20e-6)
 PRESETS: dict[str, Hardware] = {
     "L20": Hardware("L20", 119.5, 24.0, 14.7, "pcie", "shared", 0, "2x4", 864.0, EFF_L20, sms=92),
     "H20": Hardware(
-        "H20", 148.0, 297.2, 42.6, "nvlink", "rails", 2, "2x8", 4000.0, EFF_H20, sms=78
+        "H20",
+        148.0,
+        297.2,
+        42.6,
+        "nvlink",
+        "rails",
+        2,
+        "2x8",
+        4000.0,
+        EFF_H20,
+        sms=78,
+        nvlink=450.0,
     ),
     "H100": Hardware(
         "H100",
@@ -291,6 +320,7 @@ PRESETS: dict[str, Hardware] = {
         EFF_H100,
         H100_CROSS_RATE,
         sms=132,
+        nvlink=450.0,
         a2a_rate=H100_A2A_RATE,
     ),
 }

@@ -148,3 +148,39 @@ def test_fitted_compute_counts_tiles_with_sms():
     )
     with pytest.raises(ValueError, match="sms"):
         FittedCompute(fwd_flops_per_s=1.0, bwd_flops_per_s=1.0, sms=-2)
+
+
+def test_nvlink_flows_of_one_gpu_share_its_ports():
+    from megatron_charm.sim.profile import load_profile
+    from megatron_charm.sim.topology import Topology
+
+    topo = Topology(1, 4, 365.0, 40.0, nvlink_egress=450.0)
+    assert topo.resources(0, 1) == (("nvl_out", 0), ("nvl_in", 1))
+    assert topo.capacity(("nvl_out", 0)) == 450e9
+    assert Topology(1, 4, 365.0, 40.0).resources(0, 1) == ()  # no cap: contention-free
+    assert Topology(2, 2, 20.0, 10.0, fabric="pcie", nvlink_egress=450.0).resources(0, 1) == (
+        ("pcie_out", 0),
+        ("pcie_in", 1),
+    )
+    assert PRESETS["H100"].topology(2, 8).nvlink_egress == 450.0
+    assert load_profile("H100").topology(2, 8).nvlink_egress == 450.0
+    assert PRESETS["L20"].topology(2, 4).nvlink_egress == 0.0
+    with pytest.raises(ValueError, match="nvlink_egress"):
+        Topology(1, 2, 1.0, 1.0, nvlink_egress=-1.0)
+
+
+def test_two_flows_from_one_gpu_split_its_nvlink():
+    from megatron_charm.sim.predict import Problem, predict
+    from megatron_charm.sim.topology import Topology
+
+    # rm+ sends q and kv at once on one node; with a 450 GB/s cap its transfers take longer
+    # (blocks made nearly free so that the transfers decide the time)
+    problem = Problem(8, 32768, 16, 128)
+    compute = FlopsCompute(1e6, 1.0, mem_bw=1e9)
+    free = predict(Topology(1, 8, 365.0, 40.0), problem, compute, ("rm+",)).methods["rm+"]
+    capped = predict(
+        Topology(1, 8, 365.0, 40.0, nvlink_egress=450.0), problem, compute, ("rm+",)
+    ).methods["rm+"]
+    assert capped.forward.makespan > free.forward.makespan
+    assert capped.backward.makespan > free.backward.makespan
+    assert capped.forward.makespan < 2 * free.forward.makespan
