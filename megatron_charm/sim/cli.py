@@ -257,6 +257,17 @@ def format_table(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
+def _a2a_links(args: argparse.Namespace, topo: Topology) -> Topology | None:
+    """The links a preset's all-to-all runs on (:meth:`Hardware.a2a_topology`), where the
+    preset knows them and no flag overrides its links; ``None`` elsewhere."""
+    if not args.preset or not PRESETS[args.preset].a2a_rate:
+        return None
+    link_flags = (args.intra_bw, args.cross_bw, args.cross_links, args.nics_per_node)
+    if any(x is not None for x in link_flags):
+        return None
+    return PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["calibrate"]:
@@ -267,16 +278,26 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("advise", "predict"):
         command = argv.pop(0)
     args = build_parser().parse_args(argv)
+    tasp_note = None
     try:
         topo, problem, compute, methods, profile = _resolve(args)
+        options = PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS))
         pred = predict(
             topo,
             problem,
             compute,
             None if methods is None else tuple(methods),
             args.mode,
-            PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS)),
+            options,
         )
+        a2a = _a2a_links(args, topo)
+        if a2a is not None and "tasp" in pred.methods:
+            again = predict(a2a, problem, compute, ("tasp",), args.mode, options)
+            pred.methods["tasp"] = again.methods["tasp"]
+            tasp_note = (
+                f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "
+                "as the paper's TASP rows show (docs/simulator.md, all-to-all across nodes)"
+            )
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2
@@ -291,11 +312,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  - {r}")
         return 0
     if args.json:
-        print(json.dumps(pred.to_dict(), indent=2, default=str))
+        data = pred.to_dict()
+        if tasp_note:
+            data["tasp_links"] = tasp_note
+        print(json.dumps(data, indent=2, default=str))
     else:
         fastest = min(
             (m for m in pred.methods if m not in BASELINES), key=lambda m: pred.methods[m].total
         )
         print(format_table(pred))
+        if tasp_note:
+            print(tasp_note)
         print(uncertainty(pred, fastest, profile))
     return 0

@@ -168,3 +168,18 @@ def test_cli_runs_presets_as_tiles_and_sms_overrides() -> None:
     flags = "--intra-bw 300 --cross-bw 40 --tflops 500"
     assert compute(f"{flags} {base}").sms == 0
     assert compute(f"{flags} {base} --sms 100").sms == 100
+
+
+def test_cli_runs_a_presets_tasp_on_its_all_to_all_links(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = "--preset H100 --gpus 2x8 --batch 1 --seq 3360 --heads 12 --head-dim 192 --json"
+    assert main([*base.split(), "--methods", "ring,tasp"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "one NIC per GPU" in data["tasp_links"]
+    # the same preset with its links given by a flag: tasp on those links, slower
+    assert main([*base.split(), "--methods", "ring,tasp", "--cross-bw", "26.35"]) == 0
+    flagged = json.loads(capsys.readouterr().out)
+    assert "tasp_links" not in flagged
+    on_a2a, on_flags = (d["methods"]["tasp"]["forward"]["time_ms"] for d in (data, flagged))
+    assert on_a2a < on_flags
