@@ -285,8 +285,11 @@ def _exposure(pred: Prediction, name: str) -> str:
 
 def describe_links(topo: Topology) -> str:
     """One line that states the link model behind a prediction (tables and JSON)."""
+    fabric = topo.fabric
+    if topo.fabric == "nvlink" and topo.nvlink_egress > 0:
+        fabric += f", {topo.nvlink_egress:g} GB/s per GPU and direction"
     return (
-        f"intra {topo.intra_bw:g} GB/s ({topo.fabric}), {topo.nics} cross link(s) per node at "
+        f"intra {topo.intra_bw:g} GB/s ({fabric}), {topo.nics} cross link(s) per node at "
         f"{topo.cross_bw:g} GB/s each, latency {topo.intra_lat * 1e6:g} / "
         f"{topo.cross_lat * 1e6:g} us"
     )
