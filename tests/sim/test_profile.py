@@ -236,11 +236,14 @@ def test_advise_says_where_its_numbers_come_from_and_how_far_to_trust_them(
         assert got, line
         return tuple(float(x) for x in got.groups())
 
+    # each preset quotes its own GPU's worst miss of the paper's rows (PRESET_ERROR)
     preset = reasons("--preset", "H100", "--gpus", "2x2")
-    assert "not measured on this cluster" in preset and "+-25%" in preset
+    assert "not measured on this cluster" in preset and "+-15%" in preset
     margin, lo, hi = margin_range(preset)
-    assert lo == pytest.approx(margin * 0.75 / 1.25, abs=0.01)
-    assert hi == pytest.approx(margin * 1.25 / 0.75, abs=0.01)
+    assert lo == pytest.approx(margin * 0.85 / 1.15, abs=0.01)
+    assert hi == pytest.approx(margin * 1.15 / 0.85, abs=0.01)
+    l20 = reasons("--preset", "L20", "--gpus", "2x2")
+    assert "L20 rows" in l20 and "+-62%" in l20
 
     path = tmp_path / "p.json"
     raw = _raw()
