@@ -120,6 +120,16 @@ def tiled_flops(ins: Compute, shape: AttnShape, backward: bool, sms: int) -> flo
     return flops * 0.5 if ins.masked else flops
 
 
+def kernel_flops(
+    ins: Compute, shape: AttnShape, backward: bool, sms: int, bwd_ratio: float = BWD_FLOPS_RATIO
+) -> float:
+    """FLOPs that a block's kernel runs: its own (:func:`block_flops`) or, with a GPU's ``sms``,
+    whole tiles in whole waves (:func:`tiled_flops`); a backward block at ``bwd_ratio`` times."""
+    if not sms:
+        return block_flops(ins, shape, backward, bwd_ratio)
+    return tiled_flops(ins, shape, backward, sms) * (bwd_ratio if backward else 1.0)
+
+
 @dataclass(frozen=True)
 class Enqueue:
     """Host seconds to enqueue one pass's device operations on a GPU (Note [Enqueue ahead] in
@@ -252,12 +262,7 @@ class FlopsCompute(_MergeCost):
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         rate = self.tflops * 1e12 * self.efficiency
-        if self.sms:
-            flops = tiled_flops(ins, shape, backward, self.sms) * (
-                self.bwd_ratio if backward else 1.0
-            )
-        else:
-            flops = block_flops(ins, shape, backward, self.bwd_ratio)
+        flops = kernel_flops(ins, shape, backward, self.sms, self.bwd_ratio)
         return flops / rate + self.block_overhead
 
 
@@ -423,11 +428,7 @@ class FittedCompute(_MergeCost):
             whole = dataclasses.replace(ins, masked=False)
             tokens = shape.s_local * ins.q_part.fraction
             return self.block_time(whole, shape, backward) * self.masked_ratio(tokens, backward)
-        if self.sms:  # Note [Tiles and waves]
-            ratio = BWD_FLOPS_RATIO if backward else 1.0
-            flops = tiled_flops(ins, shape, backward, self.sms) * ratio
-        else:
-            flops = block_flops(ins, shape, backward)
+        flops = kernel_flops(ins, shape, backward, self.sms)  # Note [Tiles and waves]
         elements = block_elements(ins, shape)
         if backward:
             return (

@@ -45,12 +45,11 @@ from typing import NamedTuple
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Compute, Part
 from megatron_charm.sim.compute import (
-    BWD_FLOPS_RATIO,
     ComputeModel,
     Enqueue,
     FittedCompute,
     FlopsCompute,
-    tiled_flops,
+    kernel_flops,
 )
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
 
@@ -317,31 +316,18 @@ def block_elements_full(batch: int, heads: int, head_dim: int, tokens: int) -> f
     return 2.0 * batch * heads * head_dim * tokens
 
 
-def tiled_flops_full(
-    batch: int, heads: int, head_dim: int, tokens: int, backward: bool, sms: int
-) -> float:
-    """Forward FLOPs of one unmasked ``tokens x tokens`` block as whole tiles in whole waves
-    over ``sms`` SMs (Note [Tiles and waves] in :mod:`megatron_charm.sim.compute`)."""
-    block = Compute(0, 1, Part.FULL, Part.FULL, False)
-    shape = AttnShape(batch, tokens, heads, heads, head_dim)
-    return tiled_flops(block, shape, backward, sms)
-
-
 def fit_kernel(
     samples: list[dict], backward: bool, sms: int = 0
 ) -> tuple[float, float, float, float]:
     """``(overhead, seconds per element, seconds per FLOP, largest relative residual)`` of the
     forward (or backward) block times of ``samples`` (Note [Fitting a profile]); with ``sms``
     (a GPU's), the FLOPs are those of whole tiles in whole waves."""
+    full = Compute(0, 1, Part.FULL, Part.FULL, False)
     feats, ys = [], []
     for k in samples:
-        flops = (
-            tiled_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"], backward, sms)
-            if sms
-            else block_flops_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
-        )
+        shape = AttnShape(k["batch"], k["tokens"], k["heads"], k["heads"], k["head_dim"])
         elements = block_elements_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
-        feats.append((1.0, elements, flops * (BWD_FLOPS_RATIO if backward else 1.0)))
+        feats.append((1.0, elements, kernel_flops(full, shape, backward, sms)))
         ys.append(k["bwd_s" if backward else "fwd_s"])
     # the FLOPs term always stays; then the per-element term goes first (a single head count
     # and one size cannot tell it from the rest), then the overhead

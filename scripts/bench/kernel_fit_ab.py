@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_charm.sim.profile import BWD_FLOPS_RATIO, block_flops_full, fit_line
+from megatron_charm.sim.compute import BWD_FLOPS_RATIO
+from megatron_charm.sim.profile import block_flops_full, fit_line
 
 
 def refit(profile: dict) -> dict:

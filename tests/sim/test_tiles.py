@@ -116,12 +116,13 @@ def test_replay_slows_blocks_under_exchanges_only_with_sms():
 def test_a_gpu_profile_fits_its_kernels_as_tiles():
     # samples drawn from the tile model (2 us per call, 400 TFLOP/s of a full wave, 132 SMs)
     # over sizes where waves matter: the tiled fit recovers them, the plain one cannot
-    from megatron_charm.sim.profile import fit_kernel, tiled_flops_full
+    from megatron_charm.sim.profile import fit_kernel
 
     samples = []
     for heads, tokens in ((4, 128), (4, 256), (12, 384), (12, 1024), (16, 2048), (8, 4096)):
-        fwd = 2e-6 + tiled_flops_full(2, heads, 128, tokens, False, 132) / 400e12
-        bwd = 2e-6 + 2.5 * tiled_flops_full(2, heads, 128, tokens, True, 132) / 200e12
+        shape = AttnShape(2, tokens, heads, heads, 128)
+        fwd = 2e-6 + tiled_flops(FULL, shape, False, 132) / 400e12
+        bwd = 2e-6 + 2.5 * tiled_flops(FULL, shape, True, 132) / 200e12
         samples.append(
             {"batch": 2, "heads": heads, "head_dim": 128, "tokens": tokens, "fwd_s": fwd,
              "bwd_s": bwd}
