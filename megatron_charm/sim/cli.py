@@ -190,19 +190,14 @@ def _resolve(
     return topo, problem, compute, methods, profile
 
 
-#: How far each preset is known to miss the paper: the largest error of its GPU's speedups in
-#: Tables 4 and 5 (docs/results/sim_validation_paper.md, 2026-12-04 12:42 UTC: H100's rows
-#: within 15%, H20's 40%, L20's 62%; 31 of 38 within +-25% in all).
-PRESET_ERROR: dict[str, float] = {"H100": 0.15, "H20": 0.40, "L20": 0.62}
-
-
 def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
     """Where the hardware numbers come from (``profile``: the --profile or --preset in use), and
     ``choice``'s margin over the next method as a range from the model's known error (Note
     [Fitting a profile] for a measured profile)."""
-    if profile is None:
+    if profile is None or not (profile.measured or profile.preset in PRESETS):
+        given = "the flags given" if profile is None else f"profile {profile.name!r}"
         return (
-            "hardware numbers: the flags given, not measured here; run `megatron-charm-sim "
+            f"hardware numbers: {given}, not measured here; run `megatron-charm-sim "
             "calibrate` on the cluster and pass --profile for predictions you can check"
         )
     others = [mp.total for m, mp in pred.methods.items() if m != choice and m not in BASELINES]
@@ -211,11 +206,10 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
         err = profile.known_error or 0.0
         source = f"profile {profile.name!r}, whose fits miss their own samples by up to {err:.0%}"
     else:
-        gpu = profile.name.split(" ")[0]
-        err = PRESET_ERROR.get(gpu, max(PRESET_ERROR.values()))
+        err = PRESETS[profile.preset].paper_error
         source = (
-            f"{profile.name}, whose {gpu} rows of the paper's Tables 4 and 5 it misses by up "
-            f"to +-{err:.0%}"
+            f"{profile.name}, whose {profile.preset} rows of the paper's Tables 4 and 5 it "
+            f"misses by up to +-{err:.0%}"
         )
     err = min(err, 0.9)
     lo, hi = margin * (1 - err) / (1 + err), margin * (1 + err) / (1 - err)

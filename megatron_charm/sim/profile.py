@@ -92,6 +92,8 @@ class Profile:
     """GB/s per GPU and direction that its NVLink flows share
     (:attr:`megatron_charm.sim.topology.Topology.nvlink_egress`); presets only, 0 when
     measured."""
+    preset: str = ""
+    """The paper's Table 2 system it was made from (``"H100"``); ``""`` for a measured one."""
 
     def __post_init__(self) -> None:
         if self.fabric not in FABRICS:
@@ -157,6 +159,7 @@ def preset_profile(name: str) -> Profile:
         nics_per_node=hw.nics_per_node or (1 if hw.cross_links == "shared" else 0),
         fabric=hw.fabric,
         nvlink_egress=hw.nvlink,
+        preset=name,
         compute={
             "kind": "flops",
             "tflops": hw.tflops,

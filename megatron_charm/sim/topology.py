@@ -241,6 +241,10 @@ class Hardware:
     times give it (H100: Table 5's TASP rows, Note [The paper's baselines] in
     :mod:`megatron_charm.sim.baselines`); 0 where they do not: the all-to-all then takes the
     preset's cross links like any transfer."""
+    paper_error: float = 0.0
+    """Largest relative error of this GPU's speedups in the paper's Tables 4 and 5 as the
+    preset replays them (validation (a), docs/results/sim_validation_paper.md); ``advise`` quotes
+    it as the preset's known error. A test recomputes it from the rows."""
 
     @property
     def cross_achieved(self) -> float:
@@ -292,7 +296,20 @@ GPU_ENQUEUE = Enqueue(call=20e-6, exchange=20e-6, kernel=20e-6, merge=20e-6)
 # before 2026-12-04 12:30 UTC); the command and the fit are in
 # docs/results/sim_validation_paper.md.
 PRESETS: dict[str, Hardware] = {
-    "L20": Hardware("L20", 119.5, 24.0, 14.7, "pcie", "shared", 0, "2x4", 864.0, EFF_L20, sms=92),
+    "L20": Hardware(
+        "L20",
+        119.5,
+        24.0,
+        14.7,
+        "pcie",
+        "shared",
+        0,
+        "2x4",
+        864.0,
+        EFF_L20,
+        sms=92,
+        paper_error=0.62,
+    ),
     "H20": Hardware(
         "H20",
         148.0,
@@ -306,6 +323,7 @@ PRESETS: dict[str, Hardware] = {
         EFF_H20,
         sms=78,
         nvlink=450.0,
+        paper_error=0.40,
     ),
     "H100": Hardware(
         "H100",
@@ -322,6 +340,7 @@ PRESETS: dict[str, Hardware] = {
         sms=132,
         nvlink=450.0,
         a2a_rate=H100_A2A_RATE,
+        paper_error=0.15,
     ),
 }
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -464,3 +465,16 @@ def test_presets_enqueue_each_operation_and_flags_can_change_it() -> None:
     assert _resolve(args)[2].enqueue_cost() == Enqueue(e, e, e, e)
     flags = ["--gpus", "2x2", "--intra-bw", "100", "--cross-bw", "10", "--tflops", "100"]
     assert _resolve(build_parser().parse_args([*flags, *problem]))[2].enqueue_cost() == Enqueue()
+
+
+def test_unmeasured_profile_without_preset_says_so() -> None:
+    """A profile neither measured nor made from a preset has no known error to quote."""
+    from megatron_charm.sim.cli import uncertainty
+    from megatron_charm.sim.predict import Problem, predict
+
+    prof = replace(preset_profile("H100"), preset="", name="hand-written")
+    topo = prof.topology(2, 2)
+    pred = predict(topo, Problem(1, 4096, 8, 64), prof.compute_model(), ("ring", "charm"))
+    line = uncertainty(pred, "charm", prof)
+    assert "hand-written" in line and "not measured here" in line
+    assert "H100" in uncertainty(pred, "charm", preset_profile("H100"))

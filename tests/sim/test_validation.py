@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_charm.sim.testbed import calibrate, compare
+from megatron_charm.sim.topology import PRESETS
 from megatron_charm.sim.validation import PAPER_ROWS, compare_row
 
 
@@ -80,3 +81,15 @@ def test_testbed_compare_rows() -> None:
 def test_testbed_needs_an_intra_rate() -> None:
     with pytest.raises(ValueError, match="--intra-gbps"):
         calibrate(_result({"ring": 1.0}))
+
+
+def test_preset_paper_error_is_the_validation_worst_miss() -> None:
+    """advise quotes each preset's ``paper_error`` as its known error: it must be the worst
+    speedup error of that GPU's rows as the preset replays them (TASP aside: at most 7%)."""
+    worst: dict[str, float] = {}
+    for row in PAPER_ROWS:
+        for c in compare_row(row, PRESETS[row.gpu].efficiency, tasp=False):
+            worst[row.gpu] = max(worst.get(row.gpu, 0.0), abs(c.error))
+    assert set(worst) == {"L20", "H20", "H100"}
+    for gpu, err in worst.items():
+        assert PRESETS[gpu].paper_error == pytest.approx(err, abs=0.005), gpu
