@@ -49,6 +49,8 @@ from megatron_charm.sim.compute import (
     Enqueue,
     FittedCompute,
     FlopsCompute,
+    block_elements,
+    block_flops,
     kernel_flops,
 )
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
@@ -308,15 +310,24 @@ def _divisor_near(p: int, x: float) -> int:
     return min(divisors, key=lambda k: (abs(math.log(k) - math.log(max(x, 1e-9))), k))
 
 
+#: One unmasked block of a rank's own queries and keys: the shape of every kernel sample.
+FULL_BLOCK = Compute(0, 1, Part.FULL, Part.FULL, False)
+
+
+def sample_shape(batch: int, heads: int, head_dim: int, tokens: int) -> AttnShape:
+    """The shape of a kernel sample: ``tokens`` queries and keys, as many kv heads as q heads."""
+    return AttnShape(batch, tokens, heads, heads, head_dim)
+
+
 def block_flops_full(batch: int, heads: int, head_dim: int, tokens: int) -> float:
     """Forward FLOPs of one unmasked ``tokens x tokens`` block (``QK^T`` and ``PV``)."""
-    return 4.0 * batch * heads * head_dim * tokens * tokens
+    return block_flops(FULL_BLOCK, sample_shape(batch, heads, head_dim, tokens), False)
 
 
 def block_elements_full(batch: int, heads: int, head_dim: int, tokens: int) -> float:
     """Elements of the rows of one ``tokens x tokens`` block, queries and keys (Note [Block
     shapes] in :mod:`megatron_charm.sim.compute`)."""
-    return 2.0 * batch * heads * head_dim * tokens
+    return block_elements(FULL_BLOCK, sample_shape(batch, heads, head_dim, tokens))
 
 
 def fit_kernel(
@@ -325,12 +336,12 @@ def fit_kernel(
     """``(overhead, seconds per element, seconds per FLOP, largest relative residual)`` of the
     forward (or backward) block times of ``samples`` (Note [Fitting a profile]); with ``sms``
     (a GPU's), the FLOPs are those of whole tiles in whole waves."""
-    full = Compute(0, 1, Part.FULL, Part.FULL, False)
     feats, ys = [], []
     for k in samples:
-        shape = AttnShape(k["batch"], k["tokens"], k["heads"], k["heads"], k["head_dim"])
-        elements = block_elements_full(k["batch"], k["heads"], k["head_dim"], k["tokens"])
-        feats.append((1.0, elements, kernel_flops(full, shape, backward, sms)))
+        shape = sample_shape(k["batch"], k["heads"], k["head_dim"], k["tokens"])
+        feats.append(
+            (1.0, block_elements(FULL_BLOCK, shape), kernel_flops(FULL_BLOCK, shape, backward, sms))
+        )
         ys.append(k["bwd_s" if backward else "fwd_s"])
     # the FLOPs term always stays; then the per-element term goes first (a single head count
     # and one size cannot tell it from the rest), then the overhead
