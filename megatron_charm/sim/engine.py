@@ -495,10 +495,21 @@ class Engine:
             flows = self.res_flows[r]
             flows.add(flow)
             touched |= flows
+        fifo: dict = {}
         for f in touched:
-            self._rerate(f, now)
+            self._rerate(f, now, fifo)
 
-    def _rerate(self, f: _Flow, now: float) -> None:
+    def _fifo_head(self, r: tuple, fifo: dict) -> tuple[float, int]:
+        """``(birth of the earliest flow, flows born with it)`` on FIFO link ``r``; ``fifo``
+        caches it while a batch of rerates leaves the link's flows unchanged."""
+        got = fifo.get(r)
+        if got is None:
+            flows = self.res_flows[r]
+            first = min(x.born for x in flows)
+            got = fifo[r] = (first, sum(1 for x in flows if x.born <= first + _TOGETHER))
+        return got
+
+    def _rerate(self, f: _Flow, now: float, fifo: dict) -> None:
         f.remaining = max(0.0, f.remaining - f.rate * (now - f.last))
         f.last = now
         rate = f.bw
@@ -507,17 +518,16 @@ class Engine:
             cap = capacity.get(r)
             if cap is None:
                 cap = capacity[r] = self.topo.capacity(r)
-            flows = self.res_flows[r]
             if self.topo.cross_fifo and r[0] in _FIFO_LINKS:
                 # the earliest flows take the link; the globally earliest flow is first on
                 # every link it crosses, so some flow always moves
-                first = min(x.born for x in flows)
+                first, together = self._fifo_head(r, fifo)
                 if f.born > first + _TOGETHER:
                     rate = 0.0
                     break
-                share = cap / sum(1 for x in flows if x.born <= first + _TOGETHER)
+                share = cap / together
             else:
-                share = cap / len(flows)
+                share = cap / len(self.res_flows[r])
             if share < rate:
                 rate = share
         f.rate = rate
@@ -539,8 +549,9 @@ class Engine:
                 flows = self.res_flows[r]
                 flows.discard(flow)
                 touched |= flows
+            fifo: dict = {}
             for f in touched:
-                self._rerate(f, now)
+                self._rerate(f, now, fifo)
         for i, handle in flow.ends:
             if handle in (_COMPUTE, _HOST_WORK):
                 self._host_done(i, now, block=handle == _COMPUTE)
