@@ -11,19 +11,22 @@ Ring and CHARM+ are replayed as the paper ran them (Note [The paper's baselines]
 there; ``--baselines ours`` replays our own ring and charm, with every efficiency fitted.
 
 Run: ``python -m megatron_charm.sim.validation [--cross-links rails|shared] [--causal]
-[--baselines paper|ours] [--out FILE]``.
+[--baselines paper|ours] [--set GPU.FIELD=VALUE ...] [--out FILE]``. ``--set`` replays with one
+preset field changed (``H100.efficiency=0.35``, ``H20.intra_bw=148.6``): what-if runs of a
+constant's source; a set efficiency is used as given, not fitted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
 from megatron_charm.sim.predict import Prediction, Problem, predict
-from megatron_charm.sim.topology import PRESETS, Topology
+from megatron_charm.sim.topology import PRESETS, Hardware, Topology
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,12 @@ class Comparison:
         return self.predicted / self.paper - 1.0
 
 
-def row_topology(row: PaperRow, cross_links: str | None = None) -> Topology:
-    """Table 2 links of the row's GPU; ``cross_links``: "rails", "shared" or "nics:K"."""
-    hw = PRESETS[row.gpu]
+def row_topology(
+    row: PaperRow, cross_links: str | None = None, presets: dict[str, Hardware] | None = None
+) -> Topology:
+    """Table 2 links of the row's GPU; ``cross_links``: "rails", "shared" or "nics:K";
+    ``presets``: instead of :data:`PRESETS` (:func:`set_fields`)."""
+    hw = (presets or PRESETS)[row.gpu]
     links, nics = cross_links or hw.cross_links, 0 if cross_links else hw.nics_per_node
     if links.startswith("nics:"):
         links, nics = "rails", int(links.split(":")[1])
@@ -117,12 +123,14 @@ def compare_row(
     causal: bool = False,
     tasp: bool = True,
     baselines: str = "paper",
+    presets: dict[str, Hardware] | None = None,
 ) -> list[Comparison]:
     """Simulate one paper row and pair every published speedup with its prediction (``tasp``:
     TASP's forward too, where the row has one; ``baselines``: ``"paper"`` replays ring and
-    charm as the paper ran them, ``"ours"`` as our planner and executor run them)."""
-    hw = PRESETS[row.gpu]
-    topo = row_topology(row, cross_links)
+    charm as the paper ran them, ``"ours"`` as our planner and executor run them; ``presets``:
+    instead of :data:`PRESETS`)."""
+    hw = (presets or PRESETS)[row.gpu]
+    topo = row_topology(row, cross_links, presets)
     problem = Problem(row.batch, row.seq, row.heads, row.head_dim, causal=causal)
     compute = hw.compute_model(efficiency)
     wanted = [("rm+", False, row.rmp_fwd), ("charm", False, row.charm_fwd)]
@@ -170,6 +178,8 @@ def fit_efficiency(
     lo: float = 0.2,
     hi: float = 0.8,
     baselines: str = "paper",
+    presets: dict[str, Hardware] | None = None,
+    efficiency: float | None = None,
 ) -> tuple[float, list[Comparison]]:
     """Golden-section search of the efficiency that best fits ``gpu``'s rows (log speedups);
     with the paper's baselines, a GPU whose efficiency the paper's numbers give
@@ -181,13 +191,19 @@ def fit_efficiency(
     to 7,168 tokens (its blocks dominate); the paper's grows 3.9-fold (its transfers do).
     TASP's rows are not fitted: they are predicted at the efficiency fitted on the others
     (replaying TASP's all-to-all steps at 32 GPUs takes seconds a row, too slow inside the
-    search).
+    search). ``presets``: instead of :data:`PRESETS`; ``efficiency``: used as given, not fitted.
     """
     rows = [r for r in PAPER_ROWS if r.gpu == gpu]
 
     def run(eff: float, tasp: bool = False) -> list[Comparison]:
-        return [c for r in rows for c in compare_row(r, eff, cross_links, causal, tasp, baselines)]
+        return [
+            c
+            for r in rows
+            for c in compare_row(r, eff, cross_links, causal, tasp, baselines, presets)
+        ]
 
+    if efficiency is not None:
+        return efficiency, run(efficiency, tasp=True)
     if baselines == "paper" and gpu in PAPER_EFFICIENCY:
         return PAPER_EFFICIENCY[gpu], run(PAPER_EFFICIENCY[gpu], tasp=True)
 
@@ -262,6 +278,31 @@ def markdown(
     return "\n".join(head + lines)
 
 
+def set_fields(specs: list[str]) -> dict[str, Hardware]:
+    """:data:`PRESETS` with each ``GPU.FIELD=VALUE`` of ``specs`` applied (numeric fields)."""
+    presets = dict(PRESETS)
+    numeric = {
+        f.name for f in dataclasses.fields(Hardware) if f.type in ("float", "int", float, int)
+    }
+    for spec in specs:
+        key, _, value = spec.partition("=")
+        gpu, _, name = key.partition(".")
+        if gpu not in presets or name not in numeric:
+            raise ValueError(
+                f"--set {spec!r}: write GPU.FIELD=VALUE with GPU in {sorted(PRESETS)} and FIELD "
+                f"a numeric preset field ({', '.join(sorted(numeric))})"
+            )
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"--set {spec!r}: VALUE must be a finite number >= 0")
+        kind = int if isinstance(getattr(presets[gpu], name), int) else float
+        presets[gpu] = dataclasses.replace(presets[gpu], **{name: kind(number)})
+    return presets
+
+
 #: The presets' links as the table header states them.
 PRESET_LINKS = (
     "presets (L20: one shared NUMA link; H20/H100: 2/node; TASP's all-to-all on H100: one NIC "
@@ -291,14 +332,38 @@ def main(argv: list[str] | None = None) -> int:
         default="paper",
         help="replay ring and charm as the paper ran them (default) or as ours run",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="GPU.FIELD=VALUE",
+        help="replay with one preset field changed (repeatable), e.g. H100.efficiency=0.35",
+    )
     ap.add_argument("--out", help="append the Markdown table to this file")
     args = ap.parse_args(argv)
     t0 = time.time()
+    try:
+        presets = set_fields(args.set) if args.set else None
+    except ValueError as err:
+        ap.error(str(err))
+    # a set efficiency is used as given, not fitted
+    given = {x.partition(".")[0] for x in args.set if x.partition("=")[0].endswith(".efficiency")}
     fits = {
-        g: fit_efficiency(g, args.cross_links, args.causal, baselines=args.baselines)
+        g: fit_efficiency(
+            g,
+            args.cross_links,
+            args.causal,
+            baselines=args.baselines,
+            presets=presets,
+            efficiency=presets[g].efficiency if presets and g in given else None,
+        )
         for g in args.gpus.split(",")
     }
     text = markdown(fits, args.cross_links, args.causal, args.baselines)
+    if args.set:
+        text = (
+            f"Preset fields set (a set efficiency is not fitted): {', '.join(args.set)}.\n\n" + text
+        )
     print(text)
     print(f"\n({time.time() - t0:.1f} s)")
     if args.out:

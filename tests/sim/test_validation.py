@@ -93,3 +93,22 @@ def test_preset_paper_error_is_the_validation_worst_miss() -> None:
     assert set(worst) == {"L20", "H20", "H100"}
     for gpu, err in worst.items():
         assert PRESETS[gpu].paper_error == pytest.approx(err, abs=0.005), gpu
+
+
+def test_set_fields_replays_a_changed_preset(capsys: pytest.CaptureFixture) -> None:
+    from megatron_charm.sim.validation import main, set_fields
+
+    presets = set_fields(["H20.intra_bw=148.6", "H20.sms=40"])
+    assert presets["H20"].intra_bw == 148.6 and presets["H20"].sms == 40
+    assert isinstance(presets["H20"].sms, int) and PRESETS["H20"].intra_bw == 297.2
+    for bad in ("H30.efficiency=0.3", "H20.name=0.3", "H20.efficiency=-1", "H20.efficiency"):
+        with pytest.raises(ValueError, match="--set"):
+            set_fields([bad])
+
+    def ring_ms(*extra: str) -> list[str]:
+        assert main(["--gpus", "H20", "--set", "H20.efficiency=0.5", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "H20 0.500" in out  # used as given, not fitted
+        return [line.split("|")[11] for line in out.splitlines() if line.startswith("| 4 |")]
+
+    assert ring_ms() != ring_ms("--set", "H20.intra_bw=148.6")
