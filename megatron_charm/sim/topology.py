@@ -241,6 +241,14 @@ class Hardware:
     times give it (H100: Table 5's TASP rows, Note [The paper's baselines] in
     :mod:`megatron_charm.sim.baselines`); 0 where they do not: the all-to-all then takes the
     preset's cross links like any transfer."""
+    intra_lat: float = 5e-6
+    """Seconds before an intra-node transfer's bytes flow: an assumption. NCCL's own tests
+    report about 10 us for their smallest send/recv between two NVLink GPUs (A100), the whole
+    operation with its kernel launch (NVIDIA/nccl-tests issue 331); ``--set`` replays others."""
+    cross_lat: float = 10e-6
+    """Seconds before a cross-node transfer's bytes flow: an assumption. NCCL's tests report
+    31-34 us for their smallest send/recv between GPUs of two nodes (A40, NVIDIA/nccl-tests
+    issue 214)."""
     paper_error: float = 0.0
     """Largest relative error of this GPU's speedups in the paper's Tables 4 and 5 as the
     preset replays them (validation (a), docs/results/sim_validation_paper.md); ``advise`` quotes
@@ -259,6 +267,8 @@ class Hardware:
             "cross_links": self.cross_links,
             "nics_per_node": self.nics_per_node,
             "nvlink_egress": self.nvlink,
+            "intra_lat": self.intra_lat,
+            "cross_lat": self.cross_lat,
             **links,
         }
         return Topology(num_nodes, ranks_per_node, self.intra_bw, self.cross_achieved, **given)

@@ -8,8 +8,8 @@ shape of the paper's appendix tables (speedup against batch at a fixed sequence,
 sequences of 100K-200K tokens), which the repository does not hold. TASP's forward speedup too,
 on its all-to-all links, where the tokens per GPU cut into its chunks (``-`` elsewhere).
 
-Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--md FILE]`` (a few
-seconds).
+Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--set H100.FIELD=VALUE ...]
+[--md FILE]`` (a few seconds; ``--set`` as in ``megatron_charm.sim.validation``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from megatron_charm.sim.baselines import (
 from megatron_charm.sim.engine import enqueued_operations
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.programs import programs
-from megatron_charm.sim.topology import PRESETS
+from megatron_charm.sim.topology import PRESETS, Hardware
+from megatron_charm.sim.validation import set_fields
 
 # Sequences per 16 GPUs (scaled with the GPU count), and batches.
 SEQS_16 = (1680, 3360, 6720, 13440, 26880, 53760, 107520, 161280, 215040)
@@ -41,9 +42,11 @@ def rows(
     baselines: str,
     seqs_16: tuple[int, ...] = SEQS_16,
     batches: tuple[int, ...] = BATCHES,
+    hw: Hardware | None = None,
 ) -> list[str]:
-    """One table row per batch x sequence (``seqs_16``: tokens per 16 GPUs)."""
-    hw = PRESETS["H100"]
+    """One table row per batch x sequence (``seqs_16``: tokens per 16 GPUs; ``hw``: instead of
+    the H100 preset)."""
+    hw = hw or PRESETS["H100"]
     topo = hw.topology(*gpus)
     compute = hw.compute_model(efficiency)
     n = gpus[0] * gpus[1]
@@ -92,22 +95,30 @@ def operation_counts(gpus: tuple[int, int]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baselines", choices=("paper", "ours"), default="paper")
-    ap.add_argument("--efficiency", type=float, default=PAPER_EFFICIENCY["H100"])
+    ap.add_argument(
+        "--efficiency", type=float, help=f"default: the preset's ({PAPER_EFFICIENCY['H100']})"
+    )
+    ap.add_argument("--set", action="append", default=[], metavar="H100.FIELD=VALUE")
     ap.add_argument("--md", help="write the table here as well")
     args = ap.parse_args()
-    hw = PRESETS["H100"]
+    try:
+        hw = set_fields(args.set)["H100"]
+    except ValueError as err:
+        ap.error(str(err))
+    efficiency = hw.efficiency if args.efficiency is None else args.efficiency
     now = datetime.datetime.now(datetime.timezone.utc)
     lines = [
-        f"H100 preset: efficiency {args.efficiency}, cross links at {hw.cross_achieved:.2f} GB/s, "
+        f"H100 preset: efficiency {efficiency}, cross links at {hw.cross_achieved:.2f} GB/s, "
         f"enqueue {hw.enqueue.kernel * 1e6:g} us per operation; {args.baselines} baselines, "
-        f"12 x 192 heads, non-causal ({now:%Y-%m-%d %H:%M} UTC)",
+        f"12 x 192 heads, non-causal ({now:%Y-%m-%d %H:%M} UTC)"
+        + (f"; preset fields set: {', '.join(args.set)}" if args.set else ""),
         "",
         "| GPUs | batch | seq | CCR fwd | ring fwd ms | charm fwd speedup | charm bwd speedup | "
         "tasp fwd speedup |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for gpus in ((2, 8), (4, 8)):
-        lines += rows(gpus, args.efficiency, args.baselines)
+        lines += rows(gpus, efficiency, args.baselines, hw=hw)
     lines.append("")
     lines += [operation_counts(gpus) for gpus in ((2, 8), (4, 8))]
     text = "\n".join(lines)

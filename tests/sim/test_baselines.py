@@ -128,7 +128,7 @@ def test_fit_uses_the_papers_efficiency(monkeypatch: pytest.MonkeyPatch) -> None
 
     calls: list[tuple[float, str]] = []
 
-    def fake(row, eff, cross_links, causal, tasp, baselines):
+    def fake(row, eff, cross_links, causal, tasp, baselines, presets=None):
         calls.append((eff, baselines))
         return [validation.Comparison(row, "charm", False, 2.0, 4.0 * eff, 1.0, 1.0)]
 
@@ -332,3 +332,17 @@ def test_the_structure_table_predicts_tasp_where_its_chunks_fit() -> None:
     fits, cut = mod.rows((2, 8), PAPER_EFFICIENCY["H100"], "paper", (26880, 1680), (16,))
     assert float(fits.split("|")[-2]) == pytest.approx(1.53, rel=0.1)
     assert cut.split("|")[-2].strip() == "-"
+
+
+def test_the_structure_table_replays_a_changed_preset() -> None:
+    # paper_structure --set H100.cross_lat=...: ring's 15 cross-gated steps each pay it
+    from tests.bench_scripts import load_bench_script
+
+    mod = load_bench_script("paper_structure")
+    eff = PAPER_EFFICIENCY["H100"]
+    (base,) = mod.rows((2, 8), eff, "paper", (1680,), (1,))
+    (slow,) = mod.rows(
+        (2, 8), eff, "paper", (1680,), (1,), hw=dataclasses.replace(PRESETS["H100"], cross_lat=1e-3)
+    )
+    ring_ms = [float(row.split("|")[5]) for row in (base, slow)]
+    assert ring_ms[1] - ring_ms[0] > 15 * 1e-3 * 1e3 * 0.9
