@@ -380,6 +380,12 @@ def test_the_transports_work_shares_the_host_without_blocking_the_rank() -> None
     assert makespan(shared_slots=2.0, host_byte_s=2e-3 / sent) == pytest.approx(base + 2e-3)
     # a profile without a shared host has no cores to share: the transport costs nothing
     assert makespan(transport_byte_s=2e-3 / sent) == pytest.approx(makespan())
+    # Note [Measured slowdown, modelled cause]: the measured ratio applies where the transport's
+    # cores are not modelled, and only there
+    slow = {"fwd_slowdown": 1.5, "bwd_slowdown": 1.5}
+    assert makespan(shared_slots=2.0, **slow) > base + 1.9e-3
+    assert makespan(shared_slots=2.0, transport_post_s=2e-3, **slow) == pytest.approx(by_post)
+    assert makespan(**slow) > makespan() + 1.9e-3
 
 
 @pytest.mark.parametrize(
