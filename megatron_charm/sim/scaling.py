@@ -16,6 +16,7 @@ import argparse
 import csv
 import datetime
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -151,12 +152,13 @@ def plot(rows: list[dict], path: str) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
-        ax.set_xticks(list(NODES), [str(x) for x in NODES])
+        nodes = sorted({r["nodes"] for r in rows})
+        ax.set_xticks(nodes, [str(x) for x in nodes])
         ax.set_yticks(
-            [1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8],
-            ["1/16", "1/8", "1/4", "1/2", "1", "2", "4", "8"],
+            [1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16],
+            ["1/16", "1/8", "1/4", "1/2", "1", "2", "4", "8", "16"],
         )
-        ax.set_ylim(1 / 20, 10)
+        ax.set_ylim(1 / 20, 20)
         ax.set_xlabel("nodes (x8 GPUs)")
         ax.set_title(f"{shape.name}-like ({shape.heads}x{shape.head_dim} heads)")
         ax.grid(True, which="both", lw=0.3)
@@ -187,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         f"--efficiency {args.efficiency} --nodes {args.nodes} --out-dir docs/results"
     )
     write_markdown(rows, os.path.join(args.out_dir, "sim_scaling.md"), command)
-    plot(rows, os.path.join(args.out_dir, "sim_scaling.png"))
+    try:
+        plot(rows, os.path.join(args.out_dir, "sim_scaling.png"))
+    except ModuleNotFoundError as err:
+        print(
+            f"sim_scaling.png not written ({err}); pip install -e '.[plots]' for the plot",
+            file=sys.stderr,
+        )
     return 0
 
 
