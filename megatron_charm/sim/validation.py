@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
+from megatron_charm.sim.compute import Enqueue
 from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.topology import PRESETS, Hardware, Topology
 
@@ -279,11 +280,12 @@ def markdown(
 
 
 def set_fields(specs: list[str]) -> dict[str, Hardware]:
-    """:data:`PRESETS` with each ``GPU.FIELD=VALUE`` of ``specs`` applied (numeric fields)."""
+    """:data:`PRESETS` with each ``GPU.FIELD=VALUE`` of ``specs`` applied (numeric fields, and
+    ``enqueue_us``: the host's enqueue microseconds for every kind of operation)."""
     presets = dict(PRESETS)
     numeric = {
         f.name for f in dataclasses.fields(Hardware) if f.type in ("float", "int", float, int)
-    }
+    } | {"enqueue_us"}
     for spec in specs:
         key, _, value = spec.partition("=")
         gpu, _, name = key.partition(".")
@@ -298,8 +300,13 @@ def set_fields(specs: list[str]) -> dict[str, Hardware]:
             number = math.nan
         if not math.isfinite(number) or number < 0:
             raise ValueError(f"--set {spec!r}: VALUE must be a finite number >= 0")
-        kind = int if isinstance(getattr(presets[gpu], name), int) else float
-        presets[gpu] = dataclasses.replace(presets[gpu], **{name: kind(number)})
+        if name == "enqueue_us":
+            e = number * 1e-6
+            field: dict = {"enqueue": Enqueue(call=e, exchange=e, kernel=e, merge=e)}
+        else:
+            kind = int if isinstance(getattr(presets[gpu], name), int) else float
+            field = {name: kind(number)}
+        presets[gpu] = dataclasses.replace(presets[gpu], **field)
     return presets
 
 
