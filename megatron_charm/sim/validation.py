@@ -304,8 +304,10 @@ def set_fields(specs: list[str]) -> dict[str, Hardware]:
             e = number * 1e-6
             field: dict = {"enqueue": Enqueue(call=e, exchange=e, kernel=e, merge=e)}
         else:
-            kind = int if isinstance(getattr(presets[gpu], name), int) else float
-            field = {name: kind(number)}
+            whole = isinstance(getattr(presets[gpu], name), int)
+            if whole and number != int(number):
+                raise ValueError(f"--set {spec!r}: {name} is a whole number")
+            field = {name: int(number) if whole else number}
         presets[gpu] = dataclasses.replace(presets[gpu], **field)
     return presets
 
