@@ -8,8 +8,12 @@ shape of the paper's appendix tables (speedup against batch at a fixed sequence,
 sequences of 100K-200K tokens), which the repository does not hold. TASP's forward speedup too,
 on its all-to-all links, where the tokens per GPU cut into its chunks (``-`` elsewhere).
 
+Last, CHARM+'s mean speedups over a grid shaped like the paper's (batch up to 128, batch x
+sequence under about 500K), against the averages the paper states (about 2x forward, 3x
+backward).
+
 Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--set H100.FIELD=VALUE ...]
-[--md FILE]`` (a few seconds; ``--set`` as in ``megatron_charm.sim.validation``).
+[--md FILE]`` (about 20 seconds; ``--set`` as in ``megatron_charm.sim.validation``).
 """
 
 from __future__ import annotations
@@ -75,6 +79,35 @@ def rows(
     return out
 
 
+#: Batches of the averaging grid, and its largest batch x sequence: the paper keeps ``B S`` under
+#: about 500K (section 4.1; its own 4 x 8 rows of Table 5 reach 507,904).
+GRID_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+GRID_MAX_TOKENS = 520_000
+
+
+def averages(
+    gpus: tuple[int, int], efficiency: float, baselines: str, hw: Hardware | None = None
+) -> str:
+    """CHARM+'s mean forward and backward speedups over a grid shaped like the paper's: every
+    sequence of :data:`SEQS_16` (scaled to the GPU count) x every batch of
+    :data:`GRID_BATCHES` under :data:`GRID_MAX_TOKENS`. The paper states its H100 averages as
+    about 2x forward and 3x backward (section 4.5); its grid is not published."""
+    n = gpus[0] * gpus[1]
+    fwd, bwd = [], []
+    for seq16 in SEQS_16:
+        batches = tuple(b for b in GRID_BATCHES if b * seq16 * n // 16 <= GRID_MAX_TOKENS)
+        for row in rows(gpus, efficiency, baselines, (seq16,), batches, hw=hw):
+            cells = [c.strip() for c in row.split("|")[1:-1]]
+            fwd.append(float(cells[5]))
+            bwd.append(float(cells[6]))
+    return (
+        f"* {gpus[0]} x {gpus[1]}, CHARM+'s mean speedup over {len(fwd)} points (batch up to "
+        f"{GRID_BATCHES[-1]}, batch x sequence <= {GRID_MAX_TOKENS:,}): forward "
+        f"{sum(fwd) / len(fwd):.2f}x, backward {sum(bwd) / len(bwd):.2f}x (the paper: about 2x "
+        "and 3x)"
+    )
+
+
 def operation_counts(gpus: tuple[int, int]) -> str:
     """Operations the busiest rank enqueues per pass (Note [Enqueue ahead]): what a host-bound
     pass's time tends to."""
@@ -121,6 +154,7 @@ def main() -> int:
         lines += rows(gpus, efficiency, args.baselines, hw=hw)
     lines.append("")
     lines += [operation_counts(gpus) for gpus in ((2, 8), (4, 8))]
+    lines += [averages(gpus, efficiency, args.baselines, hw) for gpus in ((2, 8), (4, 8))]
     text = "\n".join(lines)
     print(text)
     if args.md:

@@ -346,3 +346,20 @@ def test_the_structure_table_replays_a_changed_preset() -> None:
     )
     ring_ms = [float(row.split("|")[5]) for row in (base, slow)]
     assert ring_ms[1] - ring_ms[0] > 15 * 1e-3 * 1e3 * 0.9
+
+
+def test_the_structure_averages_are_the_grids_means(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.bench_scripts import load_bench_script
+
+    mod = load_bench_script("paper_structure")
+    monkeypatch.setattr(mod, "SEQS_16", (1680, 3360))
+    monkeypatch.setattr(mod, "GRID_BATCHES", (1, 16, 512))  # 512: over the token limit
+    eff = PAPER_EFFICIENCY["H100"]
+    cells = [
+        [float(c) for c in row.split("|")[6:8]]
+        for row in mod.rows((2, 8), eff, "paper", (1680, 3360), (1, 16))
+    ]
+    line = mod.averages((2, 8), eff, "paper")
+    assert "over 4 points" in line
+    fwd, bwd = (sum(c[i] for c in cells) / 4 for i in (0, 1))
+    assert f"forward {fwd:.2f}x, backward {bwd:.2f}x" in line
