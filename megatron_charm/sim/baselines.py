@@ -104,7 +104,7 @@ from megatron_charm.plan.types import Exchange, Kind, Payload, Program
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.programs import ProgramSet
-from megatron_charm.sim.topology import EFF_H100, Topology
+from megatron_charm.sim.topology import EFF_H20, EFF_H100, Topology
 
 #: CHARM+ as the paper runs it, its Algorithm 2 (the bundle's ``out`` is added by
 #: :func:`with_output_in_bundle`); :func:`paper_charm` sets the returns' precision.
@@ -118,7 +118,7 @@ def paper_charm(num_nodes: int) -> PlanOptions:
 
 
 #: Efficiencies the paper's own numbers give (Note [The paper's baselines]); other GPUs are fitted.
-PAPER_EFFICIENCY: dict[str, float] = {"H100": EFF_H100}
+PAPER_EFFICIENCY: dict[str, float] = {"H100": EFF_H100, "H20": EFF_H20}
 
 
 def with_output_in_bundle(program: Program) -> Program:

@@ -154,7 +154,7 @@ def preset_profile(name: str) -> Profile:
         name=f"{hw.name} (paper Table 2; not measured on this cluster)",
         measured=False,
         gpus=hw.gpus,
-        intra_bw=hw.intra_bw,
+        intra_bw=hw.intra_achieved,
         cross_bw=hw.cross_achieved,
         intra_lat=hw.intra_lat,
         cross_lat=hw.cross_lat,

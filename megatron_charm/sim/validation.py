@@ -1,14 +1,18 @@
 """Validation (a): predicted vs published speedups (paper Tables 4 and 5).
 
-Inputs are only Table 2 (bandwidths, TFLOPS, NVLink or PCIe) and one achieved-efficiency factor
-per GPU type, fitted once by :func:`fit_efficiency` (least squares on log speedup over that GPU's
-rows). Table 4 does not state batch size or heads; speedups do not depend on them (compute and
-traffic both scale with ``b * h * d``; only the fixed latencies do not), so Table 4 rows use
-``batch 16, 12 heads x 128``. Table 5 states ``12 x 192`` heads and its batch sizes.
+Inputs are only Table 2 (bandwidths, TFLOPS, NVLink or PCIe) and at most one achieved-efficiency
+factor per GPU type fitted on speedups, by :func:`fit_efficiency` (least squares on log speedup
+over that GPU's rows): L20's. H100's and H20's come with their link constants from the paper's
+own ring rows (Note [The paper's baselines] in :mod:`megatron_charm.sim.baselines`, Note
+[Constants from the ring rows] in :mod:`megatron_charm.sim.ring_rows`). Table 4 does not state
+batch size or heads; its rows use ``batch 16, 12 heads x 128`` (speedups depend on them only
+through tiles and fixed costs; H20's rates from its ring rows hold for this shape). Table 5
+states ``12 x 192`` heads and its batch sizes.
 
 Ring and CHARM+ are replayed as the paper ran them (Note [The paper's baselines] in
 :mod:`megatron_charm.sim.baselines`), and H100's efficiency comes from the paper's own numbers
-there; ``--baselines ours`` replays our own ring and charm, with every efficiency fitted.
+there (H20's from its ring rows); ``--baselines ours`` replays our own ring and charm, with every
+efficiency fitted.
 
 Run: ``python -m megatron_charm.sim.validation [--cross-links rails|shared] [--causal]
 [--baselines paper|ours] [--set GPU.FIELD=VALUE ...] [--out FILE]``. ``--set`` replays with one

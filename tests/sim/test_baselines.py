@@ -111,8 +111,8 @@ def test_table_5_ring_forward_adds_transfers_and_blocks() -> None:
         assert abs(x_bwd) < 0.25 * 2.5 * x
 
 
-def test_h100_efficiency_is_the_papers_and_others_are_fitted() -> None:
-    assert PAPER_EFFICIENCY == {"H100": 0.68}
+def test_h100_and_h20_efficiencies_are_the_papers_and_l20s_is_fitted() -> None:
+    assert PAPER_EFFICIENCY == {"H100": 0.68, "H20": 0.329}
     row = next(r for r in PAPER_ROWS if r.gpus == (4, 8) and r.seq == 15872)
     comps = compare_row(row, PAPER_EFFICIENCY["H100"], tasp=False)
     assert [(c.method, c.backward) for c in comps] == [("charm", False), ("charm", True)]
