@@ -57,8 +57,9 @@ Ring-Attention and CHARM+ do neither:
   same independently: on 16 H100 the CCR "exceeds 1" for sequences over 200K tokens, which at
   Table 2's 42.5 GB/s needs an efficiency near 0.6 (at 0.6 the plain-FLOPs CCR is 1.02 at
   215,040 tokens). :data:`PAPER_EFFICIENCY` holds 0.68 (until 2026-12-04 12:20 UTC: 0.61 as
-  plain FLOPs, without tiles); the validation fits the other GPUs' efficiencies, which the
-  paper gives nothing to derive from.
+  plain FLOPs, without tiles). H20's comes from its Table 4 ring rows with its link constants
+  (Note [Constants from the ring rows] in :mod:`megatron_charm.sim.ring_rows`); the validation
+  fits L20's, whose two one-node ring rows are too few to give it.
 * **Its cross-node transfers run at about 60% of Table 2's rate.** ``C`` is the ring's 15 (31)
   kv transfers one after another, each gated by one cross-node flow: 15 x 247.7 MB in 139.0 ms
   is 26.7 GB/s on 2 x 8, and 31 x 146.3 MB in 177.0 ms is 25.6 GB/s on 4 x 8, against Table 2's
