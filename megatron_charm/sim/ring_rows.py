@@ -18,17 +18,17 @@ speedup: those stay predictions.
 H20 (Table 4; its batch and heads are not stated, and the validation's 16 x 12 x 128 is used):
 
 * one node, four rows (1 x 4 and 1 x 8 at 1,792 and 7,168 tokens), three unknowns, least squares
-  on relative residuals: efficiency 0.297, intra-node rate 60 GB/s (0.20 of Table 2's 297.2),
-  0.31 ms per transfer; residuals within 8%;
-* two nodes, two rows, the efficiency above: 1.1 ms per cross-node transfer at 11 GB/s (0.26 of
-  Table 2's 42.6).
+  on relative residuals: efficiency 0.329, intra-node rate 45.5 GB/s (0.153 of Table 2's
+  297.2), 0.196 ms per transfer;
+* two nodes, two rows, the efficiency above: 1.09 ms per cross-node transfer at 10.7 GB/s
+  (0.251 of Table 2's 42.6).
 
-Replayed, ring's six H20 times land within 6% of the paper's (they were 3-7 times too fast
+Replayed, ring's six H20 times land within 7% of the paper's (they were 3-7 times too fast
 with Table 2's rates, 5-10 us latencies and an efficiency fitted on the speedups). The fixed
 costs are ms, not the us of a link: whatever each step of the paper's H20 runs costs beyond its
-bytes (the per-step work of its implementation, its cluster's network). The rates depend on
-the assumed batch and heads (at 16 x 20 x 192 they are 0.47 and 0.55 of Table 2, and the
-efficiency 0.76); the fixed costs do not. H100's cross rate is read the same way from Table 5
+bytes (the per-step work of its implementation, its cluster's network). The efficiency and the
+rates depend on the assumed batch and heads (at 16 x 20 x 192: 0.82, 0.38 and 0.63); the fixed
+costs do not. H100's cross rate is read the same way from Table 5
 (whose transfers are large enough that a fixed cost cannot be told apart from the rate). L20 has
 only two one-node rows, too few for three unknowns; its efficiency stays fitted on its speedups.
 """
