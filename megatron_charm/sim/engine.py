@@ -67,18 +67,6 @@ _HOST, _COMPUTE, _HOST_WORK = ("host", 0), -1, -2
 # When only one node's ranks are replayed (Note [Node symmetry]) they get their share of the
 # host. Profiles of GPUs (each rank its own device) have no slots and keep fixed block times.
 
-# Note [Measured slowdown, modelled cause]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``calibrate`` measures how much slower a block runs while its rank streams messages: on a GPU
-# the SMs that NCCL's kernels take, on the CPU testbed the cores that gloo's transport threads
-# take. A CPU profile with host work also charges those threads directly: while an exchange is
-# in flight its transport work runs as a flow on the shared host and takes its share of the
-# cores from every rank's blocks (Note [Host work of a call] in megatron_charm/sim/profile.py).
-# Applying the measured ratio as well would charge the same cores twice, so a replay that puts
-# transport work on the shared host does not apply it. Testbed sweep of 2026-12-04: 167 of 174
-# times within +-20% with both, 168 (profile e) and 169 (f) with the cause alone
-# (docs/results/calibrated-2x2.md).
-
 # Note [Enqueue ahead]
 # ~~~~~~~~~~~~~~~~~~~~
 # On a GPU the host does not run the pass; it enqueues it. Each kernel call, merge and posted
@@ -221,12 +209,8 @@ class Engine:
         self.host_call = compute.host_call_time(shape, backward)
         self.host_byte = compute.host_per_byte()
         self.transport_post, self.transport_byte = compute.transport_work()
-        # blocks under k exchanges in flight: slowdown(k), computed once per k; not where the
-        # transport's own work takes the shared cores (Note [Measured slowdown, modelled cause])
-        transport_shares_host = compute.host_slots() > 0 and (
-            self.transport_post > 0 or self.transport_byte > 0
-        )
-        self.slows = compute.slowdown(backward, 1) != 1.0 and not transport_shares_host
+        # blocks under k exchanges in flight: slowdown(k), computed once per k
+        self.slows = compute.slowdown(backward, 1) != 1.0
         self.slowdowns: dict[int, float] = {}
         enqueue = compute.enqueue_cost()
         self.enqueue = enqueue if enqueue.any and compute.host_slots() == 0 else None
