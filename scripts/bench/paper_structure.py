@@ -13,13 +13,14 @@ sequence under about 500K), against the averages the paper states (about 2x forw
 backward).
 
 Run: ``python scripts/bench/paper_structure.py [--baselines ours] [--set H100.FIELD=VALUE ...]
-[--md FILE]`` (about 20 seconds; ``--set`` as in ``megatron_charm.sim.validation``).
+[--md FILE]`` (about 15 seconds; ``--set`` as in ``megatron_charm.sim.validation``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+from collections.abc import Iterator
 
 from megatron_charm.plan import Layout, PlanOptions
 from megatron_charm.plan.tasp import check_tasp_shape
@@ -30,7 +31,7 @@ from megatron_charm.sim.baselines import (
     paper_programs,
 )
 from megatron_charm.sim.engine import enqueued_operations
-from megatron_charm.sim.predict import Problem, predict
+from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.programs import programs
 from megatron_charm.sim.topology import PRESETS, Hardware
 from megatron_charm.sim.validation import set_fields
@@ -38,6 +39,40 @@ from megatron_charm.sim.validation import set_fields
 # Sequences per 16 GPUs (scaled with the GPU count), and batches.
 SEQS_16 = (1680, 3360, 6720, 13440, 26880, 53760, 107520, 161280, 215040)
 BATCHES = (1, 2, 4, 16)
+
+
+def predictions(
+    gpus: tuple[int, int],
+    efficiency: float,
+    baselines: str,
+    seqs_16: tuple[int, ...],
+    batches: tuple[int, ...],
+    hw: Hardware | None = None,
+    tasp: bool = True,
+) -> Iterator[tuple[int, int, Prediction]]:
+    """``(batch, seq, prediction)`` of ring and CHARM+ (and TASP where ``tasp`` and its chunks
+    fit) per batch x sequence (``seqs_16``: tokens per 16 GPUs; ``hw``: instead of the H100
+    preset)."""
+    hw = hw or PRESETS["H100"]
+    topo = hw.topology(*gpus)
+    compute = hw.compute_model(efficiency)
+    n = gpus[0] * gpus[1]
+    for seq16 in seqs_16:
+        seq = seq16 * n // 16
+        for batch in batches:
+            problem = Problem(batch, seq, 12, 192)
+            methods: tuple[str, ...] = ("ring", "charm")
+            if tasp:
+                try:
+                    check_tasp_shape(seq // n, n)
+                    methods += ("tasp",)
+                except ValueError:
+                    pass
+            if baselines == "paper":
+                pred = paper_predict(topo, problem, compute, methods, hw.a2a_topology(*gpus))
+            else:
+                pred = predict(topo, problem, compute, methods)
+            yield batch, seq, pred
 
 
 def rows(
@@ -48,34 +83,16 @@ def rows(
     batches: tuple[int, ...] = BATCHES,
     hw: Hardware | None = None,
 ) -> list[str]:
-    """One table row per batch x sequence (``seqs_16``: tokens per 16 GPUs; ``hw``: instead of
-    the H100 preset)."""
-    hw = hw or PRESETS["H100"]
-    topo = hw.topology(*gpus)
-    compute = hw.compute_model(efficiency)
-    n = gpus[0] * gpus[1]
+    """One table row per batch x sequence (:func:`predictions`)."""
     out = []
-    for seq16 in seqs_16:
-        seq = seq16 * n // 16
-        for batch in batches:
-            problem = Problem(batch, seq, 12, 192)
-            methods: tuple[str, ...] = ("ring", "charm")
-            try:
-                check_tasp_shape(seq // n, n)
-                methods += ("tasp",)
-            except ValueError:
-                pass
-            if baselines == "paper":
-                pred = paper_predict(topo, problem, compute, methods, hw.a2a_topology(*gpus))
-            else:
-                pred = predict(topo, problem, compute, methods)
-            tasp = f"{pred.speedup('tasp'):.2f}" if "tasp" in methods else "-"
-            out.append(
-                f"| {gpus[0]}x{gpus[1]} | {batch} | {seq} | {pred.ccr_forward:.2f} | "
-                f"{pred.methods['ring'].forward.makespan * 1e3:.2f} | "
-                f"{pred.speedup('charm'):.2f} | {pred.speedup('charm', backward=True):.2f} | "
-                f"{tasp} |"
-            )
+    for batch, seq, pred in predictions(gpus, efficiency, baselines, seqs_16, batches, hw):
+        tasp = f"{pred.speedup('tasp'):.2f}" if "tasp" in pred.methods else "-"
+        out.append(
+            f"| {gpus[0]}x{gpus[1]} | {batch} | {seq} | {pred.ccr_forward:.2f} | "
+            f"{pred.methods['ring'].forward.makespan * 1e3:.2f} | "
+            f"{pred.speedup('charm'):.2f} | {pred.speedup('charm', backward=True):.2f} | "
+            f"{tasp} |"
+        )
     return out
 
 
@@ -96,10 +113,9 @@ def averages(
     fwd, bwd = [], []
     for seq16 in SEQS_16:
         batches = tuple(b for b in GRID_BATCHES if b * seq16 * n // 16 <= GRID_MAX_TOKENS)
-        for row in rows(gpus, efficiency, baselines, (seq16,), batches, hw=hw):
-            cells = [c.strip() for c in row.split("|")[1:-1]]
-            fwd.append(float(cells[5]))
-            bwd.append(float(cells[6]))
+        for _, _, pred in predictions(gpus, efficiency, baselines, (seq16,), batches, hw, False):
+            fwd.append(pred.speedup("charm"))
+            bwd.append(pred.speedup("charm", backward=True))
     return (
         f"* {gpus[0]} x {gpus[1]}, CHARM+'s mean speedup over {len(fwd)} points (batch up to "
         f"{GRID_BATCHES[-1]}, batch x sequence <= {GRID_MAX_TOKENS:,}): forward "

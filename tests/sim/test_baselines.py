@@ -355,11 +355,14 @@ def test_the_structure_averages_are_the_grids_means(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(mod, "SEQS_16", (1680, 3360))
     monkeypatch.setattr(mod, "GRID_BATCHES", (1, 16, 512))  # 512: over the token limit
     eff = PAPER_EFFICIENCY["H100"]
-    cells = [
-        [float(c) for c in row.split("|")[6:8]]
-        for row in mod.rows((2, 8), eff, "paper", (1680, 3360), (1, 16))
-    ]
+    preds = [p for _, _, p in mod.predictions((2, 8), eff, "paper", (1680, 3360), (1, 16))]
     line = mod.averages((2, 8), eff, "paper")
     assert "over 4 points" in line
-    fwd, bwd = (sum(c[i] for c in cells) / 4 for i in (0, 1))
+    fwd = sum(p.speedup("charm") for p in preds) / 4
+    bwd = sum(p.speedup("charm", backward=True) for p in preds) / 4
     assert f"forward {fwd:.2f}x, backward {bwd:.2f}x" in line
+    # the table shows the same predictions, TASP's column where its chunks fit
+    table = mod.rows((2, 8), eff, "paper", (1680, 3360), (1, 16))
+    assert [float(row.split("|")[6]) for row in table] == [
+        round(p.speedup("charm"), 2) for p in preds
+    ]
