@@ -37,12 +37,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_charm.sim.profile import fit_nonnegative
+from megatron_charm.plan.payloads import payload_bytes
+from megatron_charm.plan.types import Kind, Part, Payload, Wire
+from megatron_charm.sim.compute import block_flops
+from megatron_charm.sim.profile import FULL_BLOCK, fit_nonnegative, sample_shape
 from megatron_charm.sim.topology import PRESETS
 from megatron_charm.sim.validation import PAPER_ROWS, PaperRow
-
-#: Bytes per element of the paper's kv (bf16).
-KV_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,12 @@ class RingConstants:
 
 
 def _terms(row: PaperRow) -> tuple[int, float, float]:
-    """``(n, FLOPs of one block, kv bytes of one transfer)`` of ``row``'s ring."""
+    """``(n, FLOPs of one block, kv bytes of one transfer)`` of ``row``'s ring, as the replay
+    counts them (bf16 kv)."""
     n = row.gpus[0] * row.gpus[1]
-    s = row.seq / n
-    w = row.batch * row.heads * row.head_dim
-    return n, 4.0 * s * s * w, 2.0 * s * w * KV_BYTES
+    shape = sample_shape(row.batch, row.heads, row.head_dim, row.seq // n)
+    kv = payload_bytes(Payload(Kind.KV, 0, Part.FULL), shape, Wire.INPUT)
+    return n, block_flops(FULL_BLOCK, shape, False), float(kv)
 
 
 def ring_constants(gpu: str) -> RingConstants:
