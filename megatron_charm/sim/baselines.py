@@ -165,10 +165,6 @@ def paper_predict(
     ``a2a_topo``: the links ``tasp``'s all-to-all steps run on
     (:meth:`megatron_charm.sim.topology.Hardware.a2a_topology`); ``None``: ``topo``."""
     options = paper_charm(topo.num_nodes)
-    if a2a_topo is None or "tasp" not in methods:
-        return predict(topo, problem, compute, methods, options=options, rewrite=paper_programs)
-    rest = tuple(m for m in methods if m != "tasp")
-    pred = predict(topo, problem, compute, rest, options=options, rewrite=paper_programs)
-    tasp = predict(a2a_topo, problem, compute, ("tasp",), options=options)
-    pred.methods["tasp"] = tasp.methods["tasp"]
-    return pred
+    return predict(
+        topo, problem, compute, methods, options=options, rewrite=paper_programs, a2a_topo=a2a_topo
+    )

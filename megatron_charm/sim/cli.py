@@ -279,19 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     tasp_note = None
     try:
         topo, problem, compute, methods, profile = _resolve(args)
-        options = PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS))
+        a2a = _a2a_links(args, topo)
         pred = predict(
             topo,
             problem,
             compute,
             None if methods is None else tuple(methods),
             args.mode,
-            options,
+            PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS)),
+            a2a_topo=a2a,
         )
-        a2a = _a2a_links(args, topo)
         if a2a is not None and "tasp" in pred.methods:
-            again = predict(a2a, problem, compute, ("tasp",), args.mode, options)
-            pred.methods["tasp"] = again.methods["tasp"]
             tasp_note = (
                 f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "
                 "as the paper's TASP rows show (docs/simulator.md, all-to-all across nodes)"

@@ -160,12 +160,15 @@ def predict(
     options: PlanOptions | None = None,
     record: bool = False,
     rewrite: Callable[[ProgramSet], ProgramSet] | None = None,
+    a2a_topo: Topology | None = None,
 ) -> Prediction:
     """Replay forward and backward of every method in ``methods``, each with ``options`` (its
     method replaced). ``None``: every method that can split the problem (``a2a`` only when the
     heads divide over the CP group); a method in ``methods`` that cannot raises ``ValueError``.
     ``rewrite``, if given, maps each method's programs to the ones replayed (the paper's
-    baselines, :mod:`megatron_charm.sim.baselines`)."""
+    baselines, :mod:`megatron_charm.sim.baselines`). ``a2a_topo``, if given, is the links that
+    ``tasp``'s all-to-all steps run on instead of ``topo``
+    (:meth:`megatron_charm.sim.topology.Hardware.a2a_topology`)."""
     options = options if options is not None else PlanOptions()
     shape = problem.shape(topo.cp_size)
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
@@ -185,8 +188,9 @@ def predict(
         progs = programs(options.replace(method=method), layout, problem.causal, mode, shape)
         if rewrite is not None:
             progs = rewrite(progs)
-        fwd = simulate_pass(progs, topo, shape, compute, False, record)
-        bwd = simulate_pass(progs, topo, shape, compute, True, record)
+        links = a2a_topo if method == "tasp" and a2a_topo is not None else topo
+        fwd = simulate_pass(progs, links, shape, compute, False, record)
+        bwd = simulate_pass(progs, links, shape, compute, True, record)
         pred.methods[method] = MethodPrediction(method, fwd, bwd)
     return pred
 
