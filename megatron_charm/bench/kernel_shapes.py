@@ -26,6 +26,8 @@ import time
 import torch
 
 from megatron_charm.kernels import select_kernel
+from megatron_charm.sim.compute import BWD_FLOPS_RATIO
+from megatron_charm.sim.profile import block_flops_full
 
 
 def device_ms(fn, device: torch.device, iters: int = 10) -> float:
@@ -67,7 +69,7 @@ def cell(kern, s: int, b: int, h: int, d: int, device: torch.device, iters: int)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q, k, v, do = (torch.randn(s, b, h, d, device=device, dtype=dtype) for _ in range(4))
     scale = d**-0.5
-    flops = 4.0 * s * s * b * h * d
+    flops = block_flops_full(b, h, d, s)
 
     def fwd():
         return kern.forward(q, k, v, False, scale)
@@ -82,7 +84,7 @@ def cell(kern, s: int, b: int, h: int, d: int, device: torch.device, iters: int)
         "s": s, "b": b, "h": h, "d": d,
         "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4),
         "fwd_tflops": round(flops / f_ms / 1e9, 2),
-        "bwd_tflops": round(2.5 * flops / b_ms / 1e9, 2),
+        "bwd_tflops": round(BWD_FLOPS_RATIO * flops / b_ms / 1e9, 2),
         "fwd_host_us": round(_host_us(fwd, device, iters), 1),
         "bwd_host_us": round(_host_us(bwd, device, iters), 1),
     }  # fmt: skip

@@ -283,34 +283,40 @@ def markdown(
     return "\n".join(head + lines)
 
 
-def set_fields(specs: list[str]) -> dict[str, Hardware]:
-    """:data:`PRESETS` with each ``GPU.FIELD=VALUE`` of ``specs`` applied (numeric fields, and
-    ``enqueue_us``: the host's enqueue microseconds for every kind of operation)."""
-    presets = dict(PRESETS)
+def parse_set(spec: str) -> tuple[str, str, float]:
+    """``"GPU.FIELD=VALUE"`` -> ``(GPU, FIELD, VALUE)``, checked: GPU a preset, FIELD a numeric
+    :class:`Hardware` field or ``enqueue_us``, VALUE a finite number >= 0."""
     numeric = {
         f.name for f in dataclasses.fields(Hardware) if f.type in ("float", "int", float, int)
     } | {"enqueue_us"}
-    for spec in specs:
-        key, _, value = spec.partition("=")
-        gpu, _, name = key.partition(".")
-        if gpu not in presets or name not in numeric:
-            raise ValueError(
-                f"--set {spec!r}: write GPU.FIELD=VALUE with GPU in {sorted(PRESETS)} and FIELD "
-                f"a numeric preset field ({', '.join(sorted(numeric))})"
-            )
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if not math.isfinite(number) or number < 0:
-            raise ValueError(f"--set {spec!r}: VALUE must be a finite number >= 0")
+    key, _, value = spec.partition("=")
+    gpu, _, name = key.partition(".")
+    if gpu not in PRESETS or name not in numeric:
+        raise ValueError(
+            f"--set {spec!r}: write GPU.FIELD=VALUE with GPU in {sorted(PRESETS)} and FIELD "
+            f"a numeric preset field ({', '.join(sorted(numeric))})"
+        )
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"--set {spec!r}: VALUE must be a finite number >= 0")
+    if isinstance(getattr(PRESETS[gpu], name, 0.0), int) and number != int(number):
+        raise ValueError(f"--set {spec!r}: {name} is a whole number")
+    return gpu, name, number
+
+
+def set_fields(specs: list[str]) -> dict[str, Hardware]:
+    """:data:`PRESETS` with each ``GPU.FIELD=VALUE`` of ``specs`` applied (:func:`parse_set`;
+    ``enqueue_us``: the host's enqueue microseconds for every kind of operation)."""
+    presets = dict(PRESETS)
+    for gpu, name, number in map(parse_set, specs):
         if name == "enqueue_us":
             e = number * 1e-6
             field: dict = {"enqueue": Enqueue(call=e, exchange=e, kernel=e, merge=e)}
         else:
             whole = isinstance(getattr(presets[gpu], name), int)
-            if whole and number != int(number):
-                raise ValueError(f"--set {spec!r}: {name} is a whole number")
             field = {name: int(number) if whole else number}
         presets[gpu] = dataclasses.replace(presets[gpu], **field)
     return presets
@@ -357,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         presets = set_fields(args.set) if args.set else None
+        # a set efficiency is used as given, not fitted
+        given = {gpu for gpu, name, _ in map(parse_set, args.set) if name == "efficiency"}
     except ValueError as err:
         ap.error(str(err))
-    # a set efficiency is used as given, not fitted
-    given = {x.partition(".")[0] for x in args.set if x.partition("=")[0].endswith(".efficiency")}
     fits = {
         g: fit_efficiency(
             g,

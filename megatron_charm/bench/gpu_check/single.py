@@ -12,6 +12,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from megatron_charm.bench.kernel_matrix import DTYPES, MatrixConfig, run_matrix
 from megatron_charm.bench.kernel_shapes import device_ms
+from megatron_charm.sim.compute import BWD_FLOPS_RATIO
+from megatron_charm.sim.profile import block_flops_full
 
 Tensor = torch.Tensor
 
@@ -105,13 +107,13 @@ def merge_check(device: torch.device, seq: int) -> tuple[dict, list]:
 def _speed_cell(kern, q: Tensor, k: Tensor, v: Tensor, do: Tensor, device) -> dict:
     s, b, h, d = q.shape
     scale = d**-0.5
-    flops = 4 * s * s * b * h * d * 0.5  # causal
+    flops = block_flops_full(b, h, d, s) * 0.5  # causal: half the block
     fwd = device_ms(lambda: kern.forward(q, k, v, True, scale), device)
     o, lse = kern.forward(q, k, v, True, scale)
     bwd = device_ms(lambda: kern.backward(do, q, k, v, o, lse, True, scale), device)
     return {
         "fwd_tflops": round(flops / fwd / 1e9, 1),
-        "bwd_tflops": round(2.5 * flops / bwd / 1e9, 1),
+        "bwd_tflops": round(BWD_FLOPS_RATIO * flops / bwd / 1e9, 1),
     }
 
 
