@@ -35,18 +35,22 @@ Ring-Attention and CHARM+ do neither:
   ring's (``scripts/bench/paper_structure.py`` prints the counts) and keeps it above 2x there.
 * **Its returns are float32 on two nodes; on four the rows say input precision.** The paper's
   buffers are float32 (Appendix B.2: "under FP32 precision, each buffer occupies BSH"). On
-  2 x 8 float32 returns put Table 5's CHARM+ times within 5% (forward) and 16% (backward);
-  input-precision ones make them 24-32% too fast. On 4 x 8 float32 returns make them 51-57%
-  (forward) and 27-30% (backward) too slow, input-precision ones come within 9% and 5%. The
-  paper does not say how its four-node schedule returns its outputs; this choice
-  (``cross_return``, :func:`paper_charm`) is fitted to the rows, not derived.
+  2 x 8 float32 returns put Table 5's CHARM+ forward times within 5%; input-precision ones
+  make them 24-32% too fast. On 4 x 8 float32 returns make them 51-57% (forward) and 27-30%
+  (backward) too slow, input-precision ones come within 9% and 5%. The paper does not say how
+  its four-node schedule returns its outputs; this choice (:func:`paper_returns_fp32`,
+  ``cross_return``) is fitted to the rows, not derived. It carries into the backward: the
+  ``out`` of the backward bundle is the owner's merged output, float32 where the forward's
+  returns were. Shipped so, 2 x 8's four CHARM+ backward times come within 5% of Table 5's
+  (speedups -2% to -5%); shipped in the input precision they were 13-16% too fast, the four
+  largest errors of Table 5 (until 2026-12-04 16:30 UTC).
 * **Its CHARM+ ships queries and the whole backward bundle.** Queries cross nodes in both passes
   (the paper's cross-hardware query parallelism: ``cross_level="q"``), nothing is kept from the
   forward (``foreign_q="resend"``), and the bundle is ``q, out, dout, lse``: what
   FlashAttention's backward takes, in a backward that "shares the same overall logic" as the
   forward (the paper's footnote 5), whose buffers the paper counts as ``q, k, v``, the output
   and its gradient (its Appendix B.2). That is our reading; the paper does not list the
-  bundle. :func:`with_output_in_bundle` adds an ``out``-sized tensor to every bundle we ship
+  bundle. :func:`with_output_in_bundle` adds the output, with its lse, to every bundle we ship
   (ours carries ``delta``, ``d`` times smaller than ``out``, in its place).
 * **Its kernels run at about 60-70% of the H100's peak.** ``X = 10.96`` ms is the 2 x 8 row-1
   forward's blocks: ``6.66e12`` FLOPs per GPU (non-causal, ``4 B S^2 h d / n``), 0.61 of 989
@@ -101,31 +105,42 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_charm.plan import PlanOptions
-from megatron_charm.plan.types import Exchange, Kind, Payload, Program
+from megatron_charm.plan.types import Exchange, Kind, Payload, Program, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.programs import ProgramSet
 from megatron_charm.sim.topology import EFF_H20, EFF_H100, Topology
 
 #: CHARM+ as the paper runs it, its Algorithm 2 (the bundle's ``out`` is added by
-#: :func:`with_output_in_bundle`); :func:`paper_charm` sets the returns' precision.
+#: :func:`with_output_in_bundle`); :func:`paper_charm` sets the returns' precision
+#: (:func:`paper_returns_fp32`).
 PAPER_CHARM = PlanOptions(method="charm", cross_level="q", foreign_q="resend", combine_nodes=True)
 
 
+def paper_returns_fp32(num_nodes: int) -> bool:
+    """Whether the paper's CHARM+ returns its partial outputs in float32 on ``num_nodes`` nodes:
+    on two, not on more (fitted, Note [The paper's baselines])."""
+    return num_nodes == 2
+
+
 def paper_charm(num_nodes: int) -> PlanOptions:
-    """The paper's CHARM+ options for a CP group of ``num_nodes`` nodes: float32 returns on two
-    nodes, input-precision ones on more (fitted, Note [The paper's baselines])."""
-    return PAPER_CHARM.replace(cross_return="fp32") if num_nodes == 2 else PAPER_CHARM
+    """The paper's CHARM+ options for a CP group of ``num_nodes`` nodes: float32 returns where
+    :func:`paper_returns_fp32` says so, input-precision ones elsewhere."""
+    return (
+        PAPER_CHARM.replace(cross_return="fp32") if paper_returns_fp32(num_nodes) else PAPER_CHARM
+    )
 
 
 #: Efficiencies the paper's own numbers give (Note [The paper's baselines]); other GPUs are fitted.
 PAPER_EFFICIENCY: dict[str, float] = {"H100": EFF_H100, "H20": EFF_H20}
 
 
-def with_output_in_bundle(program: Program) -> Program:
-    """``program`` with an ``out``-sized tensor (``[s_part, b, h, d]``, input dtype) added next
-    to every backward query bundle it sends or receives, on both sides in the same position, so
-    transfers still match: the paper's bundle ``q, out, dout, lse``."""
+def with_output_in_bundle(program: Program, wire: Wire = Wire.INPUT) -> Program:
+    """``program`` with the forward's output (``[s_part, b, h, d]`` with its lse, in ``wire``)
+    added next to every backward query bundle it sends or receives, on both sides in the same
+    position, so transfers still match: the paper's bundle ``q, out, dout, lse``. ``wire``: the
+    precision of the owner's merged output, float32 where the forward's returns were
+    (:func:`paper_returns_fp32`)."""
     instrs = []
     for ins in program.instrs:
         if isinstance(ins, Exchange) and any(op.payload.kind is Kind.QB for op in ins.ops):
@@ -134,8 +149,8 @@ def with_output_in_bundle(program: Program) -> Program:
                 ops.append(op)
                 if op.payload.kind is Kind.QB:
                     p = op.payload
-                    out = Payload(Kind.Q, p.owner, p.part, p.heads)  # q's shape and dtype
-                    ops.append(dataclasses.replace(op, payload=out))
+                    out = Payload(Kind.O, p.owner, p.part, p.heads)
+                    ops.append(dataclasses.replace(op, payload=out, wire=wire))
             ins = dataclasses.replace(ins, ops=tuple(ops))
         instrs.append(ins)
     return Program(program.cp_rank, tuple(instrs))
@@ -147,9 +162,9 @@ def paper_programs(progs: ProgramSet) -> ProgramSet:
     if progs.method == "ring":
         return dataclasses.replace(progs, forward=tuple(p.without_overlap() for p in progs.forward))
     if progs.method == "charm":
-        return dataclasses.replace(
-            progs, backward=tuple(map(with_output_in_bundle, progs.backward))
-        )
+        wire = Wire.FP32 if paper_returns_fp32(progs.layout.num_nodes) else Wire.INPUT
+        bundled = tuple(with_output_in_bundle(p, wire) for p in progs.backward)
+        return dataclasses.replace(progs, backward=bundled)
     return progs
 
 

@@ -371,7 +371,7 @@ PRESETS: dict[str, Hardware] = {
         sms=132,
         nvlink=450.0,
         a2a_rate=H100_A2A_RATE,
-        paper_error=0.15,
+        paper_error=0.11,
     ),
 }
 

@@ -335,7 +335,8 @@ def baselines_text(baselines: str) -> str:
         return (
             "the paper ran them (ring's forward without overlap; charm is Algorithm 2: every "
             "q crosses once and runs in one pipeline with the node's own, float32 returns on "
-            "two nodes, input-precision ones on more; q, out, dout, lse in the backward)"
+            "two nodes, input-precision ones on more; q, out (in the returns' precision), dout, "
+            "lse in the backward)"
         )
     return "our planner runs them"
 

@@ -21,6 +21,7 @@ from megatron_charm.sim.profile import (
     load_profile,
     preset_profile,
 )
+from megatron_charm.sim.topology import PRESETS
 
 # The "true" machine the synthetic samples come from.
 FWD_RATE, BWD_RATE, FWD_OVER, BWD_OVER = 3e10, 2e10, 2e-4, 5e-4
@@ -237,12 +238,13 @@ def test_advise_says_where_its_numbers_come_from_and_how_far_to_trust_them(
         assert got, line
         return tuple(float(x) for x in got.groups())
 
-    # each preset quotes its own GPU's worst miss of the paper's rows (PRESET_ERROR)
+    # each preset quotes its own GPU's worst miss of the paper's rows (Hardware.paper_error)
+    err = PRESETS["H100"].paper_error
     preset = reasons("--preset", "H100", "--gpus", "2x2")
-    assert "not measured on this cluster" in preset and "+-15%" in preset
+    assert "not measured on this cluster" in preset and f"+-{err:.0%}" in preset
     margin, lo, hi = margin_range(preset)
-    assert lo == pytest.approx(margin * 0.85 / 1.15, abs=0.01)
-    assert hi == pytest.approx(margin * 1.15 / 0.85, abs=0.01)
+    assert lo == pytest.approx(margin * (1 - err) / (1 + err), abs=0.01)
+    assert hi == pytest.approx(margin * (1 + err) / (1 - err), abs=0.01)
     l20 = reasons("--preset", "L20", "--gpus", "2x2")
     assert "L20 rows" in l20 and "+-62%" in l20
 
