@@ -33,6 +33,15 @@ Ring-Attention and CHARM+ do neither:
   (within 6%), but they enqueue about twice ring's operations per rank and, host-bound at
   batch 1, put CHARM+ at 0.55x ring at 3,360 tokens; Algorithm 2 enqueues fewer than half of
   ring's (``scripts/bench/paper_structure.py`` prints the counts) and keeps it above 2x there.
+* **Its merge levels end in a barrier.** Algorithm 2 posts a level's kv and q exchanges, computes
+  on what the level before brought, and ends the level with ``Commwait()``: the next level's
+  exchanges start when all of this level's, and the outputs it sent back, are done. Our pipeline
+  keeps ``window`` exchanges in flight across levels. :func:`with_level_barriers` adds the
+  paper's waits to charm's (intra-node levels) and rm+'s (levels over the whole group) programs
+  in both passes. The CHARM+ rows barely move (Table 5's times by under 1%: they are bound by
+  the crossing transfers); RM+ gains less from its overlap, as the paper's does: H20 1 x 8 at
+  1,792 tokens +32% -> +13%, 1 x 4 at 1,792 +66% -> +41%, 1 x 4 at 7,168 +22% -> +7% (since
+  2026-12-04 16:45 UTC; L20's fitted efficiency moved from 0.356 to 0.271 with it).
 * **Its returns are float32 on two nodes; on four the rows say input precision.** The paper's
   buffers are float32 (Appendix B.2: "under FP32 precision, each buffer occupies BSH"). On
   2 x 8 float32 returns put Table 5's CHARM+ forward times within 5%; input-precision ones
@@ -105,7 +114,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_charm.plan import PlanOptions
-from megatron_charm.plan.types import Exchange, Kind, Payload, Program, Wire
+from megatron_charm.plan.types import Exchange, Kind, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.programs import ProgramSet
@@ -156,16 +165,66 @@ def with_output_in_bundle(program: Program, wire: Wire = Wire.INPUT) -> Program:
     return Program(program.cp_rank, tuple(instrs))
 
 
+def merge_level(cp_rank: int, ex: Exchange, group: int) -> int | None:
+    """The merge level of ``ex`` for ``cp_rank`` in pipelines of ``group`` consecutive ranks:
+    ``k`` for partners at XOR distance ``[2^k, 2^(k+1))`` of the local indices (Note [Merge
+    levels and the complementary split] in :mod:`megatron_charm.plan.partners`); ``None`` when
+    it goes outside the pipeline (charm's crossing queries and their returns)."""
+    inside = [op.peer for op in ex.ops if op.peer // group == cp_rank // group]
+    if not inside:
+        return None
+    local = cp_rank % group
+    return max((local ^ peer % group).bit_length() - 1 for peer in inside)
+
+
+def with_level_barriers(program: Program, group: int) -> Program:
+    """``program`` with the Commwait that ends every merge level of the paper's Algorithm 2:
+    before the rank posts the first exchange of a new merge level, it waits for every exchange
+    of the levels before (kv, q and the outputs or gradients they return). ``group``: ranks per
+    pipeline (a node for charm, the CP group for rm+); exchanges that leave it are not in a
+    level and keep their waits."""
+    waited = {i.handle for i in program.instrs if isinstance(i, Wait)}
+    open_levels: dict[int, int] = {}  # handle -> level, posted and not yet waited for
+    done: set[int] = set()
+    top = 0
+    instrs: list = []
+    for ins in program.instrs:
+        if isinstance(ins, Wait):
+            if ins.handle not in done:
+                open_levels.pop(ins.handle, None)
+                instrs.append(ins)
+            continue
+        if isinstance(ins, Exchange):
+            level = merge_level(program.cp_rank, ins, group)
+            if level is not None:
+                if level > top:
+                    for handle, lv in list(open_levels.items()):
+                        if lv < level and handle in waited:
+                            instrs.append(Wait(handle))
+                            done.add(handle)
+                            del open_levels[handle]
+                    top = level
+                open_levels[ins.handle] = level
+        instrs.append(ins)
+    return Program(program.cp_rank, tuple(instrs))
+
+
 def paper_programs(progs: ProgramSet) -> ProgramSet:
-    """``progs`` as the paper runs them: ring's forward without overlap, charm's backward
-    bundles with ``out``; other methods as the planner builds them."""
+    """``progs`` as the paper runs them: ring's forward without overlap; charm and rm+ with a
+    barrier at the end of every merge level, charm's backward bundles with ``out``; other
+    methods as the planner builds them."""
     if progs.method == "ring":
         return dataclasses.replace(progs, forward=tuple(p.without_overlap() for p in progs.forward))
+    if progs.method not in ("charm", "rm+"):
+        return progs
+    # Algorithm 2's merge levels: a node's ranks for charm, the whole group for rm+
+    group = progs.layout.ranks_per_node if progs.method == "charm" else progs.layout.cp_size
+    forward = tuple(with_level_barriers(p, group) for p in progs.forward)
+    backward = tuple(with_level_barriers(p, group) for p in progs.backward)
     if progs.method == "charm":
         wire = Wire.FP32 if paper_returns_fp32(progs.layout.num_nodes) else Wire.INPUT
-        bundled = tuple(with_output_in_bundle(p, wire) for p in progs.backward)
-        return dataclasses.replace(progs, backward=bundled)
-    return progs
+        backward = tuple(with_output_in_bundle(p, wire) for p in backward)
+    return dataclasses.replace(progs, forward=forward, backward=backward)
 
 
 def paper_predict(

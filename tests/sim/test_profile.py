@@ -246,7 +246,7 @@ def test_advise_says_where_its_numbers_come_from_and_how_far_to_trust_them(
     assert lo == pytest.approx(margin * (1 - err) / (1 + err), abs=0.01)
     assert hi == pytest.approx(margin * (1 + err) / (1 - err), abs=0.01)
     l20 = reasons("--preset", "L20", "--gpus", "2x2")
-    assert "L20 rows" in l20 and "+-62%" in l20
+    assert "L20 rows" in l20 and f"+-{PRESETS['L20'].paper_error:.0%}" in l20
 
     path = tmp_path / "p.json"
     raw = _raw()
