@@ -184,27 +184,27 @@ def with_level_barriers(program: Program, group: int) -> Program:
     pipeline (a node for charm, the CP group for rm+); exchanges that leave it are not in a
     level and keep their waits."""
     waited = {i.handle for i in program.instrs if isinstance(i, Wait)}
-    open_levels: dict[int, int] = {}  # handle -> level, posted and not yet waited for
-    done: set[int] = set()
+    posted: list[int] = []  # exchanges of a level, posted and not yet waited for, in order
+    done: set[int] = set()  # waited for early: their own waits drop out
     top = 0
     instrs: list = []
     for ins in program.instrs:
         if isinstance(ins, Wait):
             if ins.handle not in done:
-                open_levels.pop(ins.handle, None)
+                if ins.handle in posted:
+                    posted.remove(ins.handle)
                 instrs.append(ins)
             continue
         if isinstance(ins, Exchange):
             level = merge_level(program.cp_rank, ins, group)
             if level is not None:
-                if level > top:
-                    for handle, lv in list(open_levels.items()):
-                        if lv < level and handle in waited:
-                            instrs.append(Wait(handle))
-                            done.add(handle)
-                            del open_levels[handle]
+                if level > top:  # every open exchange belongs to an earlier level
+                    early = [h for h in posted if h in waited]
+                    instrs += [Wait(h) for h in early]
+                    done.update(early)
+                    posted = []
                     top = level
-                open_levels[ins.handle] = level
+                posted.append(ins.handle)
         instrs.append(ins)
     return Program(program.cp_rank, tuple(instrs))
 

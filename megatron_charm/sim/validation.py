@@ -285,7 +285,8 @@ def markdown(
 
 def parse_set(spec: str) -> tuple[str, str, float]:
     """``"GPU.FIELD=VALUE"`` -> ``(GPU, FIELD, VALUE)``, checked: GPU a preset, FIELD a numeric
-    :class:`Hardware` field or ``enqueue_us``, VALUE a finite number >= 0."""
+    :class:`Hardware` field or ``enqueue_us``, VALUE a finite number >= 0 (an ``int`` for a
+    whole-number field)."""
     numeric = {
         f.name for f in dataclasses.fields(Hardware) if f.type in ("float", "int", float, int)
     } | {"enqueue_us"}
@@ -302,8 +303,10 @@ def parse_set(spec: str) -> tuple[str, str, float]:
         number = math.nan
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"--set {spec!r}: VALUE must be a finite number >= 0")
-    if isinstance(getattr(PRESETS[gpu], name, 0.0), int) and number != int(number):
-        raise ValueError(f"--set {spec!r}: {name} is a whole number")
+    if isinstance(getattr(PRESETS[gpu], name, 0.0), int):
+        if number != int(number):
+            raise ValueError(f"--set {spec!r}: {name} is a whole number")
+        return gpu, name, int(number)
     return gpu, name, number
 
 
@@ -316,8 +319,7 @@ def set_fields(specs: list[str]) -> dict[str, Hardware]:
             e = number * 1e-6
             field: dict = {"enqueue": Enqueue(call=e, exchange=e, kernel=e, merge=e)}
         else:
-            whole = isinstance(getattr(presets[gpu], name), int)
-            field = {name: int(number) if whole else number}
+            field = {name: number}
         presets[gpu] = dataclasses.replace(presets[gpu], **field)
     return presets
 
