@@ -453,3 +453,18 @@ def test_the_structure_averages_are_the_grids_means(monkeypatch: pytest.MonkeyPa
     assert [float(row.split("|")[6]) for row in table] == [
         round(p.speedup("charm"), 2) for p in preds
     ]
+
+
+def test_the_structure_tables_4x8_tasp_sequences_fit_its_chunks() -> None:
+    # paper_structure --tasp-4x8: Table 5's 4 x 8 sequences and their multiples, every one cut
+    # into TASP's 2 x 31 chunks per rank (the scaled SEQS_16 are not: the column would be "-")
+    from megatron_charm.plan.tasp import check_tasp_shape
+    from tests.bench_scripts import load_bench_script
+
+    mod = load_bench_script("paper_structure")
+    seqs = [s * 32 // 16 for s in mod.SEQS_16_TASP_4X8]
+    assert {3968, 7936, 15872, 31744} <= set(seqs)  # Table 5's 4 x 8 rows
+    for seq in seqs:
+        check_tasp_shape(seq // 32, 32)
+    with pytest.raises(ValueError, match="divisible"):
+        check_tasp_shape(mod.SEQS_16[1] * 32 // 16 // 32, 32)
