@@ -6,6 +6,8 @@ Examples::
         --batch 16 --seq 26880 --heads 12 --head-dim 192
     megatron-charm-sim advise --preset H100 --gpus 16x8 --batch 1 --seq 131072 --heads 16 \\
         --head-dim 128 --causal
+    megatron-charm-sim --preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 \
+        --head-dim 192 --replay paper        # the paper's ring and CHARM+, next to its Table 5
     megatron-charm-sim calibrate --launcher loopback --out mine.json
     megatron-charm-sim advise --profile mine.json --gpus 4x2 --seq 65536 --heads 8 --head-dim 64
 """
@@ -34,6 +36,12 @@ from megatron_charm.sim.topology import (
 
 #: The plan options the simulator takes as flags.
 SIM_PLAN_OPTIONS = ("window", "cross_level", "intra_level", "memory_budget")
+
+#: What ``--replay`` replays: our schedules, or ring, charm and rm+ as the paper ran them.
+REPLAYS = ("ours", "paper")
+#: Methods ``--replay paper`` can replay (the paper's forms of ring, charm, rm+; TASP's flat
+#: form is the planner's own ``tasp``).
+PAPER_METHODS = ("ring", "charm", "rm+", "tasp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         "needs heads and kv heads divisible by the GPU count)",
     )
     sim.add_argument("--mode", choices=MODES, default="auto", help="replay all ranks or one node")
+    sim.add_argument(
+        "--replay",
+        choices=REPLAYS,
+        default="ours",
+        help="ours: the schedules this package runs (default); paper: ring, charm and rm+ as "
+        "the paper ran them (its ring forward without overlap, its CHARM+ Algorithm 2; Note "
+        "[The paper's baselines]), to compare with its tables (default methods: ring, charm)",
+    )
     add_plan_arguments(sim, keys=SIM_PLAN_OPTIONS)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap
@@ -266,6 +282,42 @@ def _a2a_links(args: argparse.Namespace, topo: Topology) -> Topology | None:
     return PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
 
 
+def _paper_prediction(
+    args: argparse.Namespace,
+    command: str,
+    topo: Topology,
+    problem: Problem,
+    compute: ComputeModel,
+    methods: list[str] | None,
+    a2a: Topology | None,
+) -> Prediction:
+    """``--replay paper``: the paper's ring, CHARM+ and RM+ (Note [The paper's baselines] in
+    :mod:`megatron_charm.sim.baselines`), to set next to its tables."""
+    from megatron_charm.sim.baselines import paper_predict
+
+    if command == "advise":
+        raise ValueError(
+            "advise recommends one of this package's schedules; --replay paper replays the "
+            "paper's own: drop --replay paper, or run the prediction without 'advise'"
+        )
+    values, defaults = plan_values_from_args(args, keys=SIM_PLAN_OPTIONS), PlanOptions()
+    given = [k for k, v in values.items() if v != getattr(defaults, k)]
+    if given or args.mode != "auto":
+        flags = [f"--{k.replace('_', '-')}" for k in given] + (["--mode"] * (args.mode != "auto"))
+        raise ValueError(
+            f"{', '.join(flags)} set our schedules' options; --replay paper replays the paper's "
+            "fixed ones: drop them, or --replay ours"
+        )
+    picked = methods or ["ring", "charm"]
+    bad = [m for m in picked if m not in PAPER_METHODS]
+    if bad:
+        raise ValueError(
+            f"--methods {','.join(bad)}: --replay paper replays {', '.join(PAPER_METHODS)}; pick "
+            "among those, or --replay ours"
+        )
+    return paper_predict(topo, problem, compute, tuple(picked), a2a)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["calibrate"]:
@@ -280,15 +332,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo, problem, compute, methods, profile = _resolve(args)
         a2a = _a2a_links(args, topo)
-        pred = predict(
-            topo,
-            problem,
-            compute,
-            None if methods is None else tuple(methods),
-            args.mode,
-            PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS)),
-            a2a_topo=a2a,
-        )
+        if args.replay == "paper":
+            pred = _paper_prediction(args, command, topo, problem, compute, methods, a2a)
+        else:
+            pred = predict(
+                topo,
+                problem,
+                compute,
+                None if methods is None else tuple(methods),
+                args.mode,
+                PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS)),
+                a2a_topo=a2a,
+            )
         if a2a is not None and "tasp" in pred.methods:
             tasp_note = (
                 f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "
@@ -307,8 +362,14 @@ def main(argv: list[str] | None = None) -> int:
             for r in adv.reasons:
                 print(f"  - {r}")
         return 0
+    replayed = (
+        "the paper's ring, CHARM+ and RM+ (Note [The paper's baselines]), not this package's"
+        if args.replay == "paper"
+        else "this package's schedules"
+    )
     if args.json:
         data = pred.to_dict()
+        data["replay"] = {"schedules": args.replay, "what": replayed}
         if tasp_note:
             data["tasp_links"] = tasp_note
         print(json.dumps(data, indent=2, default=str))
@@ -316,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         fastest = min(
             (m for m in pred.methods if m not in BASELINES), key=lambda m: pred.methods[m].total
         )
+        print(f"schedules: {replayed}")
         print(format_table(pred))
         if tasp_note:
             print(tasp_note)

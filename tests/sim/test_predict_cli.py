@@ -183,3 +183,47 @@ def test_cli_runs_a_presets_tasp_on_its_all_to_all_links(
     assert "tasp_links" not in flagged
     on_a2a, on_flags = (d["methods"]["tasp"]["forward"]["time_ms"] for d in (data, flagged))
     assert on_a2a < on_flags
+
+
+def test_cli_replays_the_papers_schedules_next_to_its_table_5(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Table 5's first 2 x 8 row: ring 149.97 ms, CHARM+ 2.35x forward / 3.18x backward
+    base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
+    assert main([*base.split(), "--replay", "paper"]) == 0
+    paper = json.loads(capsys.readouterr().out)
+    assert paper["replay"]["schedules"] == "paper"
+    assert set(paper["methods"]) == {"ring", "charm"}  # its default methods
+    speedups = (paper["methods"]["charm"][p]["speedup_vs_ring"] for p in ("forward", "backward"))
+    assert next(speedups) == pytest.approx(2.35, rel=0.1)
+    assert next(speedups) == pytest.approx(3.18, rel=0.1)
+    assert paper["methods"]["ring"]["forward"]["time_ms"] == pytest.approx(149.97, rel=0.06)
+    # our schedules: a ring forward that overlaps, a charm that keeps its crossed queries
+    assert main([*base.split(), "--methods", "ring,charm"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert ours["replay"]["schedules"] == "ours"
+    for name in ("ring", "charm"):
+        assert (
+            ours["methods"][name]["forward"]["time_ms"]
+            < paper["methods"][name]["forward"]["time_ms"]
+        )
+    assert main(base.replace("--json", "--replay paper").split()) == 0
+    assert capsys.readouterr().out.startswith("schedules: the paper's ring, CHARM+ and RM+")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--methods", "ring,a2a"], "--methods a2a: --replay paper replays ring, charm"),
+        (["--window", "4"], "--window set our schedules' options"),
+        (["--mode", "full"], "--mode set our schedules' options"),
+    ],
+)
+def test_cli_replay_paper_refuses_what_it_cannot_replay(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = "--preset H100 --gpus 2x4 --seq 8192 --heads 8 --head-dim 64 --replay paper".split()
+    assert main([*base, *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["advise", *base]) == 2
+    assert "advise recommends one of this package's schedules" in capsys.readouterr().err
