@@ -15,14 +15,18 @@ there (H20's from its ring rows); ``--baselines ours`` replays our own ring and 
 efficiency fitted.
 
 Run: ``python -m megatron_charm.sim.validation [--cross-links rails|shared] [--causal]
-[--baselines paper|ours] [--set GPU.FIELD=VALUE ...] [--out FILE]``. ``--set`` replays with one
-preset field changed (``H100.efficiency=0.35``, ``H20.intra_bw=148.6``): what-if runs of a
-constant's source; a set efficiency is used as given, not fitted.
+[--baselines paper|ours] [--set GPU.FIELD=VALUE ...] [--rows FILE.csv] [--out FILE]``. ``--set``
+replays with one preset field changed (``H100.efficiency=0.35``, ``H20.intra_bw=148.6``): what-if
+runs of a constant's source; a set efficiency is used as given, not fitted. ``--rows`` compares
+other measurements of the same kind instead of Tables 4 and 5 (a CSV with the columns of
+:data:`ROW_COLUMNS`, one row per measured point, times in ms, empty where none), at the presets'
+efficiencies (nothing is fitted on them).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import math
 import time
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
 from megatron_charm.sim.compute import Enqueue
 from megatron_charm.sim.predict import Prediction, Problem, predict
-from megatron_charm.sim.topology import PRESETS, Hardware, Topology
+from megatron_charm.sim.topology import PRESETS, Hardware, Topology, parse_gpus
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,81 @@ PAPER_ROWS: tuple[PaperRow, ...] = (
     _t5((4, 8), 64, 7936, (179.13, 66.48), (556.25, 134.48), 182.93),
     _t5((4, 8), 128, 3968, (178.51, 66.43), (560.63, 133.05), 183.09),
 )
+
+
+#: Columns of a ``--rows`` CSV: ``table`` (a label), ``gpu`` (a preset), ``gpus`` (``2x8``),
+#: the shape, then forward and backward times in ms of ring (required), rm+, CHARM+ and TASP
+#: (empty where not measured).
+ROW_COLUMNS = (
+    "table",
+    "gpu",
+    "gpus",
+    "batch",
+    "seq",
+    "heads",
+    "head_dim",
+    "ring_fwd",
+    "rmp_fwd",
+    "charm_fwd",
+    "ring_bwd",
+    "charm_bwd",
+    "tasp_fwd",
+)
+
+
+def _parse_row(path: str, line: int, rec: dict[str, str]) -> PaperRow:
+    def bad(col: str, rule: str) -> ValueError:
+        return ValueError(f"{path}:{line}: {col}={rec[col]!r}: {rule}; fix the row")
+
+    if rec["gpu"] not in PRESETS:
+        raise bad("gpu", f"not a preset ({', '.join(sorted(PRESETS))})")
+    try:
+        gpus = parse_gpus(rec["gpus"])
+    except ValueError as err:
+        raise bad("gpus", str(err)) from None
+    ints = {}
+    for col in ("batch", "seq", "heads", "head_dim"):
+        try:
+            ints[col] = int(rec[col])
+        except ValueError:
+            ints[col] = 0
+        if ints[col] <= 0:
+            raise bad(col, "must be a positive integer")
+    times: dict[str, float | None] = {}
+    for col in ROW_COLUMNS[7:]:
+        text = (rec[col] or "").strip()
+        if not text:
+            times[col] = None
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise bad(col, "a time in ms must be a finite number > 0, or empty")
+        times[col] = value
+    if times["ring_fwd"] is None:
+        raise bad("ring_fwd", "ring's forward time is required (speedups are over it)")
+    if times["charm_bwd"] is not None and times["ring_bwd"] is None:
+        raise bad("ring_bwd", "a backward speedup needs ring's backward time")
+    return PaperRow(rec["table"], rec["gpu"], gpus, **ints, **times)  # type: ignore[arg-type]
+
+
+def load_rows(path: str) -> tuple[PaperRow, ...]:
+    """Measured rows from a CSV with :data:`ROW_COLUMNS` (``--rows``); ``ValueError`` naming
+    the line and column of a bad value."""
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in ROW_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(
+                f"{path}: columns {missing} are missing; a --rows CSV has the header "
+                f"{','.join(ROW_COLUMNS)}"
+            )
+        rows = tuple(_parse_row(path, line, rec) for line, rec in enumerate(reader, start=2))
+    if not rows:
+        raise ValueError(f"{path}: no rows under the header")
+    return rows
 
 
 #: What ring and charm replay: the paper's (Note [The paper's baselines]) or our own.
@@ -234,8 +313,10 @@ def markdown(
     cross_links: str | None,
     causal: bool,
     baselines: str = "paper",
+    rows: str | None = None,
 ) -> str:
-    """The validation table (a) as Markdown."""
+    """The validation table (a) as Markdown; ``rows``: the ``--rows`` file the comparisons come
+    from (at the presets' efficiencies), instead of Tables 4 and 5."""
     lines = [
         "| table | GPU | m x p | batch | seq | method | pass | paper speedup | predicted | "
         "error | predicted ring ms | paper ring ms | predicted ms | paper ms |",
@@ -254,7 +335,7 @@ def markdown(
             ok = abs(c.error) <= 0.25
             n_ok += ok
             n += 1
-            if r.table == "5":
+            if r.table != "4":  # Table 4 does not state its batch and heads
                 times[(r, c.method, c.backward)] = (c.method_ms, paper_ms)
                 times[(r, "ring", c.backward)] = (c.ring_ms, ring_paper)
             lines.append(
@@ -268,13 +349,18 @@ def markdown(
         f"Cross links: {cross_links or PRESET_LINKS}; "
         f"causal: {causal}; ring and charm replayed as {baselines_text(baselines)}.",
         "",
-        "Efficiency (fraction of Table 2 TFLOPS; fitted unless the paper gives it: "
-        + (", ".join(sorted(PAPER_EFFICIENCY)) if baselines == "paper" else "none")
-        + "): "
+        (
+            f"Rows: {rows}. Efficiency (fraction of Table 2 TFLOPS; the presets', not fitted): "
+            if rows
+            else "Efficiency (fraction of Table 2 TFLOPS; fitted unless the paper gives it: "
+            + (", ".join(sorted(PAPER_EFFICIENCY)) if baselines == "paper" else "none")
+            + "): "
+        )
         + ", ".join(f"{g} {e:.3f}" for g, (e, _) in fits.items())
         + f". Within +-25%: {n_ok} of {n}."
         + (
-            f" Table 5 times within +-25%: {t_ok} of {len(times)} (ring's and each method's)."
+            f" {'Times' if rows else 'Table 5 times'} within +-25%: {t_ok} of {len(times)} "
+            "(ring's and each method's; Table 4's rows aside, whose batch and heads are assumed)."
             if times
             else ""
         ),
@@ -362,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="GPU.FIELD=VALUE",
         help="replay with one preset field changed (repeatable), e.g. H100.efficiency=0.35",
     )
+    ap.add_argument(
+        "--rows",
+        metavar="FILE.csv",
+        help="compare these measured rows (columns: " + ",".join(ROW_COLUMNS) + ") instead of "
+        "Tables 4 and 5, at the presets' efficiencies",
+    )
     ap.add_argument("--out", help="append the Markdown table to this file")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -371,6 +463,38 @@ def main(argv: list[str] | None = None) -> int:
         given = {gpu for gpu, name, _ in map(parse_set, args.set) if name == "efficiency"}
     except ValueError as err:
         ap.error(str(err))
+    if args.rows:
+        try:
+            rows = load_rows(args.rows)
+        except (OSError, ValueError) as err:
+            ap.error(str(err))
+        hw = presets or PRESETS
+        fits = {
+            g: (
+                hw[g].efficiency,
+                [
+                    c
+                    for r in rows
+                    if r.gpu == g
+                    for c in compare_row(
+                        r,
+                        hw[g].efficiency,
+                        args.cross_links,
+                        args.causal,
+                        True,
+                        args.baselines,
+                        presets,
+                    )
+                ],
+            )
+            for g in sorted({r.gpu for r in rows})
+        }
+        text = markdown(fits, args.cross_links, args.causal, args.baselines, args.rows)
+        print(text)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(text + "\n\n")
+        return 0
     fits = {
         g: fit_efficiency(
             g,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_charm.sim import validation as v
 from megatron_charm.sim.testbed import calibrate, compare
 from megatron_charm.sim.topology import PRESETS
 from megatron_charm.sim.validation import PAPER_ROWS, compare_row
@@ -114,3 +115,51 @@ def test_set_fields_replays_a_changed_preset(capsys: pytest.CaptureFixture) -> N
         return [line.split("|")[11] for line in out.splitlines() if line.startswith("| 4 |")]
 
     assert ring_ms() != ring_ms("--set", "H20.intra_bw=148.6")
+
+
+ROWS_HEADER = ",".join(v.ROW_COLUMNS)
+
+
+def test_rows_from_a_csv_compare_as_the_papers_rows(tmp_path, capsys) -> None:
+    # Table 5's first 2 x 8 row and a Table 4 row as a --rows file: the same comparisons as the
+    # built-in rows, at the presets' efficiencies
+    path = tmp_path / "rows.csv"
+    path.write_text(
+        ROWS_HEADER + "\n"
+        "5,H100,2x8,16,26880,12,192,149.97,,63.93,449.58,141.52,98.01\n"
+        "4,H20,2x8,16,1792,12,128,32.17,39.04,12.16,,,\n"
+    )
+    rows = v.load_rows(str(path))
+    assert rows == (v.PAPER_ROWS[10], v.PAPER_ROWS[8])
+    assert v.main(["--rows", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "the presets', not fitted" in out and "Within +-25%: 5 of 5" in out
+    want = v.compare_row(v.PAPER_ROWS[10], v.PRESETS["H100"].efficiency)
+    for c in want:
+        assert (
+            f"| {c.method} | {'bwd' if c.backward else 'fwd'} | {c.paper:.2f} | "
+            + (f"{c.predicted:.2f} |")
+            in out
+        )
+    # times are counted for the Table 5 row only (4 of its: ring and charm in both passes, TASP)
+    assert "Times within +-25%: 5 of 5" in out
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("5,A100,2x8,16,26880,12,192,149.97,,63.93,,,", "gpu='A100': not a preset"),
+        ("5,H100,2x8,0,26880,12,192,149.97,,63.93,,,", "batch='0': must be a positive integer"),
+        ("5,H100,2x8,16,26880,12,192,,,63.93,,,", "ring_fwd='': ring's forward time is required"),
+        ("5,H100,2x8,16,26880,12,192,149.97,,-1,,,", "charm_fwd='-1': a time in ms"),
+        ("5,H100,2x8,16,26880,12,192,149.97,,63.93,,141.5,", "ring_bwd='': a backward speedup"),
+    ],
+)
+def test_rows_refuse_a_bad_value_naming_line_and_column(tmp_path, line, message) -> None:
+    path = tmp_path / "rows.csv"
+    path.write_text(ROWS_HEADER + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=f"rows.csv:2: {message}"):
+        v.load_rows(str(path))
+    path.write_text("table,gpu\n5,H100\n")
+    with pytest.raises(ValueError, match="columns .* are missing"):
+        v.load_rows(str(path))
