@@ -6,7 +6,7 @@ Examples::
         --batch 16 --seq 26880 --heads 12 --head-dim 192
     megatron-charm-sim advise --preset H100 --gpus 16x8 --batch 1 --seq 131072 --heads 16 \\
         --head-dim 128 --causal
-    megatron-charm-sim --preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 \
+    megatron-charm-sim --preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 \\
         --head-dim 192 --replay paper        # the paper's ring and CHARM+, next to its Table 5
     megatron-charm-sim calibrate --launcher loopback --out mine.json
     megatron-charm-sim advise --profile mine.json --gpus 4x2 --seq 65536 --heads 8 --head-dim 64
