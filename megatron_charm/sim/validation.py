@@ -109,7 +109,10 @@ ROW_COLUMNS = (
 )
 
 
-def _parse_row(path: str, line: int, rec: dict[str, str]) -> PaperRow:
+def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
+    # a short line leaves fields None, a long one puts its extras under the key None
+    rec = {k: (v or "").strip() for k, v in raw.items() if isinstance(k, str)}
+
     def bad(col: str, rule: str) -> ValueError:
         return ValueError(f"{path}:{line}: {col}={rec[col]!r}: {rule}; fix the row")
 
@@ -129,7 +132,7 @@ def _parse_row(path: str, line: int, rec: dict[str, str]) -> PaperRow:
             raise bad(col, "must be a positive integer")
     times: dict[str, float | None] = {}
     for col in ROW_COLUMNS[7:]:
-        text = (rec[col] or "").strip()
+        text = rec[col]
         if not text:
             times[col] = None
             continue

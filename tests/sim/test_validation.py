@@ -150,6 +150,7 @@ def test_rows_from_a_csv_compare_as_the_papers_rows(tmp_path, capsys) -> None:
     [
         ("5,A100,2x8,16,26880,12,192,149.97,,63.93,,,", "gpu='A100': not a preset"),
         ("5,H100,2x8,0,26880,12,192,149.97,,63.93,,,", "batch='0': must be a positive integer"),
+        ("5,H100,2x8,16", "seq='': must be a positive integer"),  # a short line
         ("5,H100,2x8,16,26880,12,192,,,63.93,,,", "ring_fwd='': ring's forward time is required"),
         ("5,H100,2x8,16,26880,12,192,149.97,,-1,,,", "charm_fwd='-1': a time in ms"),
         ("5,H100,2x8,16,26880,12,192,149.97,,63.93,,141.5,", "ring_bwd='': a backward speedup"),
