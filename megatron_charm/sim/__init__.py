@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from megatron_charm.sim.compute import CalibratedCompute, FlopsCompute
 from megatron_charm.sim.engine import PassResult, RankResult, simulate_pass
-from megatron_charm.sim.predict import Advice, Prediction, Problem, advise, ccr, predict
+from megatron_charm.sim.predict import (
+    Advice,
+    Prediction,
+    Problem,
+    advise,
+    ccr,
+    ccr_parts,
+    predict,
+)
 from megatron_charm.sim.programs import ProgramSet, node_programs, programs
 from megatron_charm.sim.topology import PRESETS, Hardware, Topology, parse_gpus
 
@@ -27,6 +35,7 @@ __all__ = [
     "Topology",
     "advise",
     "ccr",
+    "ccr_parts",
     "node_programs",
     "parse_gpus",
     "predict",

@@ -235,6 +235,10 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
     )
 
 
+def _ms(parts: tuple[float, float]) -> str:
+    return f"{parts[0] * 1e3:.3g} / {parts[1] * 1e3:.3g} ms"
+
+
 def format_table(pred: Prediction) -> str:
     t, pr = pred.topo, pred.problem
     lines = [
@@ -242,7 +246,9 @@ def format_table(pred: Prediction) -> str:
         f"cross {t.cross_bw:g} GB/s ({t.nics} per node); batch {pr.batch}, seq {pr.seq} "
         f"(local {pred.shape.s_local}), heads {pr.heads}x{pr.head_dim}"
         f"{', causal' if pr.causal else ''}",
-        f"CCR forward {pred.ccr_forward:.3f}, backward {pred.ccr_backward:.3f}",
+        f"CCR forward {pred.ccr_forward:.3f}, backward {pred.ccr_backward:.3f} (ring's blocks "
+        f"over its transfers, one after the other: T_comp / T_comm {_ms(pred.ccr_seconds[0])} "
+        f"forward, {_ms(pred.ccr_seconds[1])} backward)",
         f"links: {describe_links(t)}",
         f"compute: {describe_compute(pred.compute)}" if pred.compute is not None else "",
         f"unit: {pred.UNIT}",

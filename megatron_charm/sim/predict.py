@@ -86,6 +86,8 @@ class Prediction:
     methods: dict[str, MethodPrediction] = field(default_factory=dict)
     compute: ComputeModel | None = None
     """The compute model the methods were replayed with."""
+    ccr_seconds: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
+    """``(T_comp, T_comm)`` of the forward's and the backward's CCR (:func:`ccr_parts`)."""
 
     #: What one predicted time covers.
     UNIT = "one attention layer, one micro-batch (its batch), forward and backward separately"
@@ -103,7 +105,19 @@ class Prediction:
             "topology": self.topo.__dict__,
             "problem": self.problem.__dict__,
             "s_local": self.shape.s_local,
-            "ccr": {"forward": self.ccr_forward, "backward": self.ccr_backward},
+            "ccr": {
+                "forward": self.ccr_forward,
+                "backward": self.ccr_backward,
+                # the paper's appendix columns: ring's blocks and transfers one after the other
+                "t_comp_ms": {
+                    "forward": self.ccr_seconds[0][0] * 1e3,
+                    "backward": self.ccr_seconds[1][0] * 1e3,
+                },
+                "t_comm_ms": {
+                    "forward": self.ccr_seconds[0][1] * 1e3,
+                    "backward": self.ccr_seconds[1][1] * 1e3,
+                },
+            },
             "unit": self.UNIT,
             "links": describe_links(self.topo),
             "methods": {},
@@ -133,14 +147,18 @@ class Prediction:
         return out
 
 
-def ccr(topo: Topology, shape: AttnShape, compute: ComputeModel, causal: bool, backward: bool):
-    """The paper's CCR (Eq. 7): ring's summed block time over its summed kv transfer time when
-    run one after the other. A ring step's transfer is as slow as its slowest link."""
+def ccr_parts(
+    topo: Topology, shape: AttnShape, compute: ComputeModel, causal: bool, backward: bool
+) -> tuple[float, float]:
+    """``(T_comp, T_comm)`` seconds of the paper's CCR (Eq. 7, the columns of its appendix
+    tables): ring's summed block time and its summed kv transfer time (and dkv's in the
+    backward) when run one after the other. A ring step's transfer is as slow as its slowest
+    link; ``T_comm`` is 0 on one rank."""
     n = topo.cp_size
     blocks = [Compute(0, y, *block_parts(0, y, causal)) for y in range(n)]
     comp = sum(compute.block_time(b, shape, backward) for b in blocks)
     if n == 1:
-        return float("inf")
+        return comp, 0.0
     link = "cross" if topo.num_nodes > 1 else "intra"
     kv = payload_bytes(Payload(Kind.KV, 0, Part.FULL), shape, Wire.INPUT)
     step = topo.latency(link) + kv / topo.bandwidth(link)
@@ -148,7 +166,16 @@ def ccr(topo: Topology, shape: AttnShape, compute: ComputeModel, causal: bool, b
     if backward:  # the ring's backward also moves a float32 dkv per step
         dkv = payload_bytes(Payload(Kind.DKV, 0, Part.FULL), shape, Wire.FP32)
         comm += (n - 1) * (topo.latency(link) + dkv / topo.bandwidth(link))
-    return comp / comm
+    return comp, comm
+
+
+def ccr(
+    topo: Topology, shape: AttnShape, compute: ComputeModel, causal: bool, backward: bool
+) -> float:
+    """The paper's CCR (Eq. 7): ``T_comp / T_comm`` of :func:`ccr_parts`; infinite on one
+    rank."""
+    comp, comm = ccr_parts(topo, shape, compute, causal, backward)
+    return comp / comm if comm else float("inf")
 
 
 def predict(
@@ -176,13 +203,14 @@ def predict(
         methods = methods_for(layout, shape)
     for method in methods:
         check_shape(options.replace(method=method), layout, shape)
+    parts = tuple(ccr_parts(topo, shape, compute, problem.causal, bwd) for bwd in (False, True))
     pred = Prediction(
         topo,
         problem,
         shape,
-        ccr(topo, shape, compute, problem.causal, False),
-        ccr(topo, shape, compute, problem.causal, True),
+        *(comp / comm if comm else float("inf") for comp, comm in parts),
         compute=compute,
+        ccr_seconds=parts,  # type: ignore[arg-type]
     )
     for method in methods:
         progs = programs(options.replace(method=method), layout, problem.causal, mode, shape)

@@ -227,3 +227,19 @@ def test_cli_replay_paper_refuses_what_it_cannot_replay(
     assert message in capsys.readouterr().err
     assert main(["advise", *base]) == 2
     assert "advise recommends one of this package's schedules" in capsys.readouterr().err
+
+
+def test_cli_prints_the_ccrs_two_sums_as_table_5_gives_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Table 5's 2 x 8 ring forward rows 1 and 3 (same bytes, FLOPs 8 : 2) give its blocks 10.96
+    # ms and its transfers 139.0 ms at batch 16 and 26,880 tokens (Note [The paper's baselines])
+    base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
+    assert main([*base.split(), "--replay", "paper"]) == 0
+    ccr = json.loads(capsys.readouterr().out)["ccr"]
+    comp, comm = ccr["t_comp_ms"]["forward"], ccr["t_comm_ms"]["forward"]
+    assert comp == pytest.approx(10.96, rel=0.12) and comm == pytest.approx(139.0, rel=0.05)
+    assert ccr["forward"] == pytest.approx(comp / comm)
+    assert ccr["t_comm_ms"]["backward"] > 2 * comm  # the backward moves a float32 dkv too
+    assert main(base.replace(" --json", "").split()) == 0
+    assert f"T_comp / T_comm {comp:.3g} / {comm:.3g} ms forward" in capsys.readouterr().out
