@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
-from megatron_charm.sim.compute import Enqueue
-from megatron_charm.sim.predict import Prediction, Problem, predict
+from megatron_charm.sim.compute import Enqueue, describe_compute
+from megatron_charm.sim.predict import Prediction, Problem, describe_links, predict
 from megatron_charm.sim.topology import PRESETS, Hardware, Topology, parse_gpus
 
 
@@ -317,6 +317,7 @@ def markdown(
     causal: bool,
     baselines: str = "paper",
     rows: str | None = None,
+    presets: dict[str, Hardware] | None = None,
 ) -> str:
     """The validation table (a) as Markdown; ``rows``: the ``--rows`` file the comparisons come
     from (at the presets' efficiencies), instead of Tables 4 and 5."""
@@ -348,6 +349,16 @@ def markdown(
                 f"{c.method_ms:.2f} | {paper_ms:.2f} |"
             )
     t_ok = sum(abs(got / want - 1.0) <= 0.25 for got, want in times.values())
+    # the models behind the numbers, per GPU type (item 4 of docs/simulator.md's validation)
+    models = [f"Unit: {Prediction.UNIT}; each row's own batch and shape."]
+    for gpu, (eff, comps) in fits.items():
+        if comps:
+            topo = row_topology(comps[0].row, cross_links, presets)
+            compute = (presets or PRESETS)[gpu].compute_model(eff)
+            models.append(
+                f"{gpu}: links {describe_links(topo)} (at {topo.num_nodes}x{topo.ranks_per_node}); "
+                f"compute {describe_compute(compute)}."
+            )
     head = [
         f"Cross links: {cross_links or PRESET_LINKS}; "
         f"causal: {causal}; ring and charm replayed as {baselines_text(baselines)}.",
@@ -367,6 +378,8 @@ def markdown(
             if times
             else ""
         ),
+        "",
+        *(f"* {m}" for m in models),
         "",
     ]
     return "\n".join(head + lines)
@@ -492,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for g in sorted({r.gpu for r in rows})
         }
-        text = markdown(fits, args.cross_links, args.causal, args.baselines, args.rows)
+        text = markdown(fits, args.cross_links, args.causal, args.baselines, args.rows, presets)
         print(text)
         if args.out:
             with open(args.out, "a") as fh:
@@ -509,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for g in args.gpus.split(",")
     }
-    text = markdown(fits, args.cross_links, args.causal, args.baselines)
+    text = markdown(fits, args.cross_links, args.causal, args.baselines, presets=presets)
     if args.set:
         text = (
             f"Preset fields set (a set efficiency is not fitted): {', '.join(args.set)}.\n\n" + text

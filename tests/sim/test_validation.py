@@ -134,6 +134,10 @@ def test_rows_from_a_csv_compare_as_the_papers_rows(tmp_path, capsys) -> None:
     assert v.main(["--rows", str(path)]) == 0
     out = capsys.readouterr().out
     assert "the presets', not fitted" in out and "Within +-25%: 5 of 5" in out
+    # the models behind the numbers: the unit, and per GPU type its links and compute
+    assert "* Unit: one attention layer, one micro-batch" in out
+    assert "* H100: links intra 365.1 GB/s" in out and "compute 989 TFLOPS x 0.68 " in out
+    assert "* H20: links" in out and "compute 148 TFLOPS x 0.329 " in out
     want = v.compare_row(v.PAPER_ROWS[10], v.PRESETS["H100"].efficiency)
     for c in want:
         assert (
