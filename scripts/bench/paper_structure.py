@@ -175,7 +175,7 @@ def main() -> int:
     lines = [
         f"H100 preset: efficiency {efficiency}, cross links at {hw.cross_achieved:.2f} GB/s, "
         f"enqueue {hw.enqueue.kernel * 1e6:g} us per operation; {args.baselines} baselines, "
-        f"12 x 192 heads, non-causal ({now:%Y-%m-%d %H:%M} UTC)"
+        f"12 x 192 heads, non-causal; unit: {Prediction.UNIT} ({now:%Y-%m-%d %H:%M} UTC)"
         + (f"; preset fields set: {', '.join(args.set)}" if args.set else ""),
         "",
         "| GPUs | batch | seq | CCR fwd | ring fwd ms | charm fwd speedup | charm bwd speedup | "
