@@ -317,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     head = (
         f"Generated {datetime.date.today().isoformat()}: {len(args.results)} configurations, "
         f"{n_ok} of {n} predicted times within +-25% of the measured medians ({n_20} within "
-        "+-20%)."
+        "+-20%). Unit: one call of the attention, its forward and its forward+backward, the "
+        "slowest rank's time per iteration (median over the iterations); each configuration "
+        "states its links and compute."
     )
     if kw["profile"] is not None:
         head += (
