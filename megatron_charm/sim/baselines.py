@@ -210,10 +210,11 @@ def with_level_barriers(program: Program, group: int) -> Program:
 
 
 def paper_programs(progs: ProgramSet) -> ProgramSet:
-    """``progs`` as the paper runs them: ring's forward without overlap; charm and rm+ with a
-    barrier at the end of every merge level, charm's backward bundles with ``out``; other
-    methods as the planner builds them."""
-    if progs.method == "ring":
+    """``progs`` as the paper runs them: ring's forward without overlap (Ring-Zigzag's, and
+    with ``ring-contig`` Ring-Attention's contiguous layout); charm and rm+ with a barrier at the
+    end of every merge level, charm's backward bundles with ``out``; other methods as the
+    planner builds them."""
+    if progs.method in ("ring", "ring-contig"):
         return dataclasses.replace(progs, forward=tuple(p.without_overlap() for p in progs.forward))
     if progs.method not in ("charm", "rm+"):
         return progs

@@ -39,9 +39,10 @@ SIM_PLAN_OPTIONS = ("window", "cross_level", "intra_level", "memory_budget")
 
 #: What ``--replay`` replays: our schedules, or ring, charm and rm+ as the paper ran them.
 REPLAYS = ("ours", "paper")
-#: Methods ``--replay paper`` can replay (the paper's forms of ring, charm, rm+; TASP's flat
-#: form is the planner's own ``tasp``).
-PAPER_METHODS = ("ring", "charm", "rm+", "tasp")
+#: Methods ``--replay paper`` can replay: the paper's Ring-Zigzag (``ring``) and Ring-Attention
+#: (``ring-contig``, the contiguous layout: under causal masking its last rank computes every
+#: block), CHARM+ and RM+; TASP's flat form is the planner's own ``tasp``.
+PAPER_METHODS = ("ring", "ring-contig", "charm", "rm+", "tasp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REPLAYS,
         default="ours",
         help="ours: the schedules this package runs (default); paper: ring, charm and rm+ as "
-        "the paper ran them (its ring forward without overlap, its CHARM+ Algorithm 2; Note "
+        "the paper ran them (its ring forward, zigzag or ring-contig, without overlap, its "
+        "CHARM+ Algorithm 2; Note "
         "[The paper's baselines]), to compare with its tables (default methods: ring, charm)",
     )
     add_plan_arguments(sim, keys=SIM_PLAN_OPTIONS)

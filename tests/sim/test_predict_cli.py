@@ -214,7 +214,7 @@ def test_cli_replays_the_papers_schedules_next_to_its_table_5(
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--methods", "ring,a2a"], "--methods a2a: --replay paper replays ring, charm"),
+        (["--methods", "ring,a2a"], "--methods a2a: --replay paper replays ring, ring-contig, charm"),
         (["--window", "4"], "--window set our schedules' options"),
         (["--mode", "full"], "--mode set our schedules' options"),
     ],
@@ -243,3 +243,20 @@ def test_cli_prints_the_ccrs_two_sums_as_table_5_gives_them(
     assert ccr["t_comm_ms"]["backward"] > 2 * comm  # the backward moves a float32 dkv too
     assert main(base.replace(" --json", "").split()) == 0
     assert f"T_comp / T_comm {comp:.3g} / {comm:.3g} ms forward" in capsys.readouterr().out
+
+
+def test_cli_replays_the_papers_ring_attention_and_ring_zigzag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # causal: the paper's Ring-Attention (contiguous layout) has its last rank compute every
+    # block, Ring-Zigzag balances them; both run their forward without overlap
+    base = "--preset H100 --gpus 2x8 --batch 4 --seq 65536 --heads 12 --head-dim 192 --causal"
+    base += " --methods ring,ring-contig --json"
+    times = {}
+    for replay in ("paper", "ours"):
+        assert main([*base.split(), "--replay", replay]) == 0
+        got = json.loads(capsys.readouterr().out)["methods"]
+        times[replay] = {m: got[m]["forward"]["time_ms"] for m in ("ring", "ring-contig")}
+    assert times["paper"]["ring-contig"] > times["paper"]["ring"] * 1.05
+    for method in ("ring", "ring-contig"):  # without overlap: slower than our own
+        assert times["paper"][method] > times["ours"][method] * 1.05
