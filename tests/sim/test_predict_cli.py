@@ -214,7 +214,7 @@ def test_cli_replays_the_papers_schedules_next_to_its_table_5(
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--methods", "ring,a2a"], "--methods a2a: --replay paper replays ring, ring-contig, charm"),
+        (["--methods", "ring,a2a"], "--methods a2a: --replay paper replays ring, ring-contig"),
         (["--window", "4"], "--window set our schedules' options"),
         (["--mode", "full"], "--mode set our schedules' options"),
     ],
