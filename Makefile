@@ -42,9 +42,13 @@ demo: setup
 demo-attention: setup
 	$(PY) -m megatron_charm.demo
 
-## The default suite (what CI runs).
+## The default suite (what CI runs first).
 test: setup
 	$(PY) -m pytest -q
+
+## The long end-to-end runs the default suite leaves out (CI runs them next).
+test-heavy: setup
+	$(PY) -m pytest -q -m heavy
 
 $(STAMP_MC019): pyproject.toml
 	@test -n "$(PYTHON_MC019)" || { echo "no Python 3.12 found: pass PYTHON_MC019=/path/to/python3.12"; exit 1; }

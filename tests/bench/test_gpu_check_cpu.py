@@ -22,6 +22,7 @@ SMALL += ["--dtypes", "fp32,bf16"]
 
 
 @pytest.mark.gloo
+@pytest.mark.heavy  # about 50 s: every check of the script, end to end (CI: make test-heavy)
 def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     out = tmp_path / "check.json"
     env = dict(os.environ, PYTHON=sys.executable)

@@ -115,6 +115,7 @@ def test_gpu_plan_matches_the_paper():
 
 
 @pytest.mark.e2e
+@pytest.mark.heavy  # about 25 s (CI: make test-heavy)
 def test_cpu_pipeline_end_to_end(tmp_path):
     """One row of each table at --scale cpu, 3 iterations: real runs, real tables."""
     out = _run_script(
