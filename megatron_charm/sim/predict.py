@@ -174,7 +174,11 @@ def ccr(
 ) -> float:
     """The paper's CCR (Eq. 7): ``T_comp / T_comm`` of :func:`ccr_parts`; infinite on one
     rank."""
-    comp, comm = ccr_parts(topo, shape, compute, causal, backward)
+    return _ratio(ccr_parts(topo, shape, compute, causal, backward))
+
+
+def _ratio(parts: tuple[float, float]) -> float:
+    comp, comm = parts
     return comp / comm if comm else float("inf")
 
 
@@ -208,7 +212,7 @@ def predict(
         topo,
         problem,
         shape,
-        *(comp / comm if comm else float("inf") for comp, comm in parts),
+        *map(_ratio, parts),
         compute=compute,
         ccr_seconds=parts,  # type: ignore[arg-type]
     )

@@ -267,6 +267,7 @@ def fit_efficiency(
     baselines: str = "paper",
     presets: dict[str, Hardware] | None = None,
     efficiency: float | None = None,
+    rows: tuple[PaperRow, ...] = PAPER_ROWS,
 ) -> tuple[float, list[Comparison]]:
     """Golden-section search of the efficiency that best fits ``gpu``'s rows (log speedups);
     with the paper's baselines, a GPU whose efficiency the paper's numbers give
@@ -278,9 +279,10 @@ def fit_efficiency(
     to 7,168 tokens (its blocks dominate); the paper's grows 3.9-fold (its transfers do).
     TASP's rows are not fitted: they are predicted at the efficiency fitted on the others
     (replaying TASP's all-to-all steps at 32 GPUs takes seconds a row, too slow inside the
-    search). ``presets``: instead of :data:`PRESETS`; ``efficiency``: used as given, not fitted.
+    search). ``presets``: instead of :data:`PRESETS`; ``efficiency``: used as given, not fitted;
+    ``rows``: instead of Tables 4 and 5 (``--rows``).
     """
-    rows = [r for r in PAPER_ROWS if r.gpu == gpu]
+    rows = tuple(r for r in rows if r.gpu == gpu)
 
     def run(eff: float, tasp: bool = False) -> list[Comparison]:
         return [
@@ -484,33 +486,11 @@ def main(argv: list[str] | None = None) -> int:
             rows = load_rows(args.rows)
         except (OSError, ValueError) as err:
             ap.error(str(err))
-        hw = presets or PRESETS
-        fits = {
-            g: (
-                hw[g].efficiency,
-                [
-                    c
-                    for r in rows
-                    if r.gpu == g
-                    for c in compare_row(
-                        r,
-                        hw[g].efficiency,
-                        args.cross_links,
-                        args.causal,
-                        True,
-                        args.baselines,
-                        presets,
-                    )
-                ],
-            )
-            for g in sorted({r.gpu for r in rows})
-        }
-        text = markdown(fits, args.cross_links, args.causal, args.baselines, args.rows, presets)
-        print(text)
-        if args.out:
-            with open(args.out, "a") as fh:
-                fh.write(text + "\n\n")
-        return 0
+        gpus = sorted({r.gpu for r in rows})
+        efficiency = {g: (presets or PRESETS)[g].efficiency for g in gpus}  # nothing fitted
+    else:
+        rows, gpus = PAPER_ROWS, args.gpus.split(",")
+        efficiency = {g: presets[g].efficiency for g in gpus if presets and g in given}
     fits = {
         g: fit_efficiency(
             g,
@@ -518,11 +498,12 @@ def main(argv: list[str] | None = None) -> int:
             args.causal,
             baselines=args.baselines,
             presets=presets,
-            efficiency=presets[g].efficiency if presets and g in given else None,
+            efficiency=efficiency.get(g),
+            rows=rows,
         )
-        for g in args.gpus.split(",")
+        for g in gpus
     }
-    text = markdown(fits, args.cross_links, args.causal, args.baselines, presets=presets)
+    text = markdown(fits, args.cross_links, args.causal, args.baselines, args.rows, presets)
     if args.set:
         text = (
             f"Preset fields set (a set efficiency is not fitted): {', '.join(args.set)}.\n\n" + text
