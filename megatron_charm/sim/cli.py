@@ -22,7 +22,15 @@ from dataclasses import replace
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, describe_compute
-from megatron_charm.sim.predict import Prediction, Problem, advise, describe_links, predict
+from megatron_charm.sim.predict import (
+    Prediction,
+    Problem,
+    advise,
+    ccr_parts,
+    describe_links,
+    nominal_links,
+    predict,
+)
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
 from megatron_charm.sim.topology import (
@@ -241,6 +249,16 @@ def _ms(parts: tuple[float, float]) -> str:
     return f"{parts[0] * 1e3:.3g} / {parts[1] * 1e3:.3g} ms"
 
 
+def _nominal_line(pred: Prediction) -> str:
+    assert pred.ccr_nominal is not None
+    (comp_f, fwd), (comp_b, bwd) = pred.ccr_nominal
+    return (
+        f"CCR at Table 2's rates, as the paper counts it (bytes over its measured bandwidth): "
+        f"forward {comp_f / fwd:.3f}, backward {comp_b / bwd:.3f} (T_comm {fwd * 1e3:.3g} ms "
+        f"forward, {bwd * 1e3:.3g} ms backward)"
+    )
+
+
 def format_table(pred: Prediction) -> str:
     t, pr = pred.topo, pred.problem
     lines = [
@@ -251,6 +269,7 @@ def format_table(pred: Prediction) -> str:
         f"CCR forward {pred.ccr_forward:.3f}, backward {pred.ccr_backward:.3f} (ring's blocks "
         f"over its transfers, one after the other: T_comp / T_comm {_ms(pred.ccr_seconds[0])} "
         f"forward, {_ms(pred.ccr_seconds[1])} backward)",
+        *([_nominal_line(pred)] if pred.ccr_nominal is not None else []),
         f"links: {describe_links(t)}",
         f"compute: {describe_compute(pred.compute)}" if pred.compute is not None else "",
         f"unit: {pred.UNIT}",
@@ -279,13 +298,31 @@ def format_table(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
+def _links_overridden(args: argparse.Namespace) -> bool:
+    return any(
+        x is not None for x in (args.intra_bw, args.cross_bw, args.cross_links, args.nics_per_node)
+    )
+
+
+def _table2_ccr(args: argparse.Namespace, pred: Prediction) -> None:
+    """Set ``pred.ccr_nominal`` where a preset's transfers run below Table 2's rates in the
+    paper's schedules (H20, H100) and no flag overrides its links."""
+    hw = PRESETS[args.preset] if args.preset else None
+    if hw is None or (hw.cross_rate == 1 and hw.intra_rate == 1) or _links_overridden(args):
+        return
+    links = nominal_links(pred.topo, hw.intra_bw, hw.cross_bw)
+    pred.ccr_nominal = tuple(  # type: ignore[assignment]
+        ccr_parts(links, pred.shape, pred.compute, pred.problem.causal, bwd)
+        for bwd in (False, True)
+    )
+
+
 def _a2a_links(args: argparse.Namespace, topo: Topology) -> Topology | None:
     """The links a preset's all-to-all runs on (:meth:`Hardware.a2a_topology`), where the
     preset knows them and no flag overrides its links; ``None`` elsewhere."""
     if not args.preset or not PRESETS[args.preset].a2a_rate:
         return None
-    link_flags = (args.intra_bw, args.cross_bw, args.cross_links, args.nics_per_node)
-    if any(x is not None for x in link_flags):
+    if _links_overridden(args):
         return None
     return PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
 
@@ -352,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS)),
                 a2a_topo=a2a,
             )
+        _table2_ccr(args, pred)
         if a2a is not None and "tasp" in pred.methods:
             tasp_note = (
                 f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "

@@ -88,6 +88,10 @@ class Prediction:
     """The compute model the methods were replayed with."""
     ccr_seconds: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
     """``(T_comp, T_comm)`` of the forward's and the backward's CCR (:func:`ccr_parts`)."""
+    ccr_nominal: tuple[tuple[float, float], tuple[float, float]] | None = None
+    """The same two sums with ``T_comm`` at a preset's Table 2 bandwidth, as the paper's Eq. 9
+    counts it (:func:`nominal_links`); ``None`` without a preset, or where its transfers run at
+    Table 2's rate anyway."""
 
     #: What one predicted time covers.
     UNIT = "one attention layer, one micro-batch (its batch), forward and backward separately"
@@ -122,6 +126,13 @@ class Prediction:
             "links": describe_links(self.topo),
             "methods": {},
         }
+        if self.ccr_nominal is not None:
+            fwd, bwd = self.ccr_nominal
+            out["ccr"]["table2"] = {
+                "forward": _ratio(fwd),
+                "backward": _ratio(bwd),
+                "t_comm_ms": {"forward": fwd[1] * 1e3, "backward": bwd[1] * 1e3},
+            }
         if self.compute is not None:
             out["compute"] = {
                 "kind": type(self.compute).__name__,
@@ -167,6 +178,15 @@ def ccr_parts(
         dkv = payload_bytes(Payload(Kind.DKV, 0, Part.FULL), shape, Wire.FP32)
         comm += (n - 1) * (topo.latency(link) + dkv / topo.bandwidth(link))
     return comp, comm
+
+
+def nominal_links(topo: Topology, intra_bw: float, cross_bw: float) -> Topology:
+    """``topo`` with Table 2's bandwidths (GB/s) and no fixed cost per transfer: the links of
+    the paper's own CCR, whose Eq. 9 takes a transfer's time as its bytes over "the available
+    bandwidth" (docs/simulator.md, `CCR`)."""
+    return dataclasses.replace(
+        topo, intra_bw=intra_bw, cross_bw=cross_bw, intra_lat=0.0, cross_lat=0.0
+    )
 
 
 def ccr(

@@ -245,6 +245,30 @@ def test_cli_prints_the_ccrs_two_sums_as_table_5_gives_them(
     assert f"T_comp / T_comm {comp:.3g} / {comm:.3g} ms forward" in capsys.readouterr().out
 
 
+def test_cli_prints_the_ccr_at_table_2s_rates_where_a_preset_runs_below_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the paper's Eq. 9 takes a transfer as its bytes over Table 2's bandwidth: Table 5's first
+    # 2 x 8 row moves 15 kv of 16 x 1,680 tokens x 12 x 192 (k and v, bf16) at 42.5 GB/s
+    base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
+    assert main(base.split()) == 0
+    ccr = json.loads(capsys.readouterr().out)["ccr"]
+    kv = 16 * 1680 * 12 * 192 * 2 * 2
+    table2 = ccr["table2"]
+    assert table2["t_comm_ms"]["forward"] == pytest.approx(15 * kv / 42.5e9 * 1e3, rel=1e-6)
+    assert table2["forward"] == pytest.approx(ccr["t_comp_ms"]["forward"] / (15 * kv / 42.5e6))
+    assert table2["forward"] > ccr["forward"] * 1.5  # in-schedule transfers run at 0.62 of it
+    assert table2["t_comm_ms"]["backward"] > 2 * table2["t_comm_ms"]["forward"]
+    assert main(base.replace(" --json", "").split()) == 0
+    line = "CCR at Table 2's rates, as the paper counts it (bytes over its measured bandwidth): "
+    assert f"{line}forward {table2['forward']:.3f}" in capsys.readouterr().out
+    # none where the preset's transfers run at Table 2's rate, or the links are given
+    for other in ("--preset L20 --gpus 2x4", "--preset H100 --gpus 2x8 --cross-bw 30"):
+        args = f"{other} --batch 2 --seq 8192 --heads 8 --head-dim 64 --json --methods ring"
+        assert main(args.split()) == 0
+        assert "table2" not in json.loads(capsys.readouterr().out)["ccr"]
+
+
 def test_cli_replays_the_papers_ring_attention_and_ring_zigzag(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
