@@ -431,7 +431,7 @@ def test_the_structure_table_replays_a_changed_preset() -> None:
     (slow,) = mod.rows(
         (2, 8), eff, "paper", (1680,), (1,), hw=dataclasses.replace(PRESETS["H100"], cross_lat=1e-3)
     )
-    ring_ms = [float(row.split("|")[5]) for row in (base, slow)]
+    ring_ms = [float(row.split("|")[6]) for row in (base, slow)]
     assert ring_ms[1] - ring_ms[0] > 15 * 1e-3 * 1e3 * 0.9
 
 
@@ -450,9 +450,14 @@ def test_the_structure_averages_are_the_grids_means(monkeypatch: pytest.MonkeyPa
     assert f"forward {fwd:.2f}x, backward {bwd:.2f}x" in line
     # the table shows the same predictions, TASP's column where its chunks fit
     table = mod.rows((2, 8), eff, "paper", (1680, 3360), (1, 16))
-    assert [float(row.split("|")[6]) for row in table] == [
+    assert [float(row.split("|")[7]) for row in table] == [
         round(p.speedup("charm"), 2) for p in preds
     ]
+    # ring's CCR at the achieved rate, then at Table 2's (42.5 over 26.35 GB/s: 1.61 x as high)
+    for row, p in zip(table, preds, strict=True):
+        achieved, table2 = (float(x) for x in row.split("|")[4:6])
+        assert achieved == round(p.ccr_forward, 2)
+        assert table2 == pytest.approx(achieved * 42.5 / 26.35, abs=0.015)
 
 
 def test_the_structure_tables_4x8_tasp_sequences_fit_its_chunks() -> None:
