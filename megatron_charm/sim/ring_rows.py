@@ -73,8 +73,9 @@ def _terms(row: PaperRow) -> tuple[int, float, float]:
 def ring_constants(gpu: str) -> RingConstants:
     """``gpu``'s constants from its one-node and two-node ring rows in :data:`PAPER_ROWS`."""
     hw = PRESETS[gpu]
-    one = [r for r in PAPER_ROWS if r.gpu == gpu and r.gpus[0] == 1]
-    two = [r for r in PAPER_ROWS if r.gpu == gpu and r.gpus[0] == 2]
+    rows = [r for r in PAPER_ROWS if r.gpu == gpu and r.ring_fwd is not None]
+    one = [r for r in rows if r.gpus[0] == 1]
+    two = [r for r in rows if r.gpus[0] == 2]
     if len(one) < 3 or len(two) < 2:
         raise ValueError(
             f"{gpu}: ring rows on one node ({len(one)}) and two nodes ({len(two)}) must be at "
@@ -84,13 +85,13 @@ def ring_constants(gpu: str) -> RingConstants:
     for row in one:
         n, flops, kv = _terms(row)
         feats.append((n * flops / (hw.tflops * 1e12), (n - 1) * kv / (hw.intra_bw * 1e9), n - 1))
-        ys.append(row.ring_fwd * 1e-3)
+        ys.append(row.ring_fwd * 1e-3)  # type: ignore[operator]
     inv_eff, inv_intra, intra_lat = fit_nonnegative(feats, ys, drop_order=())
     feats, ys = [], []
     for row in two:
         n, flops, kv = _terms(row)
         blocks = n * flops / (hw.tflops * 1e12) * inv_eff
         feats.append(((n - 1) * kv / (hw.cross_bw * 1e9), n - 1))
-        ys.append(row.ring_fwd * 1e-3 - blocks)
+        ys.append(row.ring_fwd * 1e-3 - blocks)  # type: ignore[operator]
     inv_cross, cross_lat = fit_nonnegative(feats, ys, drop_order=())
     return RingConstants(1 / inv_eff, 1 / inv_intra, intra_lat, 1 / inv_cross, cross_lat)

@@ -49,7 +49,7 @@ class PaperRow:
     seq: int
     heads: int
     head_dim: int
-    ring_fwd: float
+    ring_fwd: float | None
     rmp_fwd: float | None
     charm_fwd: float | None
     ring_bwd: float | None = None
@@ -90,8 +90,9 @@ PAPER_ROWS: tuple[PaperRow, ...] = (
 
 
 #: Columns of a ``--rows`` CSV: ``table`` (a label), ``gpu`` (a preset), ``gpus`` (``2x8``),
-#: the shape, then forward and backward times in ms of ring (required), rm+, CHARM+ and TASP
-#: (empty where not measured).
+#: the shape, then forward and backward times in ms of ring, rm+, CHARM+ and TASP (empty where
+#: not measured; ring's in every pass that has another method's, so a row of a backward-only
+#: table leaves every forward column empty).
 ROW_COLUMNS = (
     "table",
     "gpu",
@@ -143,8 +144,13 @@ def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
         if not (math.isfinite(value) and value > 0):
             raise bad(col, "a time in ms must be a finite number > 0, or empty")
         times[col] = value
-    if times["ring_fwd"] is None:
-        raise bad("ring_fwd", "ring's forward time is required (speedups are over it)")
+    forward = [c for c in ("rmp_fwd", "charm_fwd", "tasp_fwd") if times[c] is not None]
+    if times["ring_fwd"] is None and (forward or times["ring_bwd"] is None):
+        raise bad(
+            "ring_fwd",
+            f"ring's forward time is required{' with ' + forward[0] if forward else ''} "
+            "(speedups are over it; a backward-only row gives ring_bwd instead)",
+        )
     if times["charm_bwd"] is not None and times["ring_bwd"] is None:
         raise bad("ring_bwd", "a backward speedup needs ring's backward time")
     return PaperRow(rec["table"], rec["gpu"], gpus, **ints, **times)  # type: ignore[arg-type]

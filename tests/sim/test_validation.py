@@ -149,13 +149,35 @@ def test_rows_from_a_csv_compare_as_the_papers_rows(tmp_path, capsys) -> None:
     assert "Times within +-25%: 5 of 5" in out
 
 
+def test_rows_of_a_backward_only_table_compare_the_backward(tmp_path, capsys) -> None:
+    # the appendix's backward tables (10 and 12) give ring's and CHARM+'s backward times only:
+    # Table 5's first 2 x 8 row so written compares its backward speedup and times alone
+    path = tmp_path / "rows.csv"
+    path.write_text(ROWS_HEADER + "\n10,H100,2x8,16,26880,12,192,,,,449.58,141.52,\n")
+    (row,) = v.load_rows(str(path))
+    assert row.ring_fwd is None and row.charm_bwd == 141.52
+    (comp,) = v.compare_row(row, v.PRESETS["H100"].efficiency)
+    (want,) = [
+        c for c in v.compare_row(v.PAPER_ROWS[10], v.PRESETS["H100"].efficiency) if c.backward
+    ]
+    assert comp.backward and comp.predicted == pytest.approx(want.predicted)
+    assert v.main(["--rows", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Within +-25%: 1 of 1" in out and "Times within +-25%: 2 of 2" in out
+    assert "| charm | bwd | 3.18 |" in out and "| fwd |" not in out
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
         ("5,A100,2x8,16,26880,12,192,149.97,,63.93,,,", "gpu='A100': not a preset"),
         ("5,H100,2x8,0,26880,12,192,149.97,,63.93,,,", "batch='0': must be a positive integer"),
         ("5,H100,2x8,16", "seq='': must be a positive integer"),  # a short line
-        ("5,H100,2x8,16,26880,12,192,,,63.93,,,", "ring_fwd='': ring's forward time is required"),
+        (
+            "5,H100,2x8,16,26880,12,192,,,63.93,,,",
+            "ring_fwd='': ring's forward time is required with charm_fwd",
+        ),
+        ("5,H100,2x8,16,26880,12,192,,,,,,", "ring_fwd='': ring's forward time is required"),
         ("5,H100,2x8,16,26880,12,192,149.97,,-1,,,", "charm_fwd='-1': a time in ms"),
         ("5,H100,2x8,16,26880,12,192,149.97,,63.93,,141.5,", "ring_bwd='': a backward speedup"),
     ],
