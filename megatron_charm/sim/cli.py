@@ -26,9 +26,8 @@ from megatron_charm.sim.predict import (
     Prediction,
     Problem,
     advise,
-    ccr_parts,
     describe_links,
-    nominal_links,
+    nominal_ccr_parts,
     predict,
 )
 from megatron_charm.sim.profile import Profile, load_profile
@@ -310,11 +309,7 @@ def _table2_ccr(args: argparse.Namespace, pred: Prediction) -> None:
     hw = PRESETS[args.preset] if args.preset else None
     if hw is None or (hw.cross_rate == 1 and hw.intra_rate == 1) or _links_overridden(args):
         return
-    links = nominal_links(pred.topo, hw.intra_bw, hw.cross_bw)
-    pred.ccr_nominal = tuple(  # type: ignore[assignment]
-        ccr_parts(links, pred.shape, pred.compute, pred.problem.causal, bwd)
-        for bwd in (False, True)
-    )
+    pred.ccr_nominal = nominal_ccr_parts(pred, hw.intra_bw, hw.cross_bw)
 
 
 def _a2a_links(args: argparse.Namespace, topo: Topology) -> Topology | None:

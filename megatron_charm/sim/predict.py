@@ -189,6 +189,19 @@ def nominal_links(topo: Topology, intra_bw: float, cross_bw: float) -> Topology:
     )
 
 
+def nominal_ccr_parts(
+    pred: Prediction, intra_bw: float, cross_bw: float
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """:func:`ccr_parts` of ``pred``'s problem, forward and backward, on
+    :func:`nominal_links` at ``intra_bw`` / ``cross_bw`` GB/s (a preset's Table 2 rates)."""
+    assert pred.compute is not None
+    links = nominal_links(pred.topo, intra_bw, cross_bw)
+    fwd, bwd = (
+        ccr_parts(links, pred.shape, pred.compute, pred.problem.causal, b) for b in (False, True)
+    )
+    return fwd, bwd
+
+
 def ccr(
     topo: Topology, shape: AttnShape, compute: ComputeModel, causal: bool, backward: bool
 ) -> float:
