@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_charm.bench.methods import BASELINES, OURS
-from megatron_charm.bench.provenance import git
+from megatron_charm.bench.provenance import git, host
 from megatron_charm.bench.summary import markdown, summarise
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.plan.options import add_plan_arguments, plan_values_from_args
@@ -249,6 +249,7 @@ def run_attention(args: argparse.Namespace) -> dict:
     res["date"] = started
     res["shim_max_diff"] = raw.get("shim_max_diff")
     res["code"] = version
+    res["host"] = host()
     if testbed is not None:
         res["testbed"] = {k: testbed[k] for k in ("config", "cross_rate_bps", "intra_rate_bps")}
     md = markdown(res, cfg)

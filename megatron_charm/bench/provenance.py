@@ -22,3 +22,62 @@ def git(*args: str) -> str | None:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+#: CPU instruction sets that decide how fast torch's CPU kernels run in bf16 and fp32 (oneDNN
+#: picks its kernels by them): the testbed's blocks took 6 times longer on an AVX2-only host than
+#: on the host of the morning's calibration (docs/results/calibrated-2x2.md, "The host a profile
+#: describes").
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def host() -> dict:
+    """The machine a measurement ran on: ``cpu`` (model name), ``cores`` (logical CPUs),
+    ``isa`` (the :data:`ISA_FLAGS` it has), ``torch`` (its version) and ``gpu`` (the first CUDA
+    device's name, where torch is loaded and sees one); ``None`` where unknown."""
+    import importlib.metadata
+    import os
+    import platform
+    import sys
+
+    cpu, flags = None, None
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and cpu is None:
+                    cpu = value.strip()
+                elif key == "flags" and flags is None:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    gpu = None
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    return {
+        "cpu": cpu or platform.processor() or None,
+        "cores": os.cpu_count(),
+        "isa": None if flags is None else [f for f in ISA_FLAGS if f in flags],
+        "torch": torch_version,
+        "gpu": gpu,
+    }
+
+
+def host_differences(a: dict | None, b: dict | None) -> list[str]:
+    """What differs between two :func:`host` records, as ``"key: A vs B"``; a key either
+    record lacks (or holds as ``None``) is not compared. ``["not recorded"]`` when either
+    record is missing (results and profiles from before 2026-12-04 23:00 UTC)."""
+    if not a or not b:
+        return ["not recorded"]
+    out = []
+    for key in ("cpu", "cores", "isa", "gpu", "torch"):
+        x, y = a.get(key), b.get(key)
+        if x is not None and y is not None and x != y:
+            out.append(f"{key}: {x} vs {y}")
+    return out

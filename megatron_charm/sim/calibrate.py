@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import replace
 from datetime import datetime, timezone
 
+from megatron_charm.bench.provenance import host
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.sim.profile import Profile, fit_profile
 from megatron_charm.sim.topology import FABRICS
@@ -194,6 +195,7 @@ def main(argv: list[str]) -> int:
             **profile.provenance,
             "command": "megatron-charm-sim calibrate " + shlex.join(argv),
             "launcher": args.launcher,
+            "host": host(),
             "samples": {k: raw.get(k) for k in samples},
         },
     )

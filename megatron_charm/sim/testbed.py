@@ -51,6 +51,7 @@ import datetime
 import json
 from dataclasses import dataclass, replace
 
+from megatron_charm.bench.provenance import host_differences
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import PLAN_KEYS
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parts, n_ok, n_20, n = [], 0, 0, 0
     n_auto = 0
+    hosts = {"same": 0, "differ": 0, "not recorded": 0}
     base = kw["profile"]
     if args.profile_rate and base is None:
         raise ValueError("--profile-rate scales a profile's cross link: pass --profile too")
@@ -305,6 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         n_ok += sum(abs(r["error"]) <= 0.25 for r in rows)
         n_20 += sum(abs(r["error"]) <= 0.20 for r in rows)
         part = markdown(path.rsplit("/", 1)[-1], result, rows, cal)
+        if base is not None:
+            diff = host_differences(result.get("host"), base.provenance.get("host"))
+            key = "not recorded" if diff == ["not recorded"] else "differ" if diff else "same"
+            hosts[key] += 1
+            if key == "differ":
+                part += (
+                    f"\n\n**Measured on another host than the profile's** ({'; '.join(diff)}): "
+                    "this row compares two machines; calibrate on the result's host."
+                )
         if kw["profile"] is not None:
             v = auto_verdict(result, cal, kw["profile"])
             over = "not measured" if v["over_fastest"] is None else f"{v['over_fastest']:+.1%}"
@@ -324,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     if kw["profile"] is not None:
         head += (
             f" Profile: {kw['profile'].name} (nothing taken from the results). auto's pick is "
-            f"within 5% of the measured fastest at {n_auto} of {len(args.results)} points."
+            f"within 5% of the measured fastest at {n_auto} of {len(args.results)} points. "
+            f"Hosts (CPU, cores, instruction sets, GPU, torch): {hosts['same']} of the results "
+            f"on the profile's, {hosts['differ']} on another, {hosts['not recorded']} not "
+            "recorded."
         )
     text = "\n\n".join([head, *parts]) + "\n"
     print(text)

@@ -12,6 +12,7 @@ import torch
 
 from megatron_charm.bench.__main__ import main
 from megatron_charm.bench.accounting import method_bytes
+from megatron_charm.bench.provenance import host
 from megatron_charm.plan import Layout, PlanOptions, build_plan
 from megatron_charm.plan.cost import plan_bytes
 from megatron_charm.plan.payloads import AttnShape
@@ -83,6 +84,11 @@ def test_attention_benchmark_2x1(tmp_path):
             assert sum(sent[p].values()) == b["intra"] + b["cross"]
     assert 0 < res["ccr"]["fwd"] and 0 < res["pure_compute_s"]["fwdbwd"]
     assert methods["charm"]["fwdbwd"]["peak_buffer_bytes"]["bwd"] > 0
+    # the machine it ran on, to set next to a profile's (the GPU only where torch sees one)
+    here = host()
+    assert [res["host"][k] for k in ("cpu", "cores", "isa")] == [
+        here[k] for k in ("cpu", "cores", "isa")
+    ]
 
 
 def test_link_bytes_follow_the_cross_level_the_call_uses():

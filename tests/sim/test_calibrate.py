@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert prof.measured and prof.gpus == "2x2"
     assert set(prof.fit_error) == {"kernel_fwd", "kernel_bwd", "intra", "cross", "host_cpu"}
     assert prof.provenance["command"].startswith("megatron-charm-sim calibrate --launcher")
+    assert prof.provenance["host"]["cores"] == os.cpu_count()  # the machine it describes
     samples = prof.provenance["samples"]
     # every size at the configured heads and at one head (Note [Block shapes])
     shapes = [(k["heads"], k["tokens"]) for k in samples["kernel"]]

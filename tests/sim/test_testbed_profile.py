@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_charm.sim.profile import Profile
@@ -26,6 +28,9 @@ PROFILE = Profile(
         "mem_bw": 20.0,
     },
 )
+
+
+SWEEP_POINT = "2x2-shared-full-b1-s512-h4-200mbit.json"
 
 
 def _result(m, p, topology="shared", rate=100e6):
@@ -75,3 +80,42 @@ def test_the_testbed_replay_runs_on_its_mesh_of_node_pairs():
         calibrate(result, intra_gbps=1.0).topo,
     ):
         assert topo.cross_mesh and topo.cross_fifo
+
+
+def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys):
+    # a profile calibrated on one machine says nothing about another's kernels (the testbed's
+    # blocks ran 6 times slower once the machine reported an AVX2-only CPU): the comparison
+    # says so
+    import json
+
+    from megatron_charm.sim.testbed import main
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "results"
+    result = json.loads((docs / "sweep-elements-20261204" / SWEEP_POINT).read_text())
+    profile = json.loads(
+        (docs / "calibrate" / "profile-2x2-shared-100mbit-elements-e.json").read_text()
+    )
+    here = {"cpu": "A", "cores": 2, "isa": ["avx2"], "torch": "2.13.0", "gpu": None}
+    profile["provenance"]["host"] = here
+    paths = []
+    for name, rec in (
+        ("same", here),
+        ("other", dict(here, isa=["avx2", "avx512_bf16"])),
+        ("old", None),
+    ):
+        res = dict(result, host=rec) if rec else result
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(res))
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    args = [
+        *map(str, paths),
+        "--profile",
+        str(tmp_path / "profile.json"),
+        "--profile-rate",
+        "100mbit",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "1 of the results on the profile's, 1 on another, 1 not recorded" in out
+    assert out.count("Measured on another host than the profile's") == 1
+    assert "(isa: ['avx2', 'avx512_bf16'] vs ['avx2'])" in out
