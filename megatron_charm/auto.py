@@ -59,6 +59,29 @@ class AutoChoice:
 
 
 _CACHE: dict[tuple, tuple[object, AutoChoice]] = {}
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_other_gpu(prof: Profile) -> None:
+    """Log once per profile and GPU when ``prof`` was calibrated on another GPU than this
+    process runs on: its kernel and link numbers describe that one. Profiles that record no
+    GPU (CPU testbeds, calibrations before the host was recorded) are not checked."""
+    from megatron_charm.bench.provenance import host
+
+    theirs = (prof.provenance.get("host") or {}).get("gpu")
+    if not theirs:
+        return
+    ours = host()["gpu"]
+    if ours and ours != theirs and (prof.name, ours) not in _WARNED:
+        _WARNED.add((prof.name, ours))
+        log.warning(
+            "megatron-charm: cp method auto: profile %r was calibrated on %s, this rank runs on "
+            "%s; its predictions describe the other GPU. Run `megatron-charm-sim calibrate "
+            "--launcher env --device cuda` on this cluster and pass its profile",
+            prof.name,
+            theirs,
+            ours,
+        )
 
 
 def choose_method(
@@ -89,6 +112,7 @@ def choose_method(
     if hit is not None:
         return hit[1]
     prof = load_profile(profile)
+    _warn_other_gpu(prof)
     m, p = layout.num_nodes, layout.ranks_per_node
     problem = Problem(
         shape.b, shape.s_local * m * p, shape.h, shape.d, shape.h_kv, causal, shape.itemsize

@@ -191,6 +191,33 @@ def test_the_gloo_tiers_profiles_pick_charm_and_all_gather() -> None:
     assert fast.method == "all_gather" and "simpler" in fast.describe()
 
 
+def test_auto_warns_once_when_the_profile_was_calibrated_on_another_gpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dataclasses import replace
+
+    import megatron_charm.bench.provenance as provenance
+
+    prof = fit_profile(_raw())
+    prof = replace(prof, provenance={**prof.provenance, "host": {"gpu": "NVIDIA H100 80GB HBM3"}})
+    here = {"cpu": "x", "cores": 2, "isa": [], "torch": "2.13.0", "gpu": "NVIDIA H200"}
+    monkeypatch.setattr(provenance, "host", lambda: here)
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(prof, Layout(2, 2), SHAPE, True)
+        choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)  # a new shape
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
+    assert "calibrated on NVIDIA H100 80GB HBM3, this rank runs on NVIDIA H200" in warned[0]
+    caplog.clear()
+    # the same GPU, or a profile without one (a CPU testbed's): nothing to say
+    for gpu in ("NVIDIA H100 80GB HBM3", None):
+        other = replace(prof, name=f"same-{gpu}", provenance={"host": {"gpu": gpu}})
+        monkeypatch.setattr(provenance, "host", lambda: dict(here, gpu="NVIDIA H100 80GB HBM3"))
+        with caplog.at_level("WARNING", logger="megatron_charm"):
+            choose_method(other, Layout(2, 2), SHAPE, True)
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_auto_names_a_missing_profile() -> None:
     with pytest.raises(ValueError, match="megatron-charm-sim calibrate"):
         choose_method("no-such-profile.json", Layout(2, 2), SHAPE, True)
