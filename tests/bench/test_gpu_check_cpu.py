@@ -61,6 +61,7 @@ def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     cal = report["checks"]["calibrate"]
     assert cal["ran"] and cal["auto_picks"] in METHODS and cal["forward_tflops"] > 0
     assert {"compute", "fit_error", "provenance"} <= set(cal["profile_keys"])
+    assert cal["host"]["cores"] == os.cpu_count() and cal["host"]["gpu"] is None
 
     over = report["checks"]["overlap"]["breakdown"]
     assert over["transport"] == "gloo"
@@ -210,6 +211,16 @@ def test_calibrate_check_bounds_the_enqueue_cost():
     assert len(cc._enqueue_problems(Enqueue(), {})) == 4
     bad = cc._enqueue_problems(Enqueue(4e-5, 2e-5, 1e-2, 5e-5), {})
     assert bad == ["enqueue of one kernel took 10000.0 us (expected above 0 and below 5000 us)"]
+
+
+def test_calibrate_check_wants_the_gpu_named_in_the_host_record():
+    from megatron_charm.bench.gpu_check import calibrate_check as cc
+
+    rec = {"cpu": "x", "cores": 16, "isa": [], "torch": "2.9.0", "gpu": None}
+    assert cc._host_problems(rec, on_cuda=False) == []
+    assert cc._host_problems(dict(rec, gpu="NVIDIA H200"), on_cuda=True) == []
+    (bad,) = cc._host_problems(rec, on_cuda=True)
+    assert bad.startswith("the host record names no GPU")
 
 
 def test_sync_free_reports_a_synchronizing_call_and_restores_the_mode():

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import megatron_charm.bench.kernel_shapes as kernel_shapes
+import megatron_charm.bench.provenance as provenance
 import megatron_charm.sim.calibrate_worker as calibrate_worker
 
 
@@ -34,3 +35,12 @@ def test_kernel_shapes_names_the_device_with_the_public_call():
     assert "torch.cuda.get_device_name()" in source
     params = inspect.signature(torch.cuda.get_device_name).parameters
     assert list(params) == ["device"] and params["device"].default is None
+
+
+def test_the_host_record_names_the_gpu_with_the_public_calls():
+    # results and calibrate profiles record the GPU that auto compares with a rank's
+    source = inspect.getsource(provenance.host)
+    assert "torch.cuda.is_available()" in source and "torch.cuda.get_device_name(0)" in source
+    assert inspect.signature(torch.cuda.is_available).parameters == {}
+    params = inspect.signature(torch.cuda.get_device_name).parameters
+    assert list(params) == ["device"]

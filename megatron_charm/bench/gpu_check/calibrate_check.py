@@ -75,6 +75,14 @@ def _enqueue_problems(enqueue, result: dict) -> list[str]:
     ]
 
 
+def _host_problems(rec: dict, on_cuda: bool) -> list[str]:
+    """The host record ``calibrate`` stores in a profile (``provenance.host``) must name the GPU
+    on CUDA: ``auto`` compares it with the GPU a rank runs on."""
+    if on_cuda and not (isinstance(rec.get("gpu"), str) and rec["gpu"]):
+        return [f"the host record names no GPU ({rec}): profiles would not say which GPU"]
+    return []
+
+
 def calibrate_check(device: torch.device, plant: str | None) -> tuple[dict, list[str]]:
     """Measure, fit, check and use a profile; returns the result and the failures."""
     from megatron_charm.auto import choose_method
@@ -120,6 +128,10 @@ def calibrate_check(device: torch.device, plant: str | None) -> tuple[dict, list
         bad.append(f"forward block kernel at {tflops:.3g} TFLOP/s (< {MIN_CUDA_TFLOPS})")
     if on_cuda:
         bad += _enqueue_problems(profile.compute_model().enqueue_cost(), result)
+    from megatron_charm.bench.provenance import host
+
+    result["host"] = host()
+    bad += _host_problems(result["host"], on_cuda)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "profile.json")
         profile.save(path)
