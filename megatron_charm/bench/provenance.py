@@ -25,9 +25,9 @@ def git(*args: str) -> str | None:
 
 
 #: CPU instruction sets that decide how fast torch's CPU kernels run in bf16 and fp32 (oneDNN
-#: picks its kernels by them): the testbed's blocks took 6 times longer on an AVX2-only host than
-#: on the host of the morning's calibration (docs/results/calibrated-2x2.md, "The host a profile
-#: describes").
+#: picks its kernels by them): the testbed's blocks took 5-9 times longer on an AVX2-only host
+#: than on the one of the calibrations earlier that day (docs/results/calibrated-2x2.md, "The
+#: host a profile describes", 2026-12-04).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 

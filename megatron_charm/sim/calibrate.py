@@ -186,6 +186,8 @@ def main(argv: list[str]) -> int:
     if args.raw:
         with open(args.raw, "w") as f:
             json.dump(raw, f, indent=1)
+    if raw.get("device") == "cuda":
+        import torch  # noqa: F401  (host() names the GPU where torch is loaded)
     profile = fit_profile(raw, fabric=args.fabric)
     samples = ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
     samples += ("one_host", "host_cores", "threads", "host_work", "host_cpu")
