@@ -26,6 +26,7 @@ from megatron_charm.sim.predict import (
     Prediction,
     Problem,
     advise,
+    ccr_ratio,
     describe_links,
     nominal_ccr_parts,
     predict,
@@ -250,11 +251,11 @@ def _ms(parts: tuple[float, float]) -> str:
 
 def _nominal_line(pred: Prediction) -> str:
     assert pred.ccr_nominal is not None
-    (comp_f, fwd), (comp_b, bwd) = pred.ccr_nominal
+    fwd, bwd = pred.ccr_nominal
     return (
         f"CCR at Table 2's rates, as the paper counts it (bytes over its measured bandwidth): "
-        f"forward {comp_f / fwd:.3f}, backward {comp_b / bwd:.3f} (T_comm {fwd * 1e3:.3g} ms "
-        f"forward, {bwd * 1e3:.3g} ms backward)"
+        f"forward {ccr_ratio(fwd):.3f}, backward {ccr_ratio(bwd):.3f} (T_comm "
+        f"{fwd[1] * 1e3:.3g} ms forward, {bwd[1] * 1e3:.3g} ms backward)"
     )
 
 

@@ -129,8 +129,8 @@ class Prediction:
         if self.ccr_nominal is not None:
             fwd, bwd = self.ccr_nominal
             out["ccr"]["table2"] = {
-                "forward": _ratio(fwd),
-                "backward": _ratio(bwd),
+                "forward": ccr_ratio(fwd),
+                "backward": ccr_ratio(bwd),
                 "t_comm_ms": {"forward": fwd[1] * 1e3, "backward": bwd[1] * 1e3},
             }
         if self.compute is not None:
@@ -207,10 +207,12 @@ def ccr(
 ) -> float:
     """The paper's CCR (Eq. 7): ``T_comp / T_comm`` of :func:`ccr_parts`; infinite on one
     rank."""
-    return _ratio(ccr_parts(topo, shape, compute, causal, backward))
+    return ccr_ratio(ccr_parts(topo, shape, compute, causal, backward))
 
 
-def _ratio(parts: tuple[float, float]) -> float:
+def ccr_ratio(parts: tuple[float, float]) -> float:
+    """``T_comp / T_comm`` of :func:`ccr_parts`' pair; infinite where nothing is sent (one
+    rank)."""
     comp, comm = parts
     return comp / comm if comm else float("inf")
 
@@ -245,7 +247,7 @@ def predict(
         topo,
         problem,
         shape,
-        *map(_ratio, parts),
+        *map(ccr_ratio, parts),
         compute=compute,
         ccr_seconds=parts,  # type: ignore[arg-type]
     )

@@ -36,7 +36,13 @@ from megatron_charm.sim.baselines import (
     paper_programs,
 )
 from megatron_charm.sim.engine import enqueued_operations
-from megatron_charm.sim.predict import Prediction, Problem, nominal_ccr_parts, predict
+from megatron_charm.sim.predict import (
+    Prediction,
+    Problem,
+    ccr_ratio,
+    nominal_ccr_parts,
+    predict,
+)
 from megatron_charm.sim.programs import programs
 from megatron_charm.sim.topology import PRESETS, Hardware
 from megatron_charm.sim.validation import set_fields
@@ -112,8 +118,7 @@ def rows(
 def table2_ccr(pred: Prediction, hw: Hardware) -> float:
     """Ring's forward CCR with its transfers at Table 2's bandwidth, as the paper's Eq. 9 counts
     them (:func:`megatron_charm.sim.predict.nominal_ccr_parts`)."""
-    (comp, comm), _ = nominal_ccr_parts(pred, hw.intra_bw, hw.cross_bw)
-    return comp / comm
+    return ccr_ratio(nominal_ccr_parts(pred, hw.intra_bw, hw.cross_bw)[0])
 
 
 #: Batches of the averaging grid, and its largest batch x sequence: the paper keeps ``B S`` under

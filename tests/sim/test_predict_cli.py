@@ -262,6 +262,11 @@ def test_cli_prints_the_ccr_at_table_2s_rates_where_a_preset_runs_below_them(
     assert main(base.replace(" --json", "").split()) == 0
     line = "CCR at Table 2's rates, as the paper counts it (bytes over its measured bandwidth): "
     assert f"{line}forward {table2['forward']:.3f}" in capsys.readouterr().out
+    # one rank sends nothing: both CCRs are infinite, not a division by zero
+    assert main("--preset H100 --gpus 1x1 --seq 1024 --heads 4 --head-dim 64".split()) == 0
+    assert "as the paper counts it (bytes over its measured bandwidth): forward inf" in (
+        capsys.readouterr().out
+    )
     # none where the preset's transfers run at Table 2's rate, or the links are given
     for other in ("--preset L20 --gpus 2x4", "--preset H100 --gpus 2x8 --cross-bw 30"):
         args = f"{other} --batch 2 --seq 8192 --heads 8 --head-dim 64 --json --methods ring"

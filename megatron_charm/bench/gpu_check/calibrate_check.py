@@ -86,6 +86,7 @@ def _host_problems(rec: dict, on_cuda: bool) -> list[str]:
 def calibrate_check(device: torch.device, plant: str | None) -> tuple[dict, list[str]]:
     """Measure, fit, check and use a profile; returns the result and the failures."""
     from megatron_charm.auto import choose_method
+    from megatron_charm.bench.provenance import host
     from megatron_charm.plan import Layout
     from megatron_charm.plan.payloads import AttnShape
     from megatron_charm.sim import profile as profiles
@@ -128,8 +129,6 @@ def calibrate_check(device: torch.device, plant: str | None) -> tuple[dict, list
         bad.append(f"forward block kernel at {tflops:.3g} TFLOP/s (< {MIN_CUDA_TFLOPS})")
     if on_cuda:
         bad += _enqueue_problems(profile.compute_model().enqueue_cost(), result)
-    from megatron_charm.bench.provenance import host
-
     result["host"] = host()
     bad += _host_problems(result["host"], on_cuda)
     with tempfile.TemporaryDirectory() as tmp:
