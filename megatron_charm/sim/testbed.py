@@ -40,6 +40,25 @@ the three others at the full rate each, where one NIC per node would split it. E
 queue serves transfers in the order they arrive, so the replay's cross links do too
 (``cross_fifo``).
 
+Repeated runs. A sweep names each point's file after the point (``scripts/bench/sweep.py``), so
+result files with the same name from several sweep folders are runs of one point; they must
+have the same configuration (``ValueError`` otherwise). The point is predicted once (from the
+first run where the prediction reads the results) and each time is compared with the median of
+the runs' medians; the table lists every run's time and their spread (largest over smallest,
+minus one), and the header gives the spread over all points: an error inside it is below what
+this host repeats (Note [Repeatability]).
+
+Note [Repeatability]
+~~~~~~~~~~~~~~~~~~~~
+The testbed runs every rank on one 2-core host whose speed is not constant. On a shared virtual
+machine the same point measured 90 minutes apart differed by more than the +-20% the calibrated
+prediction aims at (charm's forward on 2 x 2 causal at 200 Mbit/s: 70 ms, then 55 and 52 ms), while
+another repeated within 10% (2 x 4 rails non-causal at 1 Gbit/s, five runs). Two sweeps 17 minutes
+apart differed by 3% in the median time and by up to 31% (a2a+p2p's forward on 2 x 2 causal at 1
+Gbit/s: 51 and 39 ms; docs/results/calibrated-2x2.md). One run cannot tell a noisy point from a
+model error; runs of the same point can: a miss outside the runs' spread is the model's, one inside
+it may be the host's.
+
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
 """
@@ -49,6 +68,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from megatron_charm.bench.provenance import host_differences
@@ -193,11 +215,18 @@ def _plan_options(result: dict) -> PlanOptions:
 
 
 def compare(
-    result: dict, probe: dict | None = None, cal: Calibration | None = None, **kw
+    result: dict,
+    probe: dict | None = None,
+    cal: Calibration | None = None,
+    repeats: Sequence[dict] = (),
+    **kw,
 ) -> list[dict]:
     """Rows of predicted vs measured median seconds per method and pass (fwd, fwd+bwd);
     ``cal``: an already computed :func:`calibrate` of ``result`` (else made from ``probe``,
-    ``kw``)."""
+    ``kw``); ``repeats``: further runs of the same point (Note [Repeatability]): the measured
+    time is then the median of every run's median, ``runs_s`` lists them and ``spread`` is the
+    largest over the smallest, minus one. A method missing from a repeat is compared with the
+    runs that have it."""
     cal = cal if cal is not None else calibrate(result, probe, **kw)
     methods = [m for m in METHODS if m in result["methods"]]
     pred = predict(
@@ -207,7 +236,12 @@ def compare(
     for method in methods:
         mp = pred.methods[method]
         for tag, predicted in (("fwd", mp.forward.makespan), ("fwdbwd", mp.total)):
-            measured = result["methods"][method][tag]["median"]
+            runs = [
+                r["methods"][method][tag]["median"]
+                for r in (result, *repeats)
+                if method in r["methods"]
+            ]
+            measured = statistics.median(runs)
             rows.append(
                 {
                     "method": method,
@@ -215,14 +249,47 @@ def compare(
                     "measured_s": measured,
                     "predicted_s": predicted,
                     "error": predicted / measured - 1.0,
+                    "runs_s": runs,
+                    "spread": max(runs) / min(runs) - 1.0,
                 }
             )
     return rows
 
 
-def auto_verdict(result: dict, cal: Calibration, profile: Profile) -> dict:
+#: Config keys that may differ between runs of one point (Note [Repeatability]).
+RUN_KEYS = ("methods", "iters", "warmup", "timeout_s")
+
+
+def group_runs(paths: Sequence[str]) -> list[tuple[str, list[tuple[str, dict]]]]:
+    """``paths`` grouped into points by file name, in first-seen order: ``(name, [(path,
+    result), ...])``. ``ValueError`` when two runs of one name differ in configuration."""
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for path in paths:
+        with open(path) as fh:
+            result = json.load(fh)
+        groups.setdefault(os.path.basename(path), []).append((path, result))
+    for name, runs in groups.items():
+        first_path, first = runs[0]
+        for path, other in runs[1:]:
+            a, b = (
+                {k: v for k, v in r["config"].items() if k not in RUN_KEYS} for r in (first, other)
+            )
+            if a != b or first.get("layout") != other.get("layout"):
+                diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+                raise ValueError(
+                    f"{path} and {first_path} share the name {name!r} but differ in "
+                    f"{diff or ['layout']}: files of one name are runs of one point (Note "
+                    "[Repeatability]); rename one of them"
+                )
+    return list(groups.items())
+
+
+def auto_verdict(
+    result: dict, cal: Calibration, profile: Profile, repeats: Sequence[dict] = ()
+) -> dict:
     """What ``method="auto"`` picks on ``profile`` for this result's shape, and how far its
-    measured fwd+bwd time is from the measured fastest of the methods in the result."""
+    measured fwd+bwd time (the median over ``result`` and its ``repeats``) is from the measured
+    fastest of the methods in the result."""
     from megatron_charm.auto import choose_method
 
     m, p = result["layout"]
@@ -231,11 +298,34 @@ def auto_verdict(result: dict, cal: Calibration, profile: Profile) -> dict:
         profile, Layout(m, p), shape, cal.problem.causal, _plan_options(result)
     ).method
     measured = {
-        name: res["fwdbwd"]["median"] for name, res in result["methods"].items() if name in METHODS
+        name: statistics.median(
+            r["methods"][name]["fwdbwd"]["median"]
+            for r in (result, *repeats)
+            if name in r["methods"]
+        )
+        for name in result["methods"]
+        if name in METHODS
     }
     fastest = min(measured, key=measured.__getitem__)
     over = measured[picked] / measured[fastest] - 1.0 if picked in measured else None
     return {"picked": picked, "fastest": fastest, "over_fastest": over}
+
+
+def error_summary(rows: list[dict]) -> str:
+    """One sentence: the times within +-20% per CP size and each method's median error, of
+    :func:`compare` rows that carry the result's ``ranks``."""
+    sizes = sorted({r["ranks"] for r in rows})
+    per_size = "; ".join(
+        f"{sum(abs(r['error']) <= 0.20 for r in rows if r['ranks'] == n)} of "
+        f"{sum(r['ranks'] == n for r in rows)} on {n} ranks"
+        for n in sizes
+    )
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    medians = ", ".join(
+        f"{m} {statistics.median(r['error'] for r in rows if r['method'] == m):+.0%}"
+        for m in methods
+    )
+    return f"Within +-20%: {per_size}. Median error per method: {medians}."
 
 
 def markdown(name: str, result: dict, rows: list[dict], cal: Calibration) -> str:
@@ -251,13 +341,27 @@ def markdown(name: str, result: dict, rows: list[dict], cal: Calibration) -> str
         f"{t.cross_bw * 1e3:.3g} MB/s ({cal.source}; configured "
         f"{float(result.get('cross_bps') or 0) / 8e6:.3g} MB/s); {blocks}.",
         "",
-        "| method | pass | measured ms | predicted ms | error |",
-        "|---|---|---|---|---|",
     ]
+    repeated = any(len(r.get("runs_s", ())) > 1 for r in rows)
+    if repeated:
+        lines += [
+            "| method | pass | measured ms (median of runs) | runs ms | spread | predicted ms "
+            "| error |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| method | pass | measured ms | predicted ms | error |",
+            "|---|---|---|---|---|",
+        ]
     for r in rows:
         miss = "" if abs(r["error"]) <= 0.25 else " (miss)"
+        runs = ""
+        if repeated:
+            each = ", ".join(f"{x * 1e3:.0f}" for x in r["runs_s"])
+            runs = f"{each} | {r['spread']:.0%} | "
         lines.append(
-            f"| {r['method']} | {r['pass']} | {r['measured_s'] * 1e3:.0f} | "
+            f"| {r['method']} | {r['pass']} | {r['measured_s'] * 1e3:.0f} | {runs}"
             f"{r['predicted_s'] * 1e3:.0f} | {r['error']:+.0%}{miss} |"
         )
     return "\n".join(lines)
@@ -296,28 +400,38 @@ def main(argv: list[str] | None = None) -> int:
     base = kw["profile"]
     if args.profile_rate and base is None:
         raise ValueError("--profile-rate scales a profile's cross link: pass --profile too")
-    for path in args.results:
-        with open(path) as fh:
-            result = json.load(fh)
+    groups = group_runs(args.results)
+    spreads: list[float] = []
+    every: list[dict] = []
+    for name, runs in groups:
+        result = runs[0][1]
+        repeats = [r for _, r in runs[1:]]
         if base is not None:
             kw["profile"] = profile_for(base, result, args.profile_rate)
         cal = calibrate(result, probe, **kw)
-        rows = compare(result, cal=cal)
+        rows = compare(result, cal=cal, repeats=repeats)
         n += len(rows)
         n_ok += sum(abs(r["error"]) <= 0.25 for r in rows)
         n_20 += sum(abs(r["error"]) <= 0.20 for r in rows)
-        part = markdown(path.rsplit("/", 1)[-1], result, rows, cal)
+        ranks = result["layout"][0] * result["layout"][1]
+        every += [dict(r, ranks=ranks) for r in rows]
+        if repeats:
+            spreads += [r["spread"] for r in rows]
+        title = name if not repeats else f"{name} ({len(runs)} runs)"
+        part = markdown(title, result, rows, cal)
         if base is not None:
-            diff = host_differences(result.get("host"), base.provenance.get("host"))
-            key = "not recorded" if diff == ["not recorded"] else "differ" if diff else "same"
-            hosts[key] += 1
-            if key == "differ":
-                part += (
-                    f"\n\n**Measured on another host than the profile's** ({'; '.join(diff)}): "
-                    "this row compares two machines; calibrate on the result's host."
-                )
+            for _, run in runs:
+                diff = host_differences(run.get("host"), base.provenance.get("host"))
+                key = "not recorded" if diff == ["not recorded"] else "differ" if diff else "same"
+                hosts[key] += 1
+                if key == "differ":
+                    part += (
+                        f"\n\n**Measured on another host than the profile's** "
+                        f"({'; '.join(diff)}): this row compares two machines; calibrate on "
+                        "the result's host."
+                    )
         if kw["profile"] is not None:
-            v = auto_verdict(result, cal, kw["profile"])
+            v = auto_verdict(result, cal, kw["profile"], repeats)
             over = "not measured" if v["over_fastest"] is None else f"{v['over_fastest']:+.1%}"
             n_auto += v["over_fastest"] is not None and v["over_fastest"] <= 0.05
             part += (
@@ -326,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         parts.append(part)
     head = (
-        f"Generated {datetime.date.today().isoformat()}: {len(args.results)} configurations, "
+        f"Generated {datetime.date.today().isoformat()}: {len(groups)} configurations, "
         f"{n_ok} of {n} predicted times within +-25% of the measured medians ({n_20} within "
         "+-20%). Unit: one call of the attention, its forward and its forward+backward, the "
         "slowest rank's time per iteration (median over the iterations); each configuration "
@@ -335,10 +449,18 @@ def main(argv: list[str] | None = None) -> int:
     if kw["profile"] is not None:
         head += (
             f" Profile: {kw['profile'].name} (nothing taken from the results). auto's pick is "
-            f"within 5% of the measured fastest at {n_auto} of {len(args.results)} points. "
+            f"within 5% of the measured fastest at {n_auto} of {len(groups)} points. "
             f"Hosts (CPU, cores, instruction sets, GPU, torch): {hosts['same']} of the results "
             f"on the profile's, {hosts['differ']} on another, {hosts['not recorded']} not "
             "recorded."
+        )
+    head += " " + error_summary(every)
+    if spreads:
+        head += (
+            f" Runs: {len(args.results)} result files, {sum(len(r) > 1 for _, r in groups)} "
+            "points run more than once; between the runs of a point a time differs by "
+            f"{statistics.median(spreads):.0%} in the median and up to {max(spreads):.0%} "
+            "(Note [Repeatability] in megatron_charm/sim/testbed.py)."
         )
     text = "\n\n".join([head, *parts]) + "\n"
     print(text)
