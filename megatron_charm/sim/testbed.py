@@ -51,13 +51,13 @@ this host repeats (Note [Repeatability]).
 Note [Repeatability]
 ~~~~~~~~~~~~~~~~~~~~
 The testbed runs every rank on one 2-core host whose speed is not constant. On a shared virtual
-machine the same point measured 90 minutes apart differed by more than the +-20% the calibrated
-prediction aims at (charm's forward on 2 x 2 causal at 200 Mbit/s: 70 ms, then 55 and 52 ms), while
-another repeated within 10% (2 x 4 rails non-causal at 1 Gbit/s, five runs). Two sweeps 17 minutes
-apart differed by 3% in the median time and by up to 31% (a2a+p2p's forward on 2 x 2 causal at 1
-Gbit/s: 51 and 39 ms; docs/results/calibrated-2x2.md). One run cannot tell a noisy point from a
-model error; runs of the same point can: a miss outside the runs' spread is the model's, one inside
-it may be the host's.
+machine the same point measured two hours apart differed by more than the +-20% the calibrated
+prediction aims at (charm's forward on 2 x 2 causal at 200 Mbit/s: 70 ms at 22:58 UTC, 51 and 52 ms
+in two sweeps after midnight), while another repeated within 5% (2 x 4 rails non-causal at 1
+Gbit/s: 196, 205 and 203 ms). The two later sweeps, 17 minutes apart, differed by 3% in the median
+time and by up to 31% (a2a+p2p's forward on 2 x 2 causal at 1 Gbit/s: 51 and 39 ms;
+docs/results/calibrated-2x2.md). One run cannot tell a noisy point from a model error; runs of the
+same point can: a miss outside the runs' spread is the model's, one inside it may be the host's.
 
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
