@@ -6,6 +6,9 @@
 Each point is one ``python -m megatron_charm.bench attention`` run on a fresh testbed; its JSON
 lands in ``<out>/<point>.json``. ``scripts/bench/plot.py <out>`` draws the figures and the
 table. Sized for a 2-core machine (about 15 minutes): small shapes, 3 timed iterations.
+Run it again into another ``--out`` to repeat every point: ``python -m megatron_charm.sim.testbed
+A/*.json B/*.json`` compares the runs of each point together (Note [Repeatability] in
+``megatron_charm/sim/testbed.py``).
 """
 
 from __future__ import annotations
