@@ -7,31 +7,12 @@ import json
 import pytest
 
 from megatron_charm.sim.testbed import compare, group_runs, main
+from tests.sim.testbed_results import bench_result
 
 
 def _result(ring_ms: float, charm_ms: float | None = None, heads: int = 4) -> dict:
     times = {"ring": ring_ms} if charm_ms is None else {"ring": ring_ms, "charm": charm_ms}
-    return {
-        "layout": [2, 2],
-        "topology": "shared",
-        "cross_bps": 100e6,
-        "pure_compute_s": {"fwd": 0.4, "fwdbwd": 2.4},
-        "config": {
-            "batch": 1,
-            "seq_local": 1024,
-            "heads": heads,
-            "kv_heads": heads,
-            "head_dim": 64,
-            "dtype": "bf16",
-            "causal": True,
-            "iters": 3,
-            "methods": sorted(times),
-        },
-        "methods": {
-            m: {"fwd": {"median": t / 1e3}, "fwdbwd": {"median": 3 * t / 1e3}}
-            for m, t in times.items()
-        },
-    }
+    return bench_result(times, heads)
 
 
 def test_repeats_are_compared_with_the_median_of_the_runs() -> None:

@@ -8,6 +8,7 @@ from megatron_charm.sim import validation as v
 from megatron_charm.sim.testbed import calibrate, compare
 from megatron_charm.sim.topology import PRESETS
 from megatron_charm.sim.validation import PAPER_ROWS, compare_row
+from tests.sim.testbed_results import bench_result
 
 
 def test_paper_rows_and_comparison() -> None:
@@ -31,28 +32,6 @@ def test_tasp_rows_of_table_5() -> None:
     assert [c.method for c in compare_row(row, 0.2, "rails", tasp=False)] == ["charm", "charm"]
 
 
-def _result(fwd_ms: dict[str, float]) -> dict:
-    return {
-        "layout": [2, 2],
-        "topology": "shared",
-        "cross_bps": 100e6,
-        "pure_compute_s": {"fwd": 0.4, "fwdbwd": 2.4},
-        "config": {
-            "batch": 1,
-            "seq_local": 1024,
-            "heads": 4,
-            "kv_heads": 4,
-            "head_dim": 64,
-            "dtype": "bf16",
-            "causal": True,
-        },
-        "methods": {
-            m: {"fwd": {"median": t / 1e3}, "fwdbwd": {"median": 3 * t / 1e3}}
-            for m, t in fwd_ms.items()
-        },
-    }
-
-
 def test_testbed_calibration_uses_probe_and_blocks() -> None:
     probe = {
         "phases": [
@@ -60,7 +39,7 @@ def test_testbed_calibration_uses_probe_and_blocks() -> None:
             {"name": "cross", "aggregate_bps": 9e7, "per_link_bps": 9e7},
         ]
     }
-    cal = calibrate(_result({"ring": 1000.0}), probe)
+    cal = calibrate(bench_result({"ring": 1000.0}), probe)
     assert cal.topo.intra_bw == pytest.approx(1.0) and cal.topo.cross_bw == pytest.approx(0.01125)
     # 4 ranks, 4 causal blocks each of half a full block: 0.4 s / 2 full blocks.
     assert cal.compute.fwd_block == pytest.approx(0.2)
@@ -69,7 +48,7 @@ def test_testbed_calibration_uses_probe_and_blocks() -> None:
 
 
 def test_testbed_compare_rows() -> None:
-    rows = compare(_result({"ring": 1000.0, "charm": 700.0}), intra_gbps=1.0)
+    rows = compare(bench_result({"ring": 1000.0, "charm": 700.0}), intra_gbps=1.0)
     assert {(r["method"], r["pass"]) for r in rows} == {
         (m, p) for m in ("ring", "charm") for p in ("fwd", "fwdbwd")
     }
@@ -81,7 +60,7 @@ def test_testbed_compare_rows() -> None:
 
 def test_testbed_needs_an_intra_rate() -> None:
     with pytest.raises(ValueError, match="--intra-gbps"):
-        calibrate(_result({"ring": 1.0}))
+        calibrate(bench_result({"ring": 1.0}))
 
 
 def test_preset_paper_error_is_the_validation_worst_miss() -> None:
