@@ -284,12 +284,10 @@ def group_runs(paths: Sequence[str]) -> list[tuple[str, list[tuple[str, dict]]]]
     return list(groups.items())
 
 
-def auto_verdict(
-    result: dict, cal: Calibration, profile: Profile, repeats: Sequence[dict] = ()
-) -> dict:
+def auto_verdict(result: dict, cal: Calibration, profile: Profile, rows: list[dict]) -> dict:
     """What ``method="auto"`` picks on ``profile`` for this result's shape, and how far its
-    measured fwd+bwd time (the median over ``result`` and its ``repeats``) is from the measured
-    fastest of the methods in the result."""
+    measured fwd+bwd time is from the measured fastest of the methods, both as :func:`compare`
+    gave them in ``rows`` (the median over a point's runs)."""
     from megatron_charm.auto import choose_method
 
     m, p = result["layout"]
@@ -297,15 +295,7 @@ def auto_verdict(
     picked = choose_method(
         profile, Layout(m, p), shape, cal.problem.causal, _plan_options(result)
     ).method
-    measured = {
-        name: statistics.median(
-            r["methods"][name]["fwdbwd"]["median"]
-            for r in (result, *repeats)
-            if name in r["methods"]
-        )
-        for name in result["methods"]
-        if name in METHODS
-    }
+    measured = {r["method"]: r["measured_s"] for r in rows if r["pass"] == "fwdbwd"}
     fastest = min(measured, key=measured.__getitem__)
     over = measured[picked] / measured[fastest] - 1.0 if picked in measured else None
     return {"picked": picked, "fastest": fastest, "over_fastest": over}
@@ -394,14 +384,13 @@ def main(argv: list[str] | None = None) -> int:
         merge_gbps=args.merge_gbps,
         profile=load_profile(args.profile) if args.profile else None,
     )
-    parts, n_ok, n_20, n = [], 0, 0, 0
+    parts: list[str] = []
     n_auto = 0
     hosts = {"same": 0, "differ": 0, "not recorded": 0}
     base = kw["profile"]
     if args.profile_rate and base is None:
         raise ValueError("--profile-rate scales a profile's cross link: pass --profile too")
     groups = group_runs(args.results)
-    spreads: list[float] = []
     every: list[dict] = []
     for name, runs in groups:
         result = runs[0][1]
@@ -410,13 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             kw["profile"] = profile_for(base, result, args.profile_rate)
         cal = calibrate(result, probe, **kw)
         rows = compare(result, cal=cal, repeats=repeats)
-        n += len(rows)
-        n_ok += sum(abs(r["error"]) <= 0.25 for r in rows)
-        n_20 += sum(abs(r["error"]) <= 0.20 for r in rows)
         ranks = result["layout"][0] * result["layout"][1]
         every += [dict(r, ranks=ranks) for r in rows]
-        if repeats:
-            spreads += [r["spread"] for r in rows]
         title = name if not repeats else f"{name} ({len(runs)} runs)"
         part = markdown(title, result, rows, cal)
         if base is not None:
@@ -431,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the result's host."
                     )
         if kw["profile"] is not None:
-            v = auto_verdict(result, cal, kw["profile"], repeats)
+            v = auto_verdict(result, cal, kw["profile"], rows)
             over = "not measured" if v["over_fastest"] is None else f"{v['over_fastest']:+.1%}"
             n_auto += v["over_fastest"] is not None and v["over_fastest"] <= 0.05
             part += (
@@ -439,10 +423,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"auto's pick against it: {over}."
             )
         parts.append(part)
+    n_ok = sum(abs(r["error"]) <= 0.25 for r in every)
+    n_20 = sum(abs(r["error"]) <= 0.20 for r in every)
+    spreads = [r["spread"] for r in every if len(r["runs_s"]) > 1]
     head = (
         f"Generated {datetime.date.today().isoformat()}: {len(groups)} configurations, "
-        f"{n_ok} of {n} predicted times within +-25% of the measured medians ({n_20} within "
-        "+-20%). Unit: one call of the attention, its forward and its forward+backward, the "
+        f"{n_ok} of {len(every)} predicted times within +-25% of the measured medians ({n_20} "
+        "within +-20%). Unit: one call of the attention, its forward and its forward+backward, the "
         "slowest rank's time per iteration (median over the iterations); each configuration "
         "states its links and compute."
     )
