@@ -5,7 +5,8 @@
 
 Each point is one ``python -m megatron_charm.bench attention`` run on a fresh testbed; its JSON
 lands in ``<out>/<point>.json``. ``scripts/bench/plot.py <out>`` draws the figures and the
-table. Sized for a 2-core machine (about 15 minutes): small shapes, 3 timed iterations.
+table. Sized for a 2-core machine (about 18 minutes): small shapes, 3 timed iterations; multi-head
+points, and three grouped-query ones (``-kv2`` in their names; ``--only kv`` runs just those).
 Run it again into another ``--out`` to repeat every point: ``python -m megatron_charm.sim.testbed
 A/*.json B/*.json`` compares the runs of each point together (Note [Repeatability] in
 ``megatron_charm/sim/testbed.py``).
@@ -18,39 +19,63 @@ import os
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (layout "mxp", topology, causal, batch, s_local, heads, cross rate)
+
+class Point(NamedTuple):
+    """One sweep point: a testbed layout, its links and an attention shape."""
+
+    layout: str  # "MxP": nodes x ranks per node
+    topology: str  # "shared" or "rails" cross links
+    causal: bool
+    batch: int
+    seq_local: int  # tokens per rank
+    heads: int
+    rate: str  # tc rate of the cross links
+    kv_heads: int = 0  # 0: as many as heads (multi-head attention)
+
+
+# Grouped-query points (8 query heads sharing 2 kv heads, as Llama-style models do) run where
+# charm ships kv across nodes instead of q (cross_level="auto"), the case its defaults tune.
+GQA_KV_HEADS = 2
+
 POINTS = [
     *(
-        ("2x2", "shared", True, 1, s, 4, r)
+        Point("2x2", "shared", True, 1, s, 4, r)
         for s in (512, 1024)
         for r in ("50mbit", "200mbit", "1gbit")
     ),
-    ("2x2", "shared", True, 2, 512, 4, "200mbit"),
-    ("2x2", "shared", True, 1, 512, 8, "200mbit"),
-    *(("2x2", "shared", False, 1, 512, 4, r) for r in ("50mbit", "200mbit", "1gbit")),
-    *(("2x4", "rails", True, 1, 512, 4, r) for r in ("100mbit", "400mbit", "2gbit")),
-    *(("2x4", "rails", False, 1, 512, 4, r) for r in ("100mbit", "1gbit")),
-    *(("4x2", "shared", True, 1, 512, 4, r) for r in ("100mbit", "500mbit")),
-    ("4x2", "shared", False, 1, 512, 4, "200mbit"),
+    Point("2x2", "shared", True, 2, 512, 4, "200mbit"),
+    Point("2x2", "shared", True, 1, 512, 8, "200mbit"),
+    *(Point("2x2", "shared", False, 1, 512, 4, r) for r in ("50mbit", "200mbit", "1gbit")),
+    *(Point("2x4", "rails", True, 1, 512, 4, r) for r in ("100mbit", "400mbit", "2gbit")),
+    *(Point("2x4", "rails", False, 1, 512, 4, r) for r in ("100mbit", "1gbit")),
+    *(Point("4x2", "shared", True, 1, 512, 4, r) for r in ("100mbit", "500mbit")),
+    Point("4x2", "shared", False, 1, 512, 4, "200mbit"),
+    Point("2x2", "shared", True, 1, 512, 8, "200mbit", GQA_KV_HEADS),
+    Point("2x4", "rails", True, 1, 512, 8, "400mbit", GQA_KV_HEADS),
+    Point("4x2", "shared", True, 1, 512, 8, "100mbit", GQA_KV_HEADS),
 ]
 
 
-def point_name(p) -> str:
-    lay, topo, causal, b, s, h, rate = p
-    return f"{lay}-{topo}-{'causal' if causal else 'full'}-b{b}-s{s}-h{h}-{rate}"
+def point_name(p: tuple) -> str:
+    p = Point(*p)
+    kv = f"-kv{p.kv_heads}" if p.kv_heads else ""
+    causal = "causal" if p.causal else "full"
+    return f"{p.layout}-{p.topology}-{causal}-b{p.batch}-s{p.seq_local}-h{p.heads}{kv}-{p.rate}"
 
 
-def point_cmd(p, out_json: str, iters: int, methods: str) -> list[str]:
-    lay, topo, causal, b, s, h, rate = p
-    m, rpn = lay.split("x")
+def point_cmd(p: tuple, out_json: str, iters: int, methods: str) -> list[str]:
+    p = Point(*p)
+    m, rpn = p.layout.split("x")
     return [
         sys.executable, "-m", "megatron_charm.bench", "attention",
-        "--nodes", m, "--ranks-per-node", rpn, "--topology", topo, "--cross-rate", rate,
-        "--batch", str(b), "--seq-local", str(s), "--heads", str(h), "--head-dim", "64",
-        "--dtype", "bf16", "--causal" if causal else "--no-causal",
+        "--nodes", m, "--ranks-per-node", rpn, "--topology", p.topology, "--cross-rate", p.rate,
+        "--batch", str(p.batch), "--seq-local", str(p.seq_local), "--heads", str(p.heads),
+        "--kv-heads", str(p.kv_heads or p.heads), "--head-dim", "64",
+        "--dtype", "bf16", "--causal" if p.causal else "--no-causal",
         "--methods", methods, "--iters", str(iters), "--warmup", "1",
         "--timeout", "300", "--quiet", "--json", out_json,
     ]  # fmt: skip
@@ -59,20 +84,25 @@ def point_cmd(p, out_json: str, iters: int, methods: str) -> list[str]:
 PEERS = "charm,ring,ring-flash,ring-flash-llama3,usp,all_gather,a2a,a2a+p2p,tasp".split(",")
 
 
-def fitting(p, methods: list[str]) -> list[str]:
-    """The methods of ``methods`` that can run point ``p``: the head splits need the heads to
-    divide (a2a by the CP size; a2a+p2p, a2a+charm and usp by the ranks per node), TASP's
-    chunks the local sequence, and the Llama 3 variant one sample per call."""
-    lay, _, _, b, s, h, _ = p
-    m, rpn = (int(x) for x in lay.split("x"))
+def fitting(p: tuple, methods: list[str]) -> list[str]:
+    """The methods of ``methods`` that can run point ``p``: the head splits need the query and
+    kv heads to divide (a2a by the CP size; a2a+p2p, a2a+charm and usp by the ranks per node),
+    TASP's chunks the local sequence, and the Llama 3 variant one sample per call."""
+    p = Point(*p)
+    m, rpn = (int(x) for x in p.layout.split("x"))
     n = m * rpn
+    kv = p.kv_heads or p.heads
+
+    def splits(ways: int) -> bool:
+        return p.heads % ways == 0 and kv % ways == 0
+
     skip = {
-        "a2a": h % n != 0,
-        "a2a+p2p": h % rpn != 0,
-        "a2a+charm": h % rpn != 0,
-        "usp": h % rpn != 0,
-        "tasp": s % (2 * (n - 1)) != 0,
-        "ring-flash-llama3": b != 1,
+        "a2a": not splits(n),
+        "a2a+p2p": not splits(rpn),
+        "a2a+charm": not splits(rpn),
+        "usp": not splits(rpn),
+        "tasp": p.seq_local % (2 * (n - 1)) != 0,
+        "ring-flash-llama3": p.batch != 1,
     }
     return [x for x in methods if not skip.get(x, False)]
 

@@ -34,3 +34,22 @@ def test_peers_table_names_the_fastest_peer():
     fitting = _load("sweep").fitting
     assert fitting(("2x4", "rails", True, 1, 512, 2, "100mbit"), ["a2a+charm"]) == []
     assert fitting(("2x4", "rails", True, 1, 512, 4, "100mbit"), ["a2a+charm"]) == ["a2a+charm"]
+
+
+def test_gqa_points_split_only_where_the_kv_heads_divide():
+    sweep = _load("sweep")
+    gqa = sweep.Point("2x4", "rails", True, 1, 512, 8, "400mbit", kv_heads=2)
+    # 8 query heads divide 4 ranks per node, 2 kv heads do not: no head split runs
+    assert set(sweep.fitting(gqa, sweep.PEERS)) == {
+        "charm", "ring", "ring-flash", "ring-flash-llama3", "all_gather"
+    }  # fmt: skip
+    assert sweep.point_name(gqa) == "2x4-rails-causal-b1-s512-h8-kv2-400mbit"
+    cmd = sweep.point_cmd(gqa, "out.json", 3, "charm")
+    assert cmd[cmd.index("--kv-heads") + 1] == "2" and cmd[cmd.index("--heads") + 1] == "8"
+    # multi-head points keep their names (runs of one point pair up by file name) and pass
+    # their own head count as the kv heads
+    mha = ("2x2", "shared", True, 1, 512, 8, "200mbit")
+    assert sweep.point_name(mha) == "2x2-shared-causal-b1-s512-h8-200mbit"
+    cmd = sweep.point_cmd(mha, "out.json", 3, "charm")
+    assert cmd[cmd.index("--kv-heads") + 1] == "8"
+    assert any(p.kv_heads for p in sweep.POINTS)
