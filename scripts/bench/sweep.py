@@ -37,8 +37,8 @@ class Point(NamedTuple):
     kv_heads: int = 0  # 0: as many as heads (multi-head attention)
 
 
-# Grouped-query points (8 query heads sharing 2 kv heads, as Llama-style models do) run where
-# charm ships kv across nodes instead of q (cross_level="auto"), the case its defaults tune.
+# Kv heads of the grouped-query points: 8 query heads share 2, as in Llama-style models, so charm
+# ships kv across nodes there instead of q (cross_level="auto"), a case its defaults choose.
 GQA_KV_HEADS = 2
 
 POINTS = [
