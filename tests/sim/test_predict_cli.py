@@ -11,6 +11,13 @@ from megatron_charm.sim import FlopsCompute, Problem, Topology, advise, predict
 from megatron_charm.sim.cli import main
 from megatron_charm.sim.topology import PRESETS, parse_gpus
 
+
+def _run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    """The CLI's ``--json`` output for ``argv``, after checking that it exits 0."""
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 PROBLEM = Problem(batch=2, seq=8192, heads=8, head_dim=64, causal=True)
 
 
@@ -66,11 +73,10 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     for m in METHODS:
         assert (f"\n{m} " in out) == (m in fits), m
     assert "CCR forward" in out
-    assert main([*args.split(), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    data = _run_json(capsys, [*args.split(), "--json"])
     assert set(data["methods"]) == fits
-    assert main([*args.split(), "--heads", "16", "--json"]) == 0
-    assert set(json.loads(capsys.readouterr().out)["methods"]) == set(METHODS) - {"tasp"}
+    sixteen = _run_json(capsys, [*args.split(), "--heads", "16", "--json"])
+    assert set(sixteen["methods"]) == set(METHODS) - {"tasp"}
     assert data["methods"]["ring"]["forward"]["speedup_vs_ring"] == pytest.approx(1.0)
     assert data["s_local"] == 1024
     # the models and the unit behind the numbers, in the table and the JSON
@@ -85,8 +91,7 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
     args = "advise --preset H100 --gpus 4x8 --batch 1 --seq 65536 --heads 16 --head-dim 128"
-    assert main([*args.split(), "--causal", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    data = _run_json(capsys, [*args.split(), "--causal", "--json"])
     assert data["cp_comm_type"] in METHODS and data["reasons"]
 
 
@@ -174,12 +179,10 @@ def test_cli_runs_a_presets_tasp_on_its_all_to_all_links(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     base = "--preset H100 --gpus 2x8 --batch 1 --seq 3360 --heads 12 --head-dim 192 --json"
-    assert main([*base.split(), "--methods", "ring,tasp"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    data = _run_json(capsys, [*base.split(), "--methods", "ring,tasp"])
     assert "one NIC per GPU" in data["tasp_links"]
     # the same preset with its links given by a flag: tasp on those links, slower
-    assert main([*base.split(), "--methods", "ring,tasp", "--cross-bw", "26.35"]) == 0
-    flagged = json.loads(capsys.readouterr().out)
+    flagged = _run_json(capsys, [*base.split(), "--methods", "ring,tasp", "--cross-bw", "26.35"])
     assert "tasp_links" not in flagged
     on_a2a, on_flags = (d["methods"]["tasp"]["forward"]["time_ms"] for d in (data, flagged))
     assert on_a2a < on_flags
@@ -190,8 +193,7 @@ def test_cli_replays_the_papers_schedules_next_to_its_table_5(
 ) -> None:
     # Table 5's first 2 x 8 row: ring 149.97 ms, CHARM+ 2.35x forward / 3.18x backward
     base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
-    assert main([*base.split(), "--replay", "paper"]) == 0
-    paper = json.loads(capsys.readouterr().out)
+    paper = _run_json(capsys, [*base.split(), "--replay", "paper"])
     assert paper["replay"]["schedules"] == "paper"
     assert set(paper["methods"]) == {"ring", "charm"}  # its default methods
     speedups = (paper["methods"]["charm"][p]["speedup_vs_ring"] for p in ("forward", "backward"))
@@ -199,8 +201,7 @@ def test_cli_replays_the_papers_schedules_next_to_its_table_5(
     assert next(speedups) == pytest.approx(3.18, rel=0.1)
     assert paper["methods"]["ring"]["forward"]["time_ms"] == pytest.approx(149.97, rel=0.06)
     # our schedules: a ring forward that overlaps, a charm that keeps its crossed queries
-    assert main([*base.split(), "--methods", "ring,charm"]) == 0
-    ours = json.loads(capsys.readouterr().out)
+    ours = _run_json(capsys, [*base.split(), "--methods", "ring,charm"])
     assert ours["replay"]["schedules"] == "ours"
     for name in ("ring", "charm"):
         assert (
@@ -235,8 +236,7 @@ def test_cli_prints_the_ccrs_two_sums_as_table_5_gives_them(
     # Table 5's 2 x 8 ring forward rows 1 and 3 (same bytes, FLOPs 8 : 2) give its blocks 10.96
     # ms and its transfers 139.0 ms at batch 16 and 26,880 tokens (Note [The paper's baselines])
     base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
-    assert main([*base.split(), "--replay", "paper"]) == 0
-    ccr = json.loads(capsys.readouterr().out)["ccr"]
+    ccr = _run_json(capsys, [*base.split(), "--replay", "paper"])["ccr"]
     comp, comm = ccr["t_comp_ms"]["forward"], ccr["t_comm_ms"]["forward"]
     assert comp == pytest.approx(10.96, rel=0.12) and comm == pytest.approx(139.0, rel=0.05)
     assert ccr["forward"] == pytest.approx(comp / comm)
@@ -251,8 +251,7 @@ def test_cli_prints_the_ccr_at_table_2s_rates_where_a_preset_runs_below_them(
     # the paper's Eq. 9 takes a transfer as its bytes over Table 2's bandwidth: Table 5's first
     # 2 x 8 row moves 15 kv of 16 x 1,680 tokens x 12 x 192 (k and v, bf16) at 42.5 GB/s
     base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
-    assert main(base.split()) == 0
-    ccr = json.loads(capsys.readouterr().out)["ccr"]
+    ccr = _run_json(capsys, base.split())["ccr"]
     kv = 16 * 1680 * 12 * 192 * 2 * 2
     table2 = ccr["table2"]
     assert table2["t_comm_ms"]["forward"] == pytest.approx(15 * kv / 42.5e9 * 1e3, rel=1e-6)
@@ -270,8 +269,7 @@ def test_cli_prints_the_ccr_at_table_2s_rates_where_a_preset_runs_below_them(
     # none where the preset's transfers run at Table 2's rate, or the links are given
     for other in ("--preset L20 --gpus 2x4", "--preset H100 --gpus 2x8 --cross-bw 30"):
         args = f"{other} --batch 2 --seq 8192 --heads 8 --head-dim 64 --json --methods ring"
-        assert main(args.split()) == 0
-        assert "table2" not in json.loads(capsys.readouterr().out)["ccr"]
+        assert "table2" not in _run_json(capsys, args.split())["ccr"]
 
 
 def test_cli_replays_the_papers_ring_attention_and_ring_zigzag(
@@ -283,8 +281,7 @@ def test_cli_replays_the_papers_ring_attention_and_ring_zigzag(
     base += " --methods ring,ring-contig --json"
     times = {}
     for replay in ("paper", "ours"):
-        assert main([*base.split(), "--replay", replay]) == 0
-        got = json.loads(capsys.readouterr().out)["methods"]
+        got = _run_json(capsys, [*base.split(), "--replay", replay])["methods"]
         times[replay] = {m: got[m]["forward"]["time_ms"] for m in ("ring", "ring-contig")}
     assert times["paper"]["ring-contig"] > times["paper"]["ring"] * 1.05
     for method in ("ring", "ring-contig"):  # without overlap: slower than our own
