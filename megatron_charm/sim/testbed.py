@@ -404,16 +404,20 @@ def main(argv: list[str] | None = None) -> int:
         title = name if not repeats else f"{name} ({len(runs)} runs)"
         part = markdown(title, result, rows, cal)
         if base is not None:
+            others: list[str] = []  # each differing run's differences, once per point
             for _, run in runs:
                 diff = host_differences(run.get("host"), base.provenance.get("host"))
                 key = "not recorded" if diff == ["not recorded"] else "differ" if diff else "same"
                 hosts[key] += 1
                 if key == "differ":
-                    part += (
-                        f"\n\n**Measured on another host than the profile's** "
-                        f"({'; '.join(diff)}): this row compares two machines; calibrate on "
-                        "the result's host."
-                    )
+                    others.append("; ".join(diff))
+            if others:
+                count = f"{len(others)} of {len(runs)} runs; " if len(runs) > 1 else ""
+                part += (
+                    f"\n\n**Measured on another host than the profile's** ({count}"
+                    f"{'; '.join(dict.fromkeys(others))}): this row compares two machines; "
+                    "calibrate on the result's host."
+                )
         if kw["profile"] is not None:
             v = auto_verdict(result, cal, kw["profile"], rows)
             over = "not measured" if v["over_fastest"] is None else f"{v['over_fastest']:+.1%}"

@@ -119,3 +119,31 @@ def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys
     assert "1 of the results on the profile's, 1 on another, 1 not recorded" in out
     assert out.count("Measured on another host than the profile's") == 1
     assert "(isa: ['avx2', 'avx512_bf16'] vs ['avx2'])" in out
+
+
+def test_runs_of_one_point_from_another_host_are_marked_once(tmp_path, capsys):
+    import json
+
+    from megatron_charm.sim.testbed import main
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "results"
+    result = json.loads((docs / "sweep-elements-20261204" / SWEEP_POINT).read_text())
+    profile = json.loads(
+        (docs / "calibrate" / "profile-2x2-shared-100mbit-elements-e.json").read_text()
+    )
+    here = {"cpu": "A", "cores": 2, "isa": ["avx2"], "torch": "2.13.0", "gpu": None}
+    profile["provenance"]["host"] = here
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    other = dict(here, cores=4)
+    paths = []
+    for folder, host in (("a", other), ("b", other), ("c", here)):
+        (tmp_path / folder).mkdir()
+        paths.append(tmp_path / folder / SWEEP_POINT)
+        paths[-1].write_text(json.dumps(dict(result, host=host)))
+    args = [*map(str, paths), "--profile", str(tmp_path / "profile.json")]
+    assert main([*args, "--profile-rate", "100mbit"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of the results on the profile's, 2 on another" in out
+    # one warning for the point, counting its runs, its differences named once
+    assert out.count("Measured on another host than the profile's") == 1
+    assert "(2 of 3 runs; cores: 4 vs 2)" in out
