@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(presets: their GPU's; flags alone: 0, blocks at their FLOPs)",
     )
     hw.add_argument("--fabric", choices=FABRICS, help="intra-node fabric (default nvlink)")
+    hw.add_argument(
+        "--pcie-domain-bw",
+        type=float,
+        help="GB/s that all PCIe transfers of one node share per direction, with --fabric pcie "
+        "(preset L20: 24; default 0: only each GPU's own link is shared)",
+    )
     hw.add_argument("--cross-links", choices=CROSS_LINKS, help="cross links (default rails)")
     hw.add_argument(
         "--nics-per-node", type=int, help="cross links per node (overrides --cross-links)"
@@ -160,6 +166,8 @@ def _resolve(
             if args.nics_per_node is not None
             else (hw.nics_per_node if hw and args.cross_links is None else 0)
         )
+    if args.pcie_domain_bw is not None:
+        given["pcie_domain"] = args.pcie_domain_bw
     if args.intra_lat_us is not None:
         given["intra_lat"] = args.intra_lat_us * 1e-6
     if args.cross_lat_us is not None:
@@ -300,7 +308,14 @@ def format_table(pred: Prediction) -> str:
 
 def _links_overridden(args: argparse.Namespace) -> bool:
     return any(
-        x is not None for x in (args.intra_bw, args.cross_bw, args.cross_links, args.nics_per_node)
+        x is not None
+        for x in (
+            args.intra_bw,
+            args.cross_bw,
+            args.cross_links,
+            args.nics_per_node,
+            args.pcie_domain_bw,
+        )
     )
 
 

@@ -259,6 +259,8 @@ class Engine:
                 (a, b), rail = divmod(idx // rails, m), idx % rails
                 dist = (b - a) % m if self.progs.symmetry == "shift" else a ^ b
                 out.append((kind, dist * rails + rail))
+            elif kind in ("pcie_up", "pcie_down"):
+                out.append((kind, 0))  # a node's root complex: every node's is the simulated one's
             else:
                 out.append((kind, idx % (k if kind.startswith("nic") else p)))
         return tuple(out)

@@ -359,6 +359,8 @@ def describe_links(topo: Topology) -> str:
     fabric = topo.fabric
     if topo.fabric == "nvlink" and topo.nvlink_egress > 0:
         fabric += f", {topo.nvlink_egress:g} GB/s per GPU and direction"
+    if topo.fabric == "pcie" and topo.pcie_domain > 0:
+        fabric += f", {topo.pcie_domain:g} GB/s per node and direction"
     return (
         f"intra {topo.intra_bw:g} GB/s ({fabric}), {topo.nics} cross link(s) per node at "
         f"{topo.cross_bw:g} GB/s each, latency {topo.intra_lat * 1e6:g} / "

@@ -94,6 +94,9 @@ class Profile:
     """GB/s per GPU and direction that its NVLink flows share
     (:attr:`megatron_charm.sim.topology.Topology.nvlink_egress`); presets only, 0 when
     measured."""
+    pcie_domain: float = 0.0
+    """GB/s per node and direction that all its PCIe transfers share
+    (:attr:`megatron_charm.sim.topology.Topology.pcie_domain`); presets only, 0 when measured."""
     preset: str = ""
     """The paper's Table 2 system it was made from (``"H100"``); ``""`` for a measured one."""
 
@@ -121,6 +124,7 @@ class Profile:
             nics_per_node=0 if k == 1 else k,
             exchange_order=self.exchange_order,
             nvlink_egress=self.nvlink_egress,
+            pcie_domain=self.pcie_domain,
         )
 
     def compute_model(self) -> ComputeModel:
@@ -161,6 +165,7 @@ def preset_profile(name: str) -> Profile:
         nics_per_node=hw.nics_per_node or (1 if hw.cross_links == "shared" else 0),
         fabric=hw.fabric,
         nvlink_egress=hw.nvlink,
+        pcie_domain=hw.pcie_domain,
         preset=name,
         compute={
             "kind": "flops",

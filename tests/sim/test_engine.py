@@ -152,6 +152,36 @@ def test_pcie_contention_slows_concurrent_streams_only() -> None:
     assert times["rm+", "pcie"] > 1.2 * times["rm+", "nvlink"]
 
 
+def test_pcie_domain_shares_one_root_complex_among_a_nodes_gpus() -> None:
+    # Note [One PCIe domain]: ring's four flows on one node share the domain's 24 GB/s; without
+    # it each has its own GPU's link. Communication-bound and without latency, ring's forward
+    # then takes four times as long; a domain wider than the four links changes nothing.
+    shape = AttnShape(b=8, s_local=1024, h=8, h_kv=8, d=128)
+    free = FlopsCompute(tflops=1e9, efficiency=1.0, mem_bw=1e9)
+    progs = programs(PlanOptions(method="ring"), Layout(1, 4), False)
+
+    def makespan(domain: float) -> float:
+        t = Topology(1, 4, 24.0, 24.0, intra_lat=0.0, fabric="pcie", pcie_domain=domain)
+        return simulate_pass(progs, t, shape, free).makespan
+
+    assert makespan(24.0) == pytest.approx(4 * makespan(0.0), rel=1e-6)
+    assert makespan(96.0) == pytest.approx(makespan(0.0), rel=1e-6)
+    two = Topology(2, 2, 24.0, 14.7, fabric="pcie", cross_links="shared", pcie_domain=24.0)
+    assert two.resources(1, 2) == (
+        ("pcie_out", 1),
+        ("pcie_in", 2),
+        ("pcie_up", 0),
+        ("pcie_down", 1),
+        ("nic_out", 0),
+        ("nic_in", 1),
+    )
+    assert two.capacity(("pcie_up", 0)) == two.capacity(("pcie_down", 1)) == 24e9
+    # NVLink systems have no root complex in their transfers' path
+    assert dataclasses.replace(two, fabric="nvlink").resources(0, 1) == ()
+    with pytest.raises(ValueError, match="pcie_domain"):
+        Topology(1, 2, 1.0, 1.0, fabric="pcie", pcie_domain=-1.0)
+
+
 def test_fewer_cross_links_are_slower_for_charm() -> None:
     progs = programs(PlanOptions(method="charm"), Layout(2, 4), False)
     rails = simulate_pass(progs, topo(2, 4, cross_links="rails"), SHAPE, COMPUTE).makespan
@@ -183,7 +213,9 @@ def test_a_mesh_of_node_pairs_gives_each_pair_its_own_link() -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("links", ["rails", "shared", "nics2", "mesh", "mesh-rails", "mesh-fifo"])
+@pytest.mark.parametrize(
+    "links", ["rails", "shared", "nics2", "mesh", "mesh-rails", "mesh-fifo", "pcie-domain"]
+)
 @pytest.mark.parametrize("mp", [(2, 4), (4, 2), (4, 4)])
 def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[int, int]) -> None:
     if method == "charm" and mp[0] == 2:
@@ -197,11 +229,19 @@ def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[
     assert len(sym.forward) == mp[1] and sym.exact
     nics = 2 if links == "nics2" else 0
     mesh = links.startswith("mesh")
-    cross = {"mesh": "shared", "mesh-rails": "rails", "nics2": "rails", "mesh-fifo": "shared"}
+    cross = {
+        "mesh": "shared",
+        "mesh-rails": "rails",
+        "nics2": "rails",
+        "mesh-fifo": "shared",
+        "pcie-domain": "rails",
+    }
     cross_links = cross.get(links, links)
     fifo = links == "mesh-fifo"
     t = topo(*mp, cross_links=cross_links, fabric="pcie", nics_per_node=nics, cross_mesh=mesh)
-    t = dataclasses.replace(t, cross_fifo=fifo)
+    # a root complex per node slower than one GPU's link, so that it binds
+    domain = 60.0 if links == "pcie-domain" else 0.0
+    t = dataclasses.replace(t, cross_fifo=fifo, pcie_domain=domain)
     for backward in (False, True):
         a = simulate_pass(full, t, SHAPE, COMPUTE, backward)
         b = simulate_pass(sym, t, SHAPE, COMPUTE, backward)

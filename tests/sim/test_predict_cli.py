@@ -137,6 +137,24 @@ def test_presets_hold_table_2() -> None:
     assert parse_gpus("16x8") == (16, 8)
 
 
+def test_cli_l20_shares_one_pcie_domain_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    # Note [One PCIe domain]: the L20 preset (and its profile) shares 24 GB/s per NUMA domain;
+    # --pcie-domain-bw 0 gives each GPU its own link only, and ring's transfers speed up
+    argv = "--preset L20 --gpus 1x4 --batch 4 --seq 8192 --heads 8 --head-dim 128 --methods ring"
+    shared = _run_json(capsys, [*argv.split(), "--json"])
+    alone = _run_json(capsys, [*argv.split(), "--pcie-domain-bw", "0", "--json"])
+    assert "24 GB/s per node and direction" in shared["links"]
+    assert "per node and direction" not in alone["links"]
+    fwd = [r["methods"]["ring"]["forward"]["time_ms"] for r in (shared, alone)]
+    assert fwd[0] > 1.5 * fwd[1]
+    assert main([*argv.split(), "--pcie-domain-bw", "-1"]) == 2
+    assert "pcie_domain -1.0 must be >= 0" in capsys.readouterr().err
+    from megatron_charm.sim.profile import load_profile
+
+    assert load_profile("L20").topology(2, 4).pcie_domain == PRESETS["L20"].pcie_domain == 24.0
+    assert load_profile("H100").topology(2, 8).pcie_domain == 0.0
+
+
 def _scale(method: str):
     topo = Topology(128, 8, 365.1, 42.5)
     pred = predict(topo, Problem(1, 4096 * 1024, 16, 128, causal=True), FlopsCompute(989.0, 0.5),
