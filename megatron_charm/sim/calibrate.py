@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fabric",
         choices=FABRICS,
         default="nvlink",
-        help="intra-node fabric to assume (not measured): nvlink or pcie",
+        help="intra-node fabric to assume (not measured): nvlink or pcie; with pcie and 4+ "
+        "ranks per node the PCIe domain the node's GPUs share is measured",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     ap.add_argument("--timeout", type=float, default=2 * DEFAULT_TIMEOUT_S, help="seconds")
@@ -134,7 +135,12 @@ def describe(profile: Profile) -> str:
             f"profile: {profile.name}",
             f"  intra {profile.intra_bw:.4g} GB/s + {profile.intra_lat * 1e6:.0f} us; cross "
             f"{profile.cross_bw:.4g} GB/s + {profile.cross_lat * 1e6:.0f} us; cross links per "
-            f"node: {links}",
+            f"node: {links}"
+            + (
+                f"; PCIe domain {profile.pcie_domain:.4g} GB/s per node and direction"
+                if profile.pcie_domain
+                else ""
+            ),
             f"  kernel forward {c['fwd_flops_per_s'] / 1e12:.4g} TFLOP/s + "
             f"{c['fwd_overhead'] * 1e6:.0f} us per block + "
             f"{c.get('fwd_per_element', 0) * 1e9:.3g} ns per element, backward "
@@ -189,7 +195,8 @@ def main(argv: list[str]) -> int:
     if raw.get("device") == "cuda":
         import torch  # noqa: F401  (host() names the GPU where torch is loaded)
     profile = fit_profile(raw, fabric=args.fabric)
-    samples = ("kernel", "merge", "p2p", "concurrent_cross", "kernel_under_traffic")
+    samples = ("kernel", "merge", "p2p", "concurrent_cross", "concurrent_intra")
+    samples += ("kernel_under_traffic",)
     samples += ("one_host", "host_cores", "threads", "host_work", "host_cpu")
     profile = replace(
         profile,

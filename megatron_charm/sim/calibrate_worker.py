@@ -8,12 +8,13 @@ between the ranks computing at each moment (Note [Ranks sharing a host] in
 :mod:`megatron_charm.sim.engine`): timed together, four ranks on two cores overlap by chance,
 and two calibrations of the same machine disagreed by up to 2x on one block size. P2P timings
 are ping-pongs (half the round trip) between CP rank 0 and a rank on its own node (intra) and
-on the next node (cross), while the other ranks wait. The concurrent timing runs every local
-index of node 0 against its counterpart on node 1 at once (Note [Fitting a profile] in
-:mod:`megatron_charm.sim.profile`). Last, every rank times the largest block again while a
-thread of its own streams messages to a partner on another process group, as the CP schedules
-overlap them: the ratio is the compute slowdown under communication (CPU cores or GPU SMs that
-the transfers take). Rank 0 returns the samples; the others return ``None``.
+on the next node (cross), while the other ranks wait. The concurrent timings run every local
+index of node 0 against its counterpart on node 1 at once, and disjoint pairs of node 0 at
+once (Note [Fitting a profile] in :mod:`megatron_charm.sim.profile`). Last, every rank times
+the largest block again while a thread of its own streams messages to a partner on another
+process group, as the CP schedules overlap them: the ratio is the compute slowdown under
+communication (CPU cores or GPU SMs that the transfers take). Rank 0 returns the samples; the
+others return ``None``.
 """
 
 from __future__ import annotations
@@ -166,8 +167,11 @@ def _ping_pong(pairs: list[tuple[int, int]], nbytes: int, reps: int, device) -> 
     return _slowest(mine)
 
 
-def time_p2p(cfg: dict, ranks: list[int], m: int, p: int, device) -> tuple[dict, dict | None]:
-    """Ping-pong samples per link class, and the concurrent cross-node timing."""
+def time_p2p(
+    cfg: dict, ranks: list[int], m: int, p: int, device
+) -> tuple[dict, dict | None, dict | None]:
+    """Ping-pong samples per link class, the concurrent cross-node timing, and (four or more
+    ranks per node) the concurrent intra-node one: disjoint pairs of node 0 at once."""
     classes = {}
     if p > 1:
         classes["intra"] = (ranks[0], ranks[1])
@@ -185,7 +189,14 @@ def time_p2p(cfg: dict, ranks: list[int], m: int, p: int, device) -> tuple[dict,
         pairs = [(ranks[i], ranks[p + i]) for i in range(p)]
         _ping_pong(pairs, 4, 1, device)
         conc = {"flows": p, "bytes": n, "s": _ping_pong(pairs, n, cfg["reps"], device)}
-    return out, conc
+    conc_intra = None
+    if p >= 4:
+        n = max(cfg["sizes"])
+        pairs = [(ranks[2 * i], ranks[2 * i + 1]) for i in range(p // 2)]
+        _ping_pong(pairs, 4, 1, device)
+        s = _ping_pong(pairs, n, cfg["reps"], device)
+        conc_intra = {"flows": p // 2, "bytes": n, "s": s}
+    return out, conc, conc_intra
 
 
 def _partner(cp_rank: int, m: int, p: int) -> int | None:
@@ -397,7 +408,9 @@ def run(cfg: dict) -> dict | None:
         "kernel": time_kernels(cfg, device),
         "merge": time_merges(cfg, device),
     }
-    raw["p2p"], raw["concurrent_cross"] = time_p2p(cfg, topo.global_ranks, m, p, device)
+    raw["p2p"], raw["concurrent_cross"], raw["concurrent_intra"] = time_p2p(
+        cfg, topo.global_ranks, m, p, device
+    )
     if m * p > 1:
         if cfg.get("one_host") or device.type == "cuda":
             raw["host_work"] = time_host_work(cfg, device, topo)

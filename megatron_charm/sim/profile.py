@@ -29,7 +29,10 @@ The compute slowdown under communication is the largest block's time while the r
 messages to a partner in a background thread, over its time alone (at least 1).
 Cross links per node come from one more timing: every rank of node 0 sends to its counterpart
 on node 1 at once. If ``k`` flows share a link, each gets ``1/k`` of it, so the links per node are
-``p / k``, rounded to a divisor of ``p`` (1: ``shared``, ``p``: ``rails``). The largest relative
+``p / k``, rounded to a divisor of ``p`` (1: ``shared``, ``p``: ``rails``). With ``--fabric pcie``
+and four or more ranks per node, disjoint pairs of node 0 ping-pong at once as well: if each of
+the ``k`` flows runs below 0.9 of one pair's rate, the node's GPUs share a PCIe domain of ``k``
+times that rate (Note [One PCIe domain] in megatron_charm/sim/topology.py). The largest relative
 residual of each fit is kept in the profile (``fit_error``): it is how far the model is known to
 miss its own measurements, and predictions made with the profile quote it.
 """
@@ -96,7 +99,8 @@ class Profile:
     measured."""
     pcie_domain: float = 0.0
     """GB/s per node and direction that all its PCIe transfers share
-    (:attr:`megatron_charm.sim.topology.Topology.pcie_domain`); presets only, 0 when measured."""
+    (:attr:`megatron_charm.sim.topology.Topology.pcie_domain`); measured by ``calibrate
+    --fabric pcie`` on four or more ranks per node (Note [Fitting a profile]), else 0."""
     preset: str = ""
     """The paper's Table 2 system it was made from (``"H100"``); ``""`` for a measured one."""
 
@@ -491,13 +495,32 @@ def enqueue_work(raw: dict) -> Enqueue | None:
     return Enqueue(got["call_s"], got["post_s"], got["kernel_s"], got["merge_s"])
 
 
+#: A concurrent flow below this fraction of one pair's rate counts as sharing a PCIe domain;
+#: above it the difference is read as noise (Note [Fitting a profile]).
+DOMAIN_SHARE = 0.9
+
+
+def pcie_domain(conc: dict | None, intra: tuple[float, float]) -> float:
+    """GB/s of a node's shared PCIe domain from ``conc`` (``{"flows", "bytes", "s"}``: disjoint
+    intra-node pairs at once) and the intra-node ``(latency, GB/s)`` of one pair; 0 when the
+    flows do not slow each other (or there is no timing)."""
+    if not conc or conc["flows"] < 2:
+        return 0.0
+    per_flow = conc["bytes"] / max(conc["s"] - intra[0], 1e-12) / 1e9
+    if per_flow >= DOMAIN_SHARE * intra[1]:
+        return 0.0
+    return per_flow * conc["flows"]
+
+
 def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     """Fit a profile to the samples of :mod:`megatron_charm.sim.calibrate_worker`.
 
     ``raw``: ``{"nodes", "ranks_per_node", "device", "dtype", "backend", "kernel": [{"batch",
     "heads", "head_dim", "tokens", "fwd_s", "bwd_s", "fwd_masked_s", "bwd_masked_s"}], "merge":
     [{"bytes", "s"}], "p2p":
-    {"intra": [{"bytes", "s"}], "cross": [...]}, "concurrent_cross": {"flows", "bytes", "s"}}``.
+    {"intra": [{"bytes", "s"}], "cross": [...]}, "concurrent_cross": {"flows", "bytes", "s"},
+    "concurrent_intra": (the same, or ``None``)}``; ``fabric``: assumed, not measured (with
+    ``"pcie"`` the concurrent intra-node timing gives :attr:`Profile.pcie_domain`).
     """
     m, p = raw["nodes"], raw["ranks_per_node"]
     ks = raw["kernel"]
@@ -529,6 +552,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         nics = 0 if links_per_node == p else links_per_node
     elif m > 1 and p == 1:
         nics = 1
+    domain = pcie_domain(raw.get("concurrent_intra"), intra) if fabric == "pcie" else 0.0
     slow = {"fwd": 1.0, "bwd": 1.0}
     under = raw.get("kernel_under_traffic")
     if under:
@@ -584,6 +608,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         cross_lat=cross[0],
         nics_per_node=nics,
         fabric=fabric,
+        pcie_domain=domain,
         # JSON's form (lists), so that a saved profile loads equal
         compute={
             "kind": "fitted",

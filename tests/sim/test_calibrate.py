@@ -59,6 +59,26 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert choice.method in choice.predicted_s
 
 
+@pytest.mark.gloo
+def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path):
+    # Note [Fitting a profile]: with --fabric pcie and four ranks per node, two disjoint pairs
+    # ping-pong at once; the profile keeps the timing and reads a shared domain from it (or none)
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "megatron_charm.sim", "calibrate", "--launcher", "loopback"]
+    cmd += ["--nodes", "1", "--ranks-per-node", "4", "--tokens", "64", "--heads", "2"]
+    cmd += ["--head-dim", "16", "--sizes", "4096,262144", "--reps", "2", "--fabric", "pcie"]
+    done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    prof = load_profile(str(out))
+    conc = prof.provenance["samples"]["concurrent_intra"]
+    assert conc["flows"] == 2 and conc["bytes"] == 262144 and conc["s"] > 0
+    assert prof.fabric == "pcie" and prof.pcie_domain >= 0
+    per_flow = conc["bytes"] / max(conc["s"] - prof.intra_lat, 1e-12) / 1e9
+    shared = per_flow < 0.9 * prof.intra_bw
+    assert prof.pcie_domain == (pytest.approx(2 * per_flow) if shared else 0.0)
+    assert ("PCIe domain" in done.stdout) == shared
+
+
 def test_calibrate_refuses_bad_sizes(capsys):
     from megatron_charm.sim.cli import main
 

@@ -66,6 +66,25 @@ def _raw(m: int = 2, p: int = 2, flows_per_link: int = 2) -> dict:
     }
 
 
+def test_fit_profile_reads_a_shared_pcie_domain_from_concurrent_intra_pairs() -> None:
+    # Note [One PCIe domain]: two disjoint pairs of one node at once, each at half one pair's
+    # rate, share a domain of one pair's rate; at full rate they share nothing. Only with a PCIe
+    # fabric: NVLink's flows do not share a root complex.
+    big = 4194304
+
+    def conc(per_flow_gbs: float) -> dict:
+        return {"flows": 2, "bytes": big, "s": INTRA_LAT + big / (per_flow_gbs * 1e9)}
+
+    shared = {**_raw(1, 4), "concurrent_intra": conc(INTRA_BW / 2)}
+    prof = fit_profile(shared, fabric="pcie")
+    assert prof.pcie_domain == pytest.approx(INTRA_BW, rel=1e-6)
+    assert prof.topology(1, 4).pcie_domain == prof.pcie_domain
+    assert fit_profile(shared).pcie_domain == 0.0  # nvlink, the default
+    alone = {**_raw(1, 4), "concurrent_intra": conc(INTRA_BW * 0.95)}  # noise, not sharing
+    assert fit_profile(alone, fabric="pcie").pcie_domain == 0.0
+    assert fit_profile(_raw(1, 4), fabric="pcie").pcie_domain == 0.0  # not timed
+
+
 def test_fit_line_recovers_a_line_and_keeps_the_intercept_non_negative() -> None:
     xs = [1.0, 2.0, 4.0, 8.0]
     a, b = fit_line(xs, [3.0 + 2.0 * x for x in xs])
