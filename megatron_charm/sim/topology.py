@@ -359,9 +359,12 @@ GPU_ENQUEUE = Enqueue(call=20e-6, exchange=20e-6, kernel=20e-6, merge=20e-6)
 # With it Table 4's six L20 speedups come within +-25% (+6..+23%; before, three missed by +65%,
 # +37% and -32%), at the efficiency the fit then finds: 0.8, the upper end of its search (ring's
 # 1 x 4 forward grows 4.4-fold from 1,792 to 7,168 tokens in the replay, 3.94-fold in the
-# paper: its L20 blocks are small next to its transfers). Which it is on the paper's machine, a
-# shared switch uplink or copies through host memory without peer-to-peer, is not known; both
-# cost this resource. docs/results/sim_validation_paper.md has the fit and what else was tried.
+# paper: its L20 blocks are small next to its transfers). It does not fit ring's own times: the
+# paper's ring takes 1.9 times as long on two NUMA domains as on one, the replay's 1.1 (four
+# flows at 6 GB/s each leave the 14.7 GB/s NUMA link no slower). Which it is on the paper's
+# machine, a shared switch uplink or copies through host memory without peer-to-peer, is not
+# known; both cost this resource. docs/results/sim_validation_paper.md has the fit and what
+# else was tried.
 
 # L20 and H20's efficiencies are the values megatron_charm.sim.validation.fit_efficiency fits on
 # the paper's Table 4 with the paper's baselines replayed, searched in [0.2, 0.8] (in [0.02, 0.8]
