@@ -280,9 +280,11 @@ def fit_efficiency(
     (:data:`megatron_charm.sim.baselines.PAPER_EFFICIENCY`) is not fitted.
 
     Both ends are priors: attention kernels reach at most about 75% of peak, and more than a
-    fifth of it at these sizes. Below that the paper's own ring refutes the fit: L20's loss has
+    fifth of it at these sizes. Below that the paper's own ring refutes the fit: L20's loss had
     its lowest point near 0.07 (2026-12-04), where ring's 1 x 4 forward grows 10-fold from 1,792
-    to 7,168 tokens (its blocks dominate); the paper's grows 3.9-fold (its transfers do).
+    to 7,168 tokens (its blocks dominate); the paper's grows 3.9-fold (its transfers do). Since
+    its PCIe domain (2026-12-05, Note [One PCIe domain] in
+    :mod:`megatron_charm.sim.topology`) L20's loss falls all the way to the upper end.
     TASP's rows are not fitted: they are predicted at the efficiency fitted on the others
     (replaying TASP's all-to-all steps at 32 GPUs takes seconds a row, too slow inside the
     search). ``presets``: instead of :data:`PRESETS`; ``efficiency``: used as given, not fitted;
