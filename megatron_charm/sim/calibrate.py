@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 
 from megatron_charm.bench.provenance import host
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
-from megatron_charm.sim.profile import Profile, fit_profile
+from megatron_charm.sim.profile import Profile, fit_profile, pick_repeat, repeat_summary
 from megatron_charm.sim.topology import FABRICS
 
 
@@ -82,12 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     ap.add_argument("--timeout", type=float, default=2 * DEFAULT_TIMEOUT_S, help="seconds")
     ap.add_argument("--raw", default=None, help="also keep the raw samples here")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="calibrate this many times in a row and keep the median run (of two, the faster); "
+        "the runs' spread joins the profile's known error (--timeout applies to each run)",
+    )
     return ap
 
 
 def config_from_args(args: argparse.Namespace) -> dict:
     if args.reps < 1:
         raise ValueError(f"--reps {args.reps} must be >= 1")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat {args.repeat} must be >= 1 (1: calibrate once)")
     return {
         "device": args.device,
         "dtype": args.dtype,
@@ -104,7 +113,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "ranks_per_node": None if args.launcher == "env" else args.ranks_per_node,
         # every rank on this host, sharing its cores (Note [Ranks sharing a host])
         "one_host": args.device == "cpu" and args.launcher != "env",
-        "timeout_s": args.timeout,
+        "repeat": args.repeat,
+        "timeout_s": args.timeout * args.repeat,
     }
 
 
@@ -194,7 +204,12 @@ def main(argv: list[str]) -> int:
             json.dump(raw, f, indent=1)
     if raw.get("device") == "cuda":
         import torch  # noqa: F401  (host() names the GPU where torch is loaded)
+    runs = [raw, *raw.pop("repeats", [])]
+    keep, spread = pick_repeat(runs)
+    raw = {**runs[keep], "date": started}
     profile = fit_profile(raw, fabric=args.fabric)
+    if len(runs) > 1:
+        profile = replace(profile, fit_error={**profile.fit_error, "repeat": spread})
     samples = ("kernel", "merge", "p2p", "concurrent_cross", "concurrent_intra")
     samples += ("kernel_under_traffic",)
     samples += ("one_host", "host_cores", "threads", "host_work", "host_cpu")
@@ -206,6 +221,7 @@ def main(argv: list[str]) -> int:
             "launcher": args.launcher,
             "host": host(),
             "samples": {k: raw.get(k) for k in samples},
+            **({"repeats": repeat_summary(runs, keep)} if len(runs) > 1 else {}),
         },
     )
     profile.save(args.out)

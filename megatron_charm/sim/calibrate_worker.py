@@ -385,10 +385,23 @@ def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
 
 
 def run(cfg: dict) -> dict | None:
-    """Measure on this rank; returns the raw samples on rank 0, ``None`` elsewhere."""
+    """Measure on this rank ``cfg["repeat"]`` times (default once) in one process group;
+    returns the first run's raw samples on rank 0, with the later runs' under ``"repeats"``,
+    and ``None`` elsewhere."""
     from megatron_charm.bench.worker import start_rank
 
     device, topo = start_rank(cfg)
+    runs = [_measure(cfg, device, topo) for _ in range(int(cfg.get("repeat", 1)))]
+    if topo.cp_rank != 0:
+        return None
+    first = runs[0]
+    if len(runs) > 1:
+        first["repeats"] = runs[1:]
+    return first
+
+
+def _measure(cfg: dict, device: torch.device, topo) -> dict:
+    """One calibration's raw samples (every rank takes part; rank 0's are the ones kept)."""
     m, p = topo.num_nodes, topo.ranks_per_node
     raw = {
         "nodes": m,
@@ -420,4 +433,4 @@ def run(cfg: dict) -> dict | None:
         raw["kernel_under_traffic"] = time_kernels_under_traffic(
             cfg, device, topo.global_ranks, m, p, largest, raw
         )
-    return raw if topo.cp_rank == 0 else None
+    return raw

@@ -35,6 +35,14 @@ the ``k`` flows runs below 0.9 of one pair's rate, the node's GPUs share a PCIe 
 times that rate (Note [One PCIe domain] in megatron_charm/sim/topology.py). The largest relative
 residual of each fit is kept in the profile (``fit_error``): it is how far the model is known to
 miss its own measurements, and predictions made with the profile quote it.
+
+A host's speed can move between calibrations (on the CPU testbed one of four calibrations within
+15 minutes timed its blocks 25% slow, docs/results/calibrated-2x2.md). ``calibrate --repeat N``
+runs the measurements ``N`` times in one process group and keeps the median run by its largest
+block's forward time (of an even count, the faster of the middle two: a disturbance only slows
+a run); the largest relative difference of any run from the kept one, in that block's forward
+and backward times and the largest intra- and cross-node transfers' times, joins ``fit_error``
+as ``repeat``.
 """
 
 from __future__ import annotations
@@ -493,6 +501,38 @@ def enqueue_work(raw: dict) -> Enqueue | None:
     if not got or raw.get("device") != "cuda":
         return None
     return Enqueue(got["call_s"], got["post_s"], got["kernel_s"], got["merge_s"])
+
+
+def _repeat_times(raw: dict) -> dict[str, float]:
+    """A run's times that ``calibrate --repeat`` compares: its largest block's forward and
+    backward, and its largest intra- and cross-node transfer (where measured)."""
+    block = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
+    times = {"block_fwd_s": block["fwd_s"], "block_bwd_s": block["bwd_s"]}
+    for cls in ("intra", "cross"):
+        samples = raw.get("p2p", {}).get(cls) or []
+        if samples:
+            times[f"{cls}_s"] = max(samples, key=lambda x: x["bytes"])["s"]
+    return times
+
+
+def pick_repeat(runs: list[dict]) -> tuple[int, float]:
+    """Which of ``runs`` (raw samples of one cluster, calibrated one after another) to keep, and
+    how far they spread (Note [Fitting a profile]): the index of the median run by its largest
+    block's forward time (of an even count, the faster of the middle two), and the largest
+    relative difference of any run's compared times from the kept run's (0 for one run)."""
+    if not runs:
+        raise ValueError("no calibration runs to pick from")
+    times = [_repeat_times(r) for r in runs]
+    order = sorted(range(len(runs)), key=lambda i: times[i]["block_fwd_s"])
+    keep = order[(len(runs) - 1) // 2]
+    kept = times[keep]
+    spread = max(abs(t[k] / v - 1.0) for t in times for k, v in kept.items() if v > 0 and k in t)
+    return keep, spread
+
+
+def repeat_summary(runs: list[dict], keep: int) -> list[dict]:
+    """Per run of ``calibrate --repeat``: whether it was kept and its compared times."""
+    return [{"kept": i == keep, **_repeat_times(r)} for i, r in enumerate(runs)]
 
 
 #: A concurrent flow below this fraction of one pair's rate counts as sharing a PCIe domain;

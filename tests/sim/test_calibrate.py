@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,14 +63,25 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
 @pytest.mark.gloo
 def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path):
     # Note [Fitting a profile]: with --fabric pcie and four ranks per node, two disjoint pairs
-    # ping-pong at once; the profile keeps the timing and reads a shared domain from it (or none)
+    # ping-pong at once; the profile keeps the timing and reads a shared domain from it (or none).
+    # Calibrated twice in a row (--repeat 2): one run is kept, the spread joins the known error.
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "-m", "megatron_charm.sim", "calibrate", "--launcher", "loopback"]
     cmd += ["--nodes", "1", "--ranks-per-node", "4", "--tokens", "64", "--heads", "2"]
     cmd += ["--head-dim", "16", "--sizes", "4096,262144", "--reps", "2", "--fabric", "pcie"]
+    cmd += ["--repeat", "2", "--raw", str(tmp_path / "raw.json")]
     done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     prof = load_profile(str(out))
+    runs = prof.provenance["repeats"]
+    assert len(runs) == 2 and [r["kept"] for r in runs].count(True) == 1
+    kept = next(r for r in runs if r["kept"])
+    assert kept["block_fwd_s"] == min(r["block_fwd_s"] for r in runs)  # of two, the faster
+    spread = max(abs(r[k] / kept[k] - 1) for r in runs for k in kept if k != "kept")
+    assert prof.fit_error["repeat"] == pytest.approx(spread)
+    assert prof.known_error >= prof.fit_error["repeat"]
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert len(raw["repeats"]) == 1  # --raw keeps every run
     conc = prof.provenance["samples"]["concurrent_intra"]
     assert conc["flows"] == 2 and conc["bytes"] == 262144 and conc["s"] > 0
     assert prof.fabric == "pcie" and prof.pcie_domain >= 0
@@ -86,3 +98,5 @@ def test_calibrate_refuses_bad_sizes(capsys):
     assert "--tokens '0,64' must be a comma-separated list of positive integers" in (
         capsys.readouterr().err
     )
+    assert main(["calibrate", "--out", "x.json", "--repeat", "0"]) == 2
+    assert "--repeat 0 must be >= 1" in capsys.readouterr().err
