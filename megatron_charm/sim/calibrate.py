@@ -28,8 +28,9 @@ from datetime import datetime, timezone
 
 from megatron_charm.bench.provenance import host
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
+from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, fit_profile, pick_repeat, repeat_summary
-from megatron_charm.sim.topology import FABRICS
+from megatron_charm.sim.topology import FABRICS, parse_gpus
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -136,6 +137,36 @@ def measure(args: argparse.Namespace, cfg: dict) -> dict | None:
         return json.load(f)
 
 
+#: What each run of ``calibrate --repeat`` predicts to compare the runs (Note [Fitting a profile]).
+SPREAD_METHODS = ("ring", "charm")
+
+
+def prediction_spread(
+    profiles: list[Profile], keep: int, cfg: dict
+) -> tuple[float, list[dict[str, float]]]:
+    """How far ``profiles`` (one per run of ``calibrate --repeat``) disagree: each predicts ring's
+    and charm's forward and backward, causal, at its own layout with ``cfg``'s batch, heads, head
+    dim and largest block per rank; the largest relative difference from ``profiles[keep]``'s,
+    and each run's predicted seconds (``"ring fwd"``, ...)."""
+    m, p = parse_gpus(profiles[keep].gpus)
+    problem = Problem(
+        cfg["batch"], m * p * max(cfg["tokens"]), cfg["heads"], cfg["head_dim"], causal=True
+    )
+    times = []
+    for prof in profiles:
+        pred = predict(prof.topology(m, p), problem, prof.compute_model(), SPREAD_METHODS)
+        times.append(
+            {
+                f"{name} {tag}": getattr(mp, pass_).makespan
+                for name, mp in pred.methods.items()
+                for tag, pass_ in (("fwd", "forward"), ("bwd", "backward"))
+            }
+        )
+    kept = times[keep]
+    spread = max(abs(t[k] / v - 1.0) for t in times for k, v in kept.items() if v > 0)
+    return spread, times
+
+
 def describe(profile: Profile) -> str:
     c = profile.compute
     err = ", ".join(f"{k} {v:.0%}" for k, v in profile.fit_error.items())
@@ -205,10 +236,15 @@ def main(argv: list[str]) -> int:
     if raw.get("device") == "cuda":
         import torch  # noqa: F401  (host() names the GPU where torch is loaded)
     runs = [raw, *raw.pop("repeats", [])]
-    keep, spread = pick_repeat(runs)
+    keep = pick_repeat(runs)
     raw = {**runs[keep], "date": started}
     profile = fit_profile(raw, fabric=args.fabric)
+    summary = repeat_summary(runs, keep)
     if len(runs) > 1:
+        fits = [fit_profile(r, fabric=args.fabric) for r in runs]
+        spread, times = prediction_spread(fits, keep, cfg)
+        for row, t in zip(summary, times, strict=True):
+            row["predicted_s"] = t
         profile = replace(profile, fit_error={**profile.fit_error, "repeat": spread})
     samples = ("kernel", "merge", "p2p", "concurrent_cross", "concurrent_intra")
     samples += ("kernel_under_traffic",)
@@ -221,7 +257,7 @@ def main(argv: list[str]) -> int:
             "launcher": args.launcher,
             "host": host(),
             "samples": {k: raw.get(k) for k in samples},
-            **({"repeats": repeat_summary(runs, keep)} if len(runs) > 1 else {}),
+            **({"repeats": summary} if len(runs) > 1 else {}),
         },
     )
     profile.save(args.out)

@@ -40,9 +40,10 @@ A host's speed can move between calibrations (on the CPU testbed one of four cal
 15 minutes timed its blocks 25% slow, docs/results/calibrated-2x2.md). ``calibrate --repeat N``
 runs the measurements ``N`` times in one process group and keeps the median run by its largest
 block's forward time (of an even count, the faster of the middle two: a disturbance only slows
-a run); the largest relative difference of any run from the kept one, in that block's forward
-and backward times and the largest intra- and cross-node transfers' times, joins ``fit_error``
-as ``repeat``.
+a run). Each run's profile then predicts ring's and charm's forward and backward at the
+calibration's own layout and largest block; the largest relative difference of any run's
+prediction from the kept run's joins ``fit_error`` as ``repeat`` (what a prediction moves by
+from one calibration to the next, where a raw timing's noise may not matter at all).
 """
 
 from __future__ import annotations
@@ -515,19 +516,14 @@ def _repeat_times(raw: dict) -> dict[str, float]:
     return times
 
 
-def pick_repeat(runs: list[dict]) -> tuple[int, float]:
-    """Which of ``runs`` (raw samples of one cluster, calibrated one after another) to keep, and
-    how far they spread (Note [Fitting a profile]): the index of the median run by its largest
-    block's forward time (of an even count, the faster of the middle two), and the largest
-    relative difference of any run's compared times from the kept run's (0 for one run)."""
+def pick_repeat(runs: list[dict]) -> int:
+    """Which of ``runs`` (raw samples of one cluster, calibrated one after another) to keep
+    (Note [Fitting a profile]): the index of the median run by its largest block's forward time;
+    of an even count, the faster of the middle two."""
     if not runs:
         raise ValueError("no calibration runs to pick from")
-    times = [_repeat_times(r) for r in runs]
-    order = sorted(range(len(runs)), key=lambda i: times[i]["block_fwd_s"])
-    keep = order[(len(runs) - 1) // 2]
-    kept = times[keep]
-    spread = max(abs(t[k] / v - 1.0) for t in times for k, v in kept.items() if v > 0 and k in t)
-    return keep, spread
+    fwd = [_repeat_times(r)["block_fwd_s"] for r in runs]
+    return sorted(range(len(runs)), key=fwd.__getitem__)[(len(runs) - 1) // 2]
 
 
 def repeat_summary(runs: list[dict], keep: int) -> list[dict]:

@@ -77,7 +77,11 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     assert len(runs) == 2 and [r["kept"] for r in runs].count(True) == 1
     kept = next(r for r in runs if r["kept"])
     assert kept["block_fwd_s"] == min(r["block_fwd_s"] for r in runs)  # of two, the faster
-    spread = max(abs(r[k] / kept[k] - 1) for r in runs for k in kept if k != "kept")
+    # the spread is the runs' predictions' (ring and charm, forward and backward)
+    want = {f"{m} {t}" for m in ("ring", "charm") for t in ("fwd", "bwd")}
+    assert all(set(r["predicted_s"]) == want for r in runs)
+    p = kept["predicted_s"]
+    spread = max(abs(r["predicted_s"][k] / p[k] - 1) for r in runs for k in p)
     assert prof.fit_error["repeat"] == pytest.approx(spread)
     assert prof.known_error >= prof.fit_error["repeat"]
     raw = json.loads((tmp_path / "raw.json").read_text())
