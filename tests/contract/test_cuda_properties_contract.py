@@ -23,7 +23,7 @@ def _device_property_fields() -> dict[str, str]:
 
 def test_calibrate_reads_a_field_the_device_properties_have():
     # calibrate records the SMs a GPU's tiles run in waves over (Note [Tiles and waves])
-    source = inspect.getsource(calibrate_worker.run)
+    source = inspect.getsource(calibrate_worker._measure)
     read = re.findall(r"get_device_properties\(device\)\.(\w+)", source)
     assert read == ["multi_processor_count"]
     assert _device_property_fields()[read[0]] == "_int"
