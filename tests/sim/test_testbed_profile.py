@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -82,14 +83,9 @@ def test_the_testbed_replay_runs_on_its_mesh_of_node_pairs():
         assert topo.cross_mesh and topo.cross_fifo
 
 
-def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys):
-    # a profile calibrated on one machine says nothing about another's kernels (the testbed's
-    # blocks ran 6 times slower once the machine reported an AVX2-only CPU): the comparison
-    # says so
-    import json
-
-    from megatron_charm.sim.testbed import main
-
+def _host_case(tmp_path: Path) -> tuple[dict, dict, Path]:
+    """A committed sweep result, the host record ``here``, and a committed profile rewritten
+    as calibrated on ``here`` (under ``tmp_path``)."""
     docs = Path(__file__).resolve().parents[2] / "docs" / "results"
     result = json.loads((docs / "sweep-elements-20261204" / SWEEP_POINT).read_text())
     profile = json.loads(
@@ -97,6 +93,17 @@ def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys
     )
     here = {"cpu": "A", "cores": 2, "isa": ["avx2"], "torch": "2.13.0", "gpu": None}
     profile["provenance"]["host"] = here
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    return result, here, tmp_path / "profile.json"
+
+
+def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys):
+    # a profile calibrated on one machine says nothing about another's kernels (the testbed's
+    # blocks ran 6 times slower once the machine reported an AVX2-only CPU): the comparison
+    # says so
+    from megatron_charm.sim.testbed import main
+
+    result, here, profile = _host_case(tmp_path)
     paths = []
     for name, rec in (
         ("same", here),
@@ -106,14 +113,7 @@ def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys
         res = dict(result, host=rec) if rec else result
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(res))
-    (tmp_path / "profile.json").write_text(json.dumps(profile))
-    args = [
-        *map(str, paths),
-        "--profile",
-        str(tmp_path / "profile.json"),
-        "--profile-rate",
-        "100mbit",
-    ]
+    args = [*map(str, paths), "--profile", str(profile), "--profile-rate", "100mbit"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "1 of the results on the profile's, 1 on another, 1 not recorded" in out
@@ -122,26 +122,16 @@ def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys
 
 
 def test_runs_of_one_point_from_another_host_are_marked_once(tmp_path, capsys):
-    import json
-
     from megatron_charm.sim.testbed import main
 
-    docs = Path(__file__).resolve().parents[2] / "docs" / "results"
-    result = json.loads((docs / "sweep-elements-20261204" / SWEEP_POINT).read_text())
-    profile = json.loads(
-        (docs / "calibrate" / "profile-2x2-shared-100mbit-elements-e.json").read_text()
-    )
-    here = {"cpu": "A", "cores": 2, "isa": ["avx2"], "torch": "2.13.0", "gpu": None}
-    profile["provenance"]["host"] = here
-    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    result, here, profile = _host_case(tmp_path)
     other = dict(here, cores=4)
     paths = []
     for folder, host in (("a", other), ("b", other), ("c", here)):
         (tmp_path / folder).mkdir()
         paths.append(tmp_path / folder / SWEEP_POINT)
         paths[-1].write_text(json.dumps(dict(result, host=host)))
-    args = [*map(str, paths), "--profile", str(tmp_path / "profile.json")]
-    assert main([*args, "--profile-rate", "100mbit"]) == 0
+    assert main([*map(str, paths), "--profile", str(profile), "--profile-rate", "100mbit"]) == 0
     out = capsys.readouterr().out
     assert "1 of the results on the profile's, 2 on another" in out
     # one warning for the point, counting its runs, its differences named once
