@@ -237,11 +237,12 @@ def main(argv: list[str]) -> int:
         import torch  # noqa: F401  (host() names the GPU where torch is loaded)
     runs = [raw, *raw.pop("repeats", [])]
     keep = pick_repeat(runs)
-    raw = {**runs[keep], "date": started}
-    profile = fit_profile(raw, fabric=args.fabric)
+    raw = runs[keep]
+    raw["date"] = started
+    fits = [fit_profile(r, fabric=args.fabric) for r in runs]
+    profile = fits[keep]
     summary = repeat_summary(runs, keep)
     if len(runs) > 1:
-        fits = [fit_profile(r, fabric=args.fabric) for r in runs]
         spread, times = prediction_spread(fits, keep, cfg)
         for row, t in zip(summary, times, strict=True):
             row["predicted_s"] = t

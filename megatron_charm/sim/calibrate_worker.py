@@ -185,18 +185,20 @@ def time_p2p(
         ]
     conc = None
     if m > 1 and p > 1:
-        n = max(cfg["sizes"])
-        pairs = [(ranks[i], ranks[p + i]) for i in range(p)]
-        _ping_pong(pairs, 4, 1, device)
-        conc = {"flows": p, "bytes": n, "s": _ping_pong(pairs, n, cfg["reps"], device)}
+        conc = _concurrent([(ranks[i], ranks[p + i]) for i in range(p)], cfg, device)
     conc_intra = None
     if p >= 4:
-        n = max(cfg["sizes"])
         pairs = [(ranks[2 * i], ranks[2 * i + 1]) for i in range(p // 2)]
-        _ping_pong(pairs, 4, 1, device)
-        s = _ping_pong(pairs, n, cfg["reps"], device)
-        conc_intra = {"flows": p // 2, "bytes": n, "s": s}
+        conc_intra = _concurrent(pairs, cfg, device)
     return out, conc, conc_intra
+
+
+def _concurrent(pairs: list[tuple[int, int]], cfg: dict, device) -> dict:
+    """Every pair of ``pairs`` ping-pongs the largest size at once (after one connecting
+    exchange): ``{"flows", "bytes", "s"}``."""
+    n = max(cfg["sizes"])
+    _ping_pong(pairs, 4, 1, device)
+    return {"flows": len(pairs), "bytes": n, "s": _ping_pong(pairs, n, cfg["reps"], device)}
 
 
 def _partner(cp_rank: int, m: int, p: int) -> int | None:

@@ -531,6 +531,12 @@ def repeat_summary(runs: list[dict], keep: int) -> list[dict]:
     return [{"kept": i == keep, **_repeat_times(r)} for i, r in enumerate(runs)]
 
 
+def _per_flow_gbs(conc: dict, latency: float) -> float:
+    """GB/s each flow of a concurrent timing (``{"flows", "bytes", "s"}``) achieved, after the
+    link's ``latency``."""
+    return conc["bytes"] / max(conc["s"] - latency, 1e-12) / 1e9
+
+
 #: A concurrent flow below this fraction of one pair's rate counts as sharing a PCIe domain;
 #: above it the difference is read as noise (Note [Fitting a profile]).
 DOMAIN_SHARE = 0.9
@@ -542,7 +548,7 @@ def pcie_domain(conc: dict | None, intra: tuple[float, float]) -> float:
     flows do not slow each other (or there is no timing)."""
     if not conc or conc["flows"] < 2:
         return 0.0
-    per_flow = conc["bytes"] / max(conc["s"] - intra[0], 1e-12) / 1e9
+    per_flow = _per_flow_gbs(conc, intra[0])
     if per_flow >= DOMAIN_SHARE * intra[1]:
         return 0.0
     return per_flow * conc["flows"]
@@ -582,8 +588,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     nics = 0
     conc = raw.get("concurrent_cross")
     if m > 1 and conc and conc["flows"] > 1:
-        per_flow = conc["bytes"] / max(conc["s"] - cross[0], 1e-12) / 1e9
-        sharing = cross[1] / per_flow  # flows per link
+        sharing = cross[1] / _per_flow_gbs(conc, cross[0])  # flows per link
         links_per_node = _divisor_near(p, p / max(sharing, 1.0))
         nics = 0 if links_per_node == p else links_per_node
     elif m > 1 and p == 1:
