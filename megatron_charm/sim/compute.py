@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_charm.plan.payloads import AttnShape, group_heads
-from megatron_charm.plan.types import Compute, head_fraction
+from megatron_charm.plan.types import Compute, Exchange, head_fraction
 
 
 def block_area(ins: Compute, shape: AttnShape) -> float:
@@ -86,9 +86,14 @@ def block_flops(
 #
 # NCCL's kernels take SMs too: a point-to-point exchange runs its two channels per peer as two
 # CTAs for as long as it is in flight (NCCL_P2P_CTAS), so a block that starts while its rank has
-# ``k`` exchanges in flight gets ``sms - 2 k`` SMs: ``sms / (sms - 2 k)`` as long for a large
-# block, 1.5% per exchange on an H100. This is the whole of the SM sharing the model knows; the
-# compute stream's own interference with copies (memory bandwidth) is not in it.
+# exchanges in flight gets the SMs they leave: ``sms / (sms - held)`` as long for a large block,
+# 1.5% per single-peer exchange on an H100. An exchange with several peers (an all-to-all step:
+# TASP's, all_gather's) runs its peers' channels side by side, as many as NCCL's pool of
+# point-to-point channels holds (NCCL_P2P_CHANNELS): a send to rank + j and a receive from
+# rank - j share one round of channels, so ``held = min(pool, 2 x rounds)``, rounds the larger
+# of the exchange's distinct destinations and sources (FlopsCompute.held_by). This is the whole
+# of the SM sharing the model knows; the compute stream's own interference with copies (memory
+# bandwidth) is not in it.
 
 #: FlashAttention-2's query rows per forward CTA, and key rows per backward CTA by head dim.
 FA2_FWD_TILE = 128
@@ -96,6 +101,11 @@ FA2_FWD_TILE = 128
 #: gives point-to-point two channels per peer (its init log on an 8-GPU H20 node: "8 p2p
 #: channels, 2 p2p channels per peer", NVIDIA/nccl issue 1189).
 NCCL_P2P_CTAS = 2
+#: NCCL's pool of point-to-point channels, the most CTAs one exchange runs however many peers
+#: it has. NCCL sizes it from its collective channels (``ncclTopoComputeP2pChannels``: the next
+#: power of two of their count); init logs report 8 on a 4-rank H20 job (NVIDIA/nccl issue
+#: 1189), 16 on a 32-rank multi-node one and 32 on an 8-rank two-node one: 16 here.
+NCCL_P2P_CHANNELS = 16
 
 
 def fa2_bwd_tile(head_dim: int) -> int:
@@ -174,9 +184,15 @@ class _MergeCost:
     def reduce_time(self, nbytes: int) -> float:
         return 3.0 * nbytes / (self.mem_bw * 1e9)
 
-    def slowdown(self, backward: bool, exchanges: int = 1) -> float:
-        """Block time while the rank has ``exchanges`` (>= 1) in flight over its time alone."""
+    def slowdown(self, backward: bool, held: int = 1) -> float:
+        """Block time while the rank's in-flight exchanges hold ``held`` (>= 1; the sum of
+        :meth:`held_by` over them) over its time alone."""
         return 1.0
+
+    def held_by(self, ex: Exchange) -> int:
+        """What one in-flight exchange takes from the rank's blocks, in :meth:`slowdown`'s
+        units: one exchange."""
+        return 1
 
     def call_overhead(self, backward: bool) -> float:
         """The fixed seconds of one kernel call inside :meth:`block_time`, which a run of
@@ -252,13 +268,23 @@ class FlopsCompute(_MergeCost):
     def enqueue_cost(self) -> Enqueue:
         return self.enqueue or Enqueue()
 
-    def slowdown(self, backward: bool, exchanges: int = 1) -> float:
-        """The SMs that in-flight exchanges' NCCL kernels hold are not the block's (Note [Tiles
-        and waves]): ``sms / (sms - NCCL_P2P_CTAS x exchanges)``; 1 without an SM count."""
+    def slowdown(self, backward: bool, held: int = 1) -> float:
+        """The SMs that in-flight exchanges' NCCL kernels hold (``held`` CTAs) are not the
+        block's (Note [Tiles and waves]): ``sms / (sms - held)``, at most twice as long; 1
+        without an SM count."""
         if not self.sms:
             return 1.0
-        free = max(self.sms - NCCL_P2P_CTAS * exchanges, self.sms // 2)
+        free = max(self.sms - held, self.sms // 2)
         return self.sms / free
+
+    def held_by(self, ex: Exchange) -> int:
+        """The CTAs that ``ex``'s NCCL kernel runs while in flight (Note [Tiles and waves]): two
+        per round of peers, at most NCCL's pool; one exchange without an SM count."""
+        if not self.sms:
+            return 1
+        sends = len({op.peer for op in ex.ops if op.send})
+        recvs = len({op.peer for op in ex.ops if not op.send})
+        return min(NCCL_P2P_CHANNELS, NCCL_P2P_CTAS * max(sends, recvs, 1))
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         rate = self.tflops * 1e12 * self.efficiency
@@ -449,7 +475,7 @@ class FittedCompute(_MergeCost):
                 return lo[col] + w * (hi[col] - lo[col])
         return cost[-1][col]
 
-    def slowdown(self, backward: bool, exchanges: int = 1) -> float:
+    def slowdown(self, backward: bool, held: int = 1) -> float:
         """The measured ratio, unless its cause runs in the replay (Note [Measured slowdown,
         modelled cause])."""
         if self.shared_slots > 0 and (self.transport_post_s > 0 or self.transport_byte_s > 0):
@@ -525,7 +551,8 @@ def describe_compute(compute: ComputeModel) -> str:
         if compute.sms:
             text += (
                 f", as FlashAttention-2 tiles in waves over {compute.sms} SMs "
-                f"({NCCL_P2P_CTAS} held per exchange in flight)"
+                f"({NCCL_P2P_CTAS} held per peer of an exchange in flight, at most "
+                f"{NCCL_P2P_CHANNELS})"
             )
     elif isinstance(compute, FittedCompute):
         text = (

@@ -9,7 +9,8 @@ Every rank is one compute stream that runs its program in order:
 * ``Wait``: blocks the stream until the exchange has completed; the blocked time is the rank's
   *exposed communication* (the paper's ``O``);
 * ``Compute`` / ``Merge``: occupy the stream for the modelled block / merge time; a block that
-  starts while the rank has ``k`` exchanges in flight takes the compute model's
+  starts while the rank's exchanges in flight hold ``k`` (the compute model's ``held_by``
+  summed over them: one each, or a preset's NCCL CTAs) takes the compute model's
   ``slowdown(k)`` times as long (transfers take CPU cores or GPU SMs: measured by a calibrated
   profile, NCCL's CTAs on a preset's SMs, Note [Tiles and waves]; 1 otherwise).
 
@@ -209,7 +210,7 @@ class Engine:
         self.host_call = compute.host_call_time(shape, backward)
         self.host_byte = compute.host_per_byte()
         self.transport_post, self.transport_byte = compute.transport_work()
-        # blocks under k exchanges in flight: slowdown(k), computed once per k
+        # blocks while their rank's exchanges hold k: slowdown(k), computed once per k
         self.slows = compute.slowdown(backward, 1) != 1.0
         self.slowdowns: dict[int, float] = {}
         enqueue = compute.enqueue_cost()
@@ -363,6 +364,9 @@ class Engine:
         self.pair_busy: dict[tuple, bool] = {}
         self.pair_queue: dict[tuple, deque] = defaultdict(deque)
         self.ops_of: list[dict[int, list]] = [{} for _ in range(n)]
+        # what each running exchange holds of its rank's compute (ComputeModel.held_by)
+        self.held_of: list[dict[int, int]] = [{} for _ in range(n)]
+        self.held: list[int] = [0] * n
         self.pending: dict[tuple, tuple] = {}
         self.res_flows: dict[tuple, set[_Flow]] = defaultdict(set)
         self.finished = [False] * n
@@ -429,7 +433,7 @@ class Engine:
             else:
                 dur = costs[pc]
                 if self.slows:
-                    k = sum(self.active[i].values())
+                    k = self.held[i]
                     if k:  # the rank's transfers share its cores / SMs
                         slow = self.slowdowns.get(k)
                         if slow is None:
@@ -452,6 +456,7 @@ class Engine:
     def _post(self, i: int, ex: Exchange, transfers: tuple[Transfer, ...], now: float) -> None:
         self.remaining_ops[i][ex.handle] = len(transfers)
         self.chan_of[i][ex.handle] = ex.channel
+        self.held_of[i][ex.handle] = self.compute.held_by(ex) if self.slows else 0
         self.ops_of[i][ex.handle] = transfers
         if self.active[i][ex.channel] and not self.pair_order:
             self.queues[i][ex.channel].append(ex.handle)
@@ -460,6 +465,7 @@ class Engine:
 
     def _start(self, i: int, handle: int, now: float) -> None:
         self.active[i][self.chan_of[i][handle]] += 1
+        self.held[i] += self.held_of[i][handle]
         self.ex_start[i][handle] = now
         if self.host is not None and (self.transport_post > 0 or self.transport_byte > 0):
             # Note [Host work of a call]: the transport's threads take the shared cores while
@@ -591,6 +597,7 @@ class Engine:
         if self.record:
             self.results[i].transfers.append((self.ex_start[i][handle], now, channel))
         self.active[i][channel] -= 1
+        self.held[i] -= self.held_of[i][handle]
         queue = self.queues[i][channel]
         if queue:
             self._start(i, queue.popleft(), now)

@@ -81,12 +81,53 @@ def test_every_preset_has_its_sm_count():
 
 
 def test_exchanges_in_flight_hold_sms():
-    # NCCL runs two channels (CTAs) per peer: k exchanges leave sms - 2k SMs to the block
+    # held CTAs leave sms - held SMs to the block
     tiled = FlopsCompute(989.0, 0.5, sms=132)
-    assert tiled.slowdown(False, 1) == pytest.approx(132 / 130)
-    assert tiled.slowdown(True, 3) == pytest.approx(132 / 126)
+    assert tiled.slowdown(False, 2) == pytest.approx(132 / 130)
+    assert tiled.slowdown(True, 6) == pytest.approx(132 / 126)
     assert tiled.slowdown(False, 1000) == pytest.approx(2.0)  # at most half the SMs go
     assert FlopsCompute(989.0, 0.5).slowdown(False, 4) == 1.0
+
+
+def _first_exchange(method: str, cp_size: int, cp_rank: int = 0):
+    from megatron_charm.plan import Layout, PlanOptions, build_plan
+    from megatron_charm.plan.types import Exchange
+
+    plan = build_plan(PlanOptions(method=method), Layout(1, cp_size), causal=False)
+    return next(i for i in plan.forward[cp_rank].instrs if isinstance(i, Exchange))
+
+
+def test_an_exchange_holds_two_ctas_per_round_of_peers_up_to_the_pool():
+    # NCCL runs two channels (CTAs) per peer, a send to rank + j with the receive from rank - j,
+    # and an exchange's peers side by side up to its pool of point-to-point channels
+    from megatron_charm.sim.compute import NCCL_P2P_CHANNELS, NCCL_P2P_CTAS
+
+    tiled = FlopsCompute(989.0, 0.5, sms=132)
+    ring = _first_exchange("ring", 8)  # to the next rank, from the one before: one round
+    assert {op.send for op in ring.ops} == {True, False}
+    assert tiled.held_by(ring) == NCCL_P2P_CTAS == 2
+    tasp = _first_exchange("tasp", 4)  # to and from each of 3 peers
+    assert len({op.peer for op in tasp.ops}) == 3
+    assert tiled.held_by(tasp) == 3 * NCCL_P2P_CTAS
+    big = _first_exchange("tasp", 16)  # 15 peers: 30 channels asked for, the pool's 16 run
+    assert tiled.held_by(big) == NCCL_P2P_CHANNELS == 16
+    assert FlopsCompute(989.0, 0.5).held_by(big) == 1  # no SMs: one exchange, not slowed
+
+
+def test_a_block_under_an_all_to_all_step_loses_the_pool():
+    # TASP's forward on 16 ranks posts two steps of 15 peers each, which run one after the other
+    # on its channel, then computes its own block under the first: on 132 - 16 SMs
+    from megatron_charm.sim.predict import Problem, predict
+    from megatron_charm.sim.topology import Topology
+
+    topo = Topology(1, 16, 300.0, 40.0)
+    problem = Problem(1, 16 * 30 * 64, 8, 64)
+    tiled = FlopsCompute(989.0, 0.5, sms=132)
+    run = predict(topo, problem, tiled, ("tasp",), record=True).methods["tasp"].forward.ranks[0]
+    shape = AttnShape(1, problem.seq // 16, 8, 8, 64)
+    own = tiled.block_time(Compute(0, 0, Part.FULL, Part.FULL, False), shape, False)
+    first = run.timeline[0]
+    assert first[1] - first[0] == pytest.approx(own * 132 / (132 - 16), rel=1e-9)
 
 
 def test_replay_slows_blocks_under_exchanges_only_with_sms():
