@@ -473,3 +473,19 @@ def test_the_structure_tables_4x8_tasp_sequences_fit_its_chunks() -> None:
         check_tasp_shape(seq // 32, 32)
     with pytest.raises(ValueError, match="divisible"):
         check_tasp_shape(mod.SEQS_16[1] * 32 // 16 // 32, 32)
+
+
+def test_figure8_replays_table_4s_one_node_rm_plus_rows() -> None:
+    # scripts/bench/figure8.py at batch 16 and Table 4's sequences is the validation's replay of
+    # Table 4's 1 x 4 RM+ rows (same shape, same baselines)
+    from megatron_charm.sim.validation import PAPER_ROWS, compare_row
+    from tests.bench_scripts import load_bench_script
+
+    mod = load_bench_script("figure8")
+    for gpu in ("L20", "H20"):
+        got = dict(zip(mod.SEQS, mod.speedups(PRESETS[gpu], 16), strict=True))
+        rows = [r for r in PAPER_ROWS if r.gpu == gpu and r.gpus == (1, 4)]
+        assert {r.seq for r in rows} == {1792, 7168}
+        for row in rows:
+            (rmp,) = compare_row(row, PRESETS[gpu].efficiency)
+            assert rmp.method == "rm+" and got[row.seq] == pytest.approx(rmp.predicted, rel=1e-9)
