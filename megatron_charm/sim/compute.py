@@ -97,13 +97,13 @@ def block_flops(
 
 #: FlashAttention-2's query rows per forward CTA, and key rows per backward CTA by head dim.
 FA2_FWD_TILE = 128
-#: SMs that one in-flight NCCL point-to-point exchange holds: NCCL runs a channel as one CTA and
-#: gives point-to-point two channels per peer (its init log on an 8-GPU H20 node: "8 p2p
-#: channels, 2 p2p channels per peer", NVIDIA/nccl issue 1189).
+#: SMs that one in-flight NCCL point-to-point exchange holds per round of peers: NCCL runs a
+#: channel as one CTA and gives point-to-point two channels per peer (its init log of a 4-rank
+#: job on two H20 nodes: "8 p2p channels, 2 p2p channels per peer", NVIDIA/nccl issue 1189).
 NCCL_P2P_CTAS = 2
 #: NCCL's pool of point-to-point channels, the most CTAs one exchange runs however many peers
 #: it has. NCCL sizes it from its collective channels (``ncclTopoComputeP2pChannels``: the next
-#: power of two of their count); init logs report 8 on a 4-rank H20 job (NVIDIA/nccl issue
+#: power of two of their count); init logs report 8 on that H20 job (NVIDIA/nccl issue
 #: 1189), 16 on a 32-rank multi-node one and 32 on an 8-rank two-node one: 16 here.
 NCCL_P2P_CHANNELS = 16
 
