@@ -20,6 +20,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from megatron_charm.bench.report import emit
+
 RATES = "1gbit,400mbit,100mbit,50mbit"
 
 
@@ -68,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['baseline_final_loss']} / {r['charm_final_loss']} |"
         )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.md:
-        args.md.write_text(text)
+    emit(text, args.md)
     return 1 if failed else 0
 
 

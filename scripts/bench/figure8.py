@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 
+from megatron_charm.bench.report import emit
 from megatron_charm.sim.baselines import paper_predict
 from megatron_charm.sim.predict import Prediction, Problem
 from megatron_charm.sim.topology import Hardware
@@ -64,10 +65,7 @@ def main() -> int:
             cells = " | ".join(f"{x:.2f}" for x in speedups(presets[gpu], batch))
             lines.append(f"| {gpu} | {batch} | {cells} |")
     text = "\n".join(lines)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text + "\n")
+    emit(text, args.md)
     return 0
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import megatron_charm.plan as plan_pkg
+from megatron_charm.bench.report import emit
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan, pipeline
 from megatron_charm.plan.memory import plan_peak
 from megatron_charm.sim.predict import Problem, predict
@@ -91,10 +92,7 @@ def main() -> None:
                         f"{mem_new:.1f}, {mem_old:.1f} |"
                     )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text)
+    emit(text, args.md)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 
+from megatron_charm.bench.report import emit
 from megatron_charm.plan.types import Exchange, Layout, Wait
 from megatron_charm.sim import testbed
 from megatron_charm.sim.engine import Engine
@@ -84,10 +85,7 @@ def main() -> int:
         for k, v in sorted(ratios.items())
     ]
     text = "\n".join([*summary, "", *lines])
-    print(text)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text + "\n")
+    emit(text, args.md)
     return 0
 
 

@@ -18,6 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
+from megatron_charm.bench.report import emit
+
 KINDS = ("Exchange", "Compute", "Merge")
 
 
@@ -53,9 +55,7 @@ def main() -> int:
     ap.add_argument("--md", type=Path, help="write the table here as well")
     args = ap.parse_args()
     text = table(json.loads(args.raw.read_text()))
-    print(text)
-    if args.md:
-        args.md.write_text(text + "\n")
+    emit(text, args.md)
     return 0
 
 

@@ -27,6 +27,7 @@ import argparse
 import datetime
 from collections.abc import Iterator
 
+from megatron_charm.bench.report import emit
 from megatron_charm.plan import Layout, PlanOptions
 from megatron_charm.plan.tasp import check_tasp_shape
 from megatron_charm.sim.baselines import (
@@ -204,10 +205,7 @@ def main() -> int:
     lines += [operation_counts(gpus) for gpus in ((2, 8), (4, 8))]
     lines += [averages(gpus, efficiency, args.baselines, hw) for gpus in ((2, 8), (4, 8))]
     text = "\n".join(lines)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text + "\n")
+    emit(text, args.md)
     return 0
 
 

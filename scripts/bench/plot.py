@@ -16,6 +16,8 @@ import glob
 import json
 import os
 
+from megatron_charm.bench.report import emit
+
 MARKERS = {"2x2": "o", "2x4": "s", "4x2": "^"}
 
 
@@ -114,10 +116,7 @@ def main() -> None:
     if not rows:
         raise SystemExit(f"no sweep results (*.json) in {args.folder}")
     md = table(rows)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    print(md)
+    emit(md, args.md)
     plot(rows, args.png or args.folder.rstrip("/") + ".png")
 
 

@@ -24,6 +24,8 @@ import os
 import subprocess
 import sys
 
+from megatron_charm.bench.report import emit
+
 
 def advise(res: dict, profile: str, methods: list[str]) -> str:
     cfg = res["config"]
@@ -105,10 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         total += 1
     lines += ["", f"Right at {right_count} of {total} points."]
     text = "\n".join(lines)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.md)
 
 
 if __name__ == "__main__":

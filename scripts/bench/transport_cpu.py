@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from megatron_charm.bench.report import emit
+
 SIZES = (64 << 10, 512 << 10, 2 << 20)
 
 
@@ -89,10 +91,7 @@ def main() -> int:
                 f"{cpu / nbytes * 1e9:.2f} |"
             )
     text = "\n".join(lines)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text + "\n")
+    emit(text, args.md)
     return 0
 
 

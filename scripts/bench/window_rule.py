@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
+from megatron_charm.bench.report import emit
 from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan
 from megatron_charm.plan.memory import plan_peak
 from megatron_charm.sim.compute import FlopsCompute
@@ -126,10 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
         ]
     )
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
-    print(text)
+    emit(text, args.md)
 
 
 if __name__ == "__main__":
