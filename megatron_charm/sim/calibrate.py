@@ -247,9 +247,19 @@ def main(argv: list[str]) -> int:
         for row, t in zip(summary, times, strict=True):
             row["predicted_s"] = t
         profile = replace(profile, fit_error={**profile.fit_error, "repeat": spread})
-    samples = ("kernel", "merge", "p2p", "concurrent_cross", "concurrent_intra")
-    samples += ("kernel_under_traffic",)
-    samples += ("one_host", "host_cores", "threads", "host_work", "host_cpu")
+    samples = (
+        "kernel",
+        "merge",
+        "p2p",
+        "concurrent_cross",
+        "concurrent_intra",
+        "kernel_under_traffic",
+        "one_host",
+        "host_cores",
+        "threads",
+        "host_work",
+        "host_cpu",
+    )
     profile = replace(
         profile,
         provenance={
