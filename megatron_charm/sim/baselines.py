@@ -33,15 +33,29 @@ Ring-Attention and CHARM+ do neither:
   (within 6%), but they enqueue about twice ring's operations per rank and, host-bound at
   batch 1, put CHARM+ at 0.55x ring at 3,360 tokens; Algorithm 2 enqueues fewer than half of
   ring's (``scripts/bench/paper_structure.py`` prints the counts) and keeps it above 2x there.
-* **Its merge levels end in a barrier.** Algorithm 2 posts a level's kv and q exchanges, computes
-  on what the level before brought, and ends the level with ``Commwait()``: the next level's
-  exchanges start when all of this level's, and the outputs it sent back, are done. Our pipeline
-  keeps ``window`` exchanges in flight across levels. :func:`with_level_barriers` adds the
-  paper's waits to charm's (intra-node levels) and rm+'s (levels over the whole group) programs
-  in both passes. The CHARM+ rows barely move (Table 5's times by under 1%: they are bound by
-  the crossing transfers); RM+ gains less from its overlap, as the paper's does: H20 1 x 8 at
-  1,792 tokens +32% -> +13%, 1 x 4 at 1,792 +66% -> +41%, 1 x 4 at 7,168 +22% -> +7% (since
-  2026-12-04 16:45 UTC; L20's fitted efficiency moved from 0.356 to 0.271 with it).
+* **Its merge levels end in a barrier.** Algorithm 2 ships the crossing queries and waits for
+  them (``CrossComm``, ``Commwait``); then, level by level, it posts the level's kv and q
+  exchanges, computes on what the levels before brought (the local block during level 0), sends
+  the outputs of queries it received back, and ends the level with ``Commwait()``: the next
+  level's exchanges start when all of this level's, and the outputs it sent back, are done. Our
+  pipeline keeps ``window`` exchanges in flight across levels. :func:`in_algorithm2_order`
+  puts charm's (intra-node levels) and rm+'s (levels over the whole group) programs of both
+  passes in Algorithm 2's order, each channel's exchanges in their own order::
+
+      level 0 | post kv<->x^1     | block (x, x)                 | wait |
+      level 1 | post kv, q: x^2-3 | block (x, x^1)               | wait | merge returns
+      level 2 | post kv, q: x^4-7 | blocks of level 1, returns   | wait | merge returns
+      last    |                   | blocks of level 2, returns   | wait | merge returns
+
+  The blocks of one level then follow each other, and those that form a full product run as one
+  kernel call (Note [Coalesced blocks]), as Algorithm 2's one ``CompAttention`` per level does.
+  From 2026-12-04 16:45 UTC to 2026-12-05 10:00 UTC the replay kept our order and only added the
+  waits: it waited for a level before computing what the level before had brought, the local
+  block after level 0's transfer, which Algorithm 2 does not. In its order: H20 RM+ 1 x 8 at
+  7,168 tokens -20% -> -6%, at 1,792 +13% -> 0%; 1 x 4 at 1,792 +41% -> +35%, at 7,168 +7% ->
+  +22%; H20 2 x 8 CHARM+ at 7,168 -17% -> -25%; Table 5's within 12% (4 x 8 CHARM+ -11% ->
+  -12%). Before the barriers, RM+ gained more from its overlap than the paper's: H20 1 x 8 at
+  1,792 tokens +32%, 1 x 4 at 1,792 +66%, 1 x 4 at 7,168 +22%.
 * **Its returns are float32 on two nodes; on four the rows say input precision.** The paper's
   buffers are float32 (Appendix B.2: "under FP32 precision, each buffer occupies BSH"). On
   2 x 8 float32 returns put Table 5's CHARM+ forward times within 5%; input-precision ones
@@ -114,7 +128,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_charm.plan import PlanOptions
-from megatron_charm.plan.types import Exchange, Kind, Payload, Program, Wait, Wire
+from megatron_charm.plan.types import Compute, Exchange, Kind, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.programs import ProgramSet
@@ -177,51 +191,105 @@ def merge_level(cp_rank: int, ex: Exchange, group: int) -> int | None:
     return max((local ^ peer % group).bit_length() - 1 for peer in inside)
 
 
-def with_level_barriers(program: Program, group: int) -> Program:
-    """``program`` with the Commwait that ends every merge level of the paper's Algorithm 2:
-    before the rank posts the first exchange of a new merge level, it waits for every exchange
-    of the levels before (kv, q and the outputs or gradients they return). ``group``: ranks per
-    pipeline (a node for charm, the CP group for rm+); exchanges that leave it are not in a
-    level and keep their waits."""
-    waited = {i.handle for i in program.instrs if isinstance(i, Wait)}
-    posted: list[int] = []  # exchanges of a level, posted and not yet waited for, in order
-    done: set[int] = set()  # waited for early: their own waits drop out
-    top = 0
-    instrs: list = []
+#: What a compute reads from each side: the kinds that bring a query, and kv.
+_Q_KINDS = (Kind.Q, Kind.QB, Kind.DB)
+
+
+def _arrival_levels(cp_rank: int, program: Program, group: int) -> dict[tuple, int]:
+    """``(side, owner, part) -> level`` of the exchange that brings each received input of
+    ``program`` (side ``"q"`` or ``"kv"``; level -1 for exchanges that leave the pipeline)."""
+    levels: dict[tuple, int] = {}
     for ins in program.instrs:
-        if isinstance(ins, Wait):
-            if ins.handle not in done:
-                if ins.handle in posted:
-                    posted.remove(ins.handle)
-                instrs.append(ins)
-            continue
         if isinstance(ins, Exchange):
-            level = merge_level(program.cp_rank, ins, group)
-            if level is not None:
-                if level > top:  # every open exchange belongs to an earlier level
-                    early = [h for h in posted if h in waited]
-                    instrs += [Wait(h) for h in early]
-                    done.update(early)
-                    posted = []
-                    top = level
-                posted.append(ins.handle)
-        instrs.append(ins)
-    return Program(program.cp_rank, tuple(instrs))
+            level = merge_level(cp_rank, ins, group)
+            for op in ins.ops:
+                if not op.send and not op.payload.kind.is_partial:
+                    side = "q" if op.payload.kind in _Q_KINDS else "kv"
+                    key = (side, op.payload.owner, op.payload.part)
+                    levels[key] = max(levels.get(key, -1), -1 if level is None else level)
+    return levels
+
+
+def _data_level(ins: Compute, cp_rank: int, arrivals: dict[tuple, int]) -> int:
+    """The level whose exchange brings the last of ``ins``'s inputs (-1: all were here before
+    the first level)."""
+
+    def level(side: str, owner: int, part: object) -> int:
+        if owner == cp_rank:
+            return -1
+        if (side, owner, part) in arrivals:
+            return arrivals[(side, owner, part)]
+        # a part of a piece that arrived whole, or pieces that arrived in parts
+        return max((v for (s, o, _), v in arrivals.items() if s == side and o == owner), default=-1)
+
+    return max(level("q", ins.q_owner, ins.q_part), level("kv", ins.kv_owner, ins.kv_part))
+
+
+def in_algorithm2_order(program: Program, group: int) -> Program:
+    """``program`` in the order of the paper's Algorithm 2 (Note [The paper's baselines]).
+
+    ``group``: ranks per pipeline (a node for charm, the CP group for rm+). Exchanges that leave
+    it (charm's crossing queries) are posted and waited for before the first level
+    (``CrossComm``, then ``Commwait``). Then, level by level::
+
+        post level k's kv and q | compute what levels < k brought, post their returns | wait
+                                                                                  all of phase k
+                                                                                  merge returns
+
+    and a last phase computes what the last level brought and returns it (charm's crossing
+    returns with it). Exchanges of one channel keep their order, so every rank's transfers still
+    match; only the phases move the instructions."""
+    x = program.cp_rank
+    arrivals = _arrival_levels(x, program, group)
+    keys: list[tuple[int, int]] = []
+    posted_in: dict[int, int] = {}  # exchange handle -> its phase
+    waited_in: dict[int, int] = {}  # exchange handle -> the phase of its wait
+    phase = 0  # of the last compute: returns are posted in it
+    for ins in program.instrs:
+        if isinstance(ins, Exchange):
+            # a backward bundle carries the forward's output: inputs, not a return
+            if any(not op.payload.kind.is_partial for op in ins.ops):
+                level = merge_level(x, ins, group)
+                key = (-1 if level is None else level, 0)
+            else:
+                key = (phase, 1)
+            posted_in[ins.handle] = key[0]
+        elif isinstance(ins, Compute):
+            phase = _data_level(ins, x, arrivals) + 1
+            key = (phase, 1)
+        elif isinstance(ins, Wait):
+            waited_in[ins.handle] = posted_in[ins.handle]
+            key = (posted_in[ins.handle], 2)
+        else:
+            key = (waited_in[ins.handle], 3)
+        keys.append(key)
+    order = sorted(range(len(keys)), key=lambda i: (*keys[i], i))
+    out = Program(x, tuple(program.instrs[i] for i in order))
+
+    def channels(p: Program) -> dict[str, list[int]]:
+        seq: dict[str, list[int]] = {}
+        for ins in p.instrs:
+            if isinstance(ins, Exchange):
+                seq.setdefault(ins.channel, []).append(ins.handle)
+        return seq
+
+    assert channels(out) == channels(program), f"cp_rank {x}: a channel's order changed"
+    return out
 
 
 def paper_programs(progs: ProgramSet) -> ProgramSet:
     """``progs`` as the paper runs them: ring's forward without overlap (Ring-Zigzag's, and
-    with ``ring-contig`` Ring-Attention's contiguous layout); charm and rm+ with a barrier at the
-    end of every merge level, charm's backward bundles with ``out``; other methods as the
-    planner builds them."""
+    with ``ring-contig`` Ring-Attention's contiguous layout); charm and rm+ in the order of
+    Algorithm 2 (:func:`in_algorithm2_order`: a barrier at the end of every merge level), charm's
+    backward bundles with ``out``; other methods as the planner builds them."""
     if progs.method in ("ring", "ring-contig"):
         return dataclasses.replace(progs, forward=tuple(p.without_overlap() for p in progs.forward))
     if progs.method not in ("charm", "rm+"):
         return progs
     # Algorithm 2's merge levels: a node's ranks for charm, the whole group for rm+
     group = progs.layout.ranks_per_node if progs.method == "charm" else progs.layout.cp_size
-    forward = tuple(with_level_barriers(p, group) for p in progs.forward)
-    backward = tuple(with_level_barriers(p, group) for p in progs.backward)
+    forward = tuple(in_algorithm2_order(p, group) for p in progs.forward)
+    backward = tuple(in_algorithm2_order(p, group) for p in progs.backward)
     if progs.method == "charm":
         wire = Wire.FP32 if paper_returns_fp32(progs.layout.num_nodes) else Wire.INPUT
         backward = tuple(with_output_in_bundle(p, wire) for p in backward)

@@ -384,7 +384,7 @@ PRESETS: dict[str, Hardware] = {
         EFF_L20,
         sms=92,
         pcie_domain=24.0,
-        paper_error=0.23,
+        paper_error=0.18,
     ),
     "H20": Hardware(
         "H20",
@@ -403,7 +403,7 @@ PRESETS: dict[str, Hardware] = {
         cross_lat=H20_CROSS_LAT,
         sms=78,
         nvlink=450.0,
-        paper_error=0.41,
+        paper_error=0.35,
     ),
     "H100": Hardware(
         "H100",
@@ -420,7 +420,7 @@ PRESETS: dict[str, Hardware] = {
         sms=132,
         nvlink=450.0,
         a2a_rate=H100_A2A_RATE,
-        paper_error=0.11,
+        paper_error=0.12,
     ),
 }
 
