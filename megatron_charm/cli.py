@@ -75,11 +75,32 @@ def default_patch_path(release: str = MEGATRON_TAG) -> Path:
     )
 
 
+#: Seconds a git (or patch) command may take: a hung one (a lock, a credential prompt, a network
+#: file system) would otherwise hang the CLI for good.
+RUN_TIMEOUT_S = 30
+
+
 def _run(cmd: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run a command, returning its exit status and combined output."""
-    proc = subprocess.run(
-        list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    """Run a command, returning its exit status and combined output (a timeout: status 124, the
+    ``timeout(1)`` convention, so callers take it as any other failure)."""
+    try:
+        proc = subprocess.run(
+            list(cmd),
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as exc:
+        partial = (
+            exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output
+        )
+        return 124, (
+            f"`{' '.join(cmd)}` in {cwd} timed out after {RUN_TIMEOUT_S} s; check that the "
+            f"repository is not locked by another git process\n{partial or ''}"
+        ).strip()
     return proc.returncode, proc.stdout.strip()
 
 

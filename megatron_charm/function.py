@@ -159,16 +159,25 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, qkv_format: str, causal: bool
         )
     if k.shape != v.shape:
         raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}; "
+            "pass k and v of one layer, in the same qkv_format"
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"q, k, v must share the head dim, got {q.shape[-1]} (q) and {k.shape[-1]} (k, v)"
+            f"q, k, v must share the head dim, got {q.shape[-1]} (q) and {k.shape[-1]} (k, v); "
+            "check kv_channels / the head dim of the projections"
         )
     if q.shape[:2] != k.shape[:2]:
         raise ValueError(
             f"q and k must share batch and local sequence sizes ({qkv_format}), got "
-            f"{tuple(q.shape[:2])} and {tuple(k.shape[:2])}"
+            f"{tuple(q.shape[:2])} and {tuple(k.shape[:2])}; pass all three in the qkv_format "
+            "given, each rank's shard of the same sequences"
+        )
+    if min(q.shape) == 0 or min(k.shape) == 0:
+        raise ValueError(
+            f"q {tuple(q.shape)} / k {tuple(k.shape)} ({qkv_format}) has an empty dimension; "
+            "every rank needs at least one token, batch entry, head and head channel (check "
+            "the sequence length, micro-batch size and head counts)"
         )
     h, h_kv = q.shape[2], k.shape[2]
     if h % h_kv != 0:
@@ -177,12 +186,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, qkv_format: str, causal: bool
             "change num_query_groups / the kv head count"
         )
     s_local = q.shape[1] if qkv_format == "bshd" else q.shape[0]
-    if min(q.shape) == 0 or min(k.shape) == 0:
-        raise ValueError(
-            f"q {tuple(q.shape)} / k {tuple(k.shape)} ({qkv_format}) has an empty dimension; "
-            "every rank needs at least one token, batch entry, head and head channel (check "
-            "the sequence length, micro-batch size and head counts)"
-        )
     if causal and s_local % 2 != 0:
         raise ValueError(
             f"causal CP attention needs an even local sequence length (two zigzag chunks), got "
@@ -340,7 +343,10 @@ def cp_attention(
         softmax_scale: defaults to ``d ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[b, h, s_local]`` (it has no gradient).
         kernel: block kernel (``"torch"``, ``"flash_attn"``, ``"math"``, or a
-            :class:`~megatron_charm.kernels.BlockKernel` of your own); default by device/dtype.
+            :class:`~megatron_charm.kernels.BlockKernel` of your own); ``None``: by device and
+            dtype (:func:`~megatron_charm.kernels.select_kernel`). No environment variable
+            changes it: ``MEGATRON_CHARM_KERNEL`` is a default of the trainer and the Megatron
+            module only, which pass it here.
         trace: a list that receives one :class:`megatron_charm.comm.executor.RunTrace` per pass
             (forward, then backward): timelines, bytes sent and peak buffer bytes. ``None`` (the
             default) measures nothing.

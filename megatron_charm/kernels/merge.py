@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+_ACCUMULATOR_DTYPES = (torch.float32, torch.float64)
+
 
 def merge_partial(
     out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
@@ -29,7 +31,13 @@ def merge_partial(
     Rows empty on both sides (``-inf`` twice, which masks produce) stay empty: the sigmoid of
     ``-inf - -inf`` is NaN and is taken as 0.
     """
-    assert out.dtype == lse.dtype and out.dtype in (torch.float32, torch.float64)
+    # Merging in a low-precision accumulator loses the small corrections of later blocks.
+    if out.dtype != lse.dtype or out.dtype not in _ACCUMULATOR_DTYPES:
+        raise ValueError(
+            f"merge_partial(out.dtype={out.dtype}, lse.dtype={lse.dtype}): the accumulators "
+            "must share one dtype, float32 or float64; pass float32/float64 out and lse "
+            "(e.g. out.float(), lse.float())"
+        )
     weight = torch.sigmoid(lse_b - lse).nan_to_num_(0.0).unsqueeze(-1)
     out.sub_(weight * (out - out_b.to(out.dtype)))
     torch.logaddexp(lse, lse_b.to(lse.dtype), out=lse)

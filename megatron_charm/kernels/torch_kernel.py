@@ -126,9 +126,21 @@ def cpu_forward(
 
 
 def cpu_backward(
-    dout, q, k, v, out, lse, causal, scale, bias: Tensor | None = None
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """CPU path of :func:`torch_backward` (shapes there; ``bias`` as :func:`cpu_forward`)."""
+    """CPU path of :func:`torch_backward`:
+
+    dout, q, out ``[s_q, b, h, d]``; k, v ``[s_k, b, h_kv, d]``; lse float32 ``[s_q, b, h]``
+    -> ``dq [s_q, b, h, d]``, ``dk, dv [s_k, b, h_kv, d]`` (details there;
+    ``bias`` as :func:`cpu_forward`)."""
     hkv = k.shape[2]
     ke, ve = _cpu_kv(k, v, q.shape[2])
     doc, qc, kc, vc, oc = _cpu_compute(dout, q, ke, ve, out)
@@ -177,8 +189,20 @@ def cuda_flash_forward(
     return out[..., :d].transpose(0, 1), lse.permute(2, 0, 1)
 
 
-def cuda_flash_backward(dout, q, k, v, out, lse, causal, scale) -> tuple[Tensor, Tensor, Tensor]:
-    """fp16/bf16 CUDA path of :func:`torch_backward` (shapes there)."""
+def cuda_flash_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp16/bf16 CUDA path of :func:`torch_backward`:
+
+    dout, q, out ``[s_q, b, h, d]``; k, v ``[s_k, b, h_kv, d]``; lse float32 ``[s_q, b, h]``
+    -> ``dq [s_q, b, h, d]``, ``dk, dv [s_k, b, h_kv, d]`` (details there)."""
     d = q.shape[-1]
     # rng_state/unused are read only with dropout; pass what the forward returns for p = 0.
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
@@ -227,9 +251,19 @@ def cuda_efficient_forward(
 
 
 def cuda_efficient_backward(
-    dout, q, k, v, out, lse, causal, scale
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 CUDA path of :func:`torch_backward` (shapes there)."""
+    """fp32 CUDA path of :func:`torch_backward`:
+
+    dout, q, out ``[s_q, b, h, d]``; k, v ``[s_k, b, h_kv, d]``; lse float32 ``[s_q, b, h]``
+    -> ``dq [s_q, b, h, d]``, ``dk, dv [s_k, b, h_kv, d]`` (details there)."""
     h, hkv, d, sq = q.shape[2], k.shape[2], q.shape[-1], q.shape[0]
     ke, ve = expand_kv_heads(k, h), expand_kv_heads(v, h)
     b = q.shape[1]

@@ -45,6 +45,29 @@ from megatron_charm.plan.types import Chunk, Part
 
 ZIGZAG = "zigzag"
 CONTIGUOUS = "contiguous"
+#: Every sequence layout a plan can be scheduled on.
+SEQ_LAYOUTS = (ZIGZAG, CONTIGUOUS)
+
+
+def _check_seq_layout(seq_layout: str, func: str) -> None:
+    if seq_layout not in SEQ_LAYOUTS:
+        raise ValueError(
+            f"{func}(seq_layout={seq_layout!r}): unknown sequence layout; pass one of "
+            f"{SEQ_LAYOUTS} (a method's layout is PlanOptions.seq_layout)"
+        )
+
+
+def _check_rank(cp_rank: int, cp_size: int, func: str) -> None:
+    if cp_size < 1:
+        raise ValueError(
+            f"{func}(cp_size={cp_size}): the context-parallel size must be >= 1; pass the CP "
+            "group's size"
+        )
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(
+            f"{func}(cp_rank={cp_rank}, cp_size={cp_size}): cp_rank must satisfy "
+            "0 <= cp_rank < cp_size; pass this rank's index in the CP group"
+        )
 
 
 def block_empty(q_owner: int, kv_owner: int, causal: bool, seq_layout: str = ZIGZAG) -> bool:
@@ -60,6 +83,9 @@ def block_parts(
     """Return ``(q_part, kv_part, masked)`` for the block (q of ``q_owner``, kv of ``kv_owner``)
     under ``seq_layout`` (``zigzag`` or ``contiguous``); an empty block (:func:`block_empty`)
     has no parts, and asking for them is a planner bug."""
+    # Checked up front, not only where the layouts differ, so a typo fails on every mask
+    # (lru_cache runs this once per distinct argument tuple).
+    _check_seq_layout(seq_layout, "block_parts")
     if not causal:
         return Part.FULL, Part.FULL, False
     if q_owner == kv_owner:
@@ -68,7 +94,6 @@ def block_parts(
         if kv_owner > q_owner:
             raise AssertionError(f"block ({q_owner},{kv_owner}) is empty in the contiguous layout")
         return Part.FULL, Part.FULL, False
-    assert seq_layout == ZIGZAG, seq_layout
     if kv_owner < q_owner:
         return Part.FULL, Part.FIRST, False
     return Part.SECOND, Part.FULL, False
@@ -102,6 +127,7 @@ def balanced(causal: bool, seq_layout: str = ZIGZAG) -> bool:
 
 def zigzag_positions(cp_rank: int, cp_size: int, seq_len: int) -> list[int]:
     """Global token positions held by ``cp_rank`` in local order (``seq_len``: global length)."""
+    _check_rank(cp_rank, cp_size, "zigzag_positions")
     if seq_len % (2 * cp_size) != 0:
         raise ValueError(
             f"global sequence length {seq_len} must be divisible by 2 * cp_size = {2 * cp_size} "
@@ -117,6 +143,7 @@ def zigzag_positions(cp_rank: int, cp_size: int, seq_len: int) -> list[int]:
 def contiguous_positions(cp_rank: int, cp_size: int, seq_len: int) -> list[int]:
     """Global token positions held by ``cp_rank`` in the contiguous layout (chunk ``cp_rank`` of
     ``cp_size``; ``seq_len``: global length)."""
+    _check_rank(cp_rank, cp_size, "contiguous_positions")
     if seq_len % cp_size != 0:
         raise ValueError(
             f"global sequence length {seq_len} must be divisible by cp_size = {cp_size} for the "
@@ -129,9 +156,9 @@ def contiguous_positions(cp_rank: int, cp_size: int, seq_len: int) -> list[int]:
 def sequence_positions(cp_rank: int, cp_size: int, seq_len: int, seq_layout: str) -> list[int]:
     """Global token positions held by ``cp_rank`` under ``seq_layout`` (``zigzag`` or
     ``contiguous``), in local order."""
+    _check_seq_layout(seq_layout, "sequence_positions")
     if seq_layout == CONTIGUOUS:
         return contiguous_positions(cp_rank, cp_size, seq_len)
-    assert seq_layout == ZIGZAG, seq_layout
     return zigzag_positions(cp_rank, cp_size, seq_len)
 
 

@@ -28,6 +28,29 @@ class AttnShape:
     itemsize: int = 2
     """Bytes per element of the input dtype."""
 
+    def __post_init__(self) -> None:
+        # A zero size would surface far away, as a ZeroDivisionError inside the planner.
+        sizes = {
+            "b": self.b,
+            "s_local": self.s_local,
+            "h": self.h,
+            "h_kv": self.h_kv,
+            "d": self.d,
+            "itemsize": self.itemsize,
+        }
+        bad = {k: v for k, v in sizes.items() if v < 1}
+        if bad:
+            raise ValueError(
+                f"AttnShape({', '.join(f'{k}={v}' for k, v in bad.items())}): every size must "
+                "be >= 1; check the batch size, local sequence length (tokens per CP rank), "
+                "head counts and head dim"
+            )
+        if self.h % self.h_kv:
+            raise ValueError(
+                f"AttnShape(h={self.h}, h_kv={self.h_kv}): query heads must be a multiple of kv "
+                "heads (h % h_kv == 0); change the query or kv head count"
+            )
+
     def tokens(self, part: Part | Chunk) -> int:
         if type(part) is Chunk:
             return self.tokens(part.base) // part.count

@@ -253,6 +253,17 @@ class Layout:
     num_nodes: int
     ranks_per_node: int
 
+    def __post_init__(self) -> None:
+        # bool is an int subclass, and Layout(True, 8) is a typo rather than a layout.
+        if not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 1
+            for x in (self.num_nodes, self.ranks_per_node)
+        ):
+            raise ValueError(
+                f"Layout(num_nodes={self.num_nodes!r}, ranks_per_node={self.ranks_per_node!r}): "
+                "both must be integers >= 1; pass e.g. Layout(2, 8) / --gpus 2x8"
+            )
+
     @property
     def cp_size(self) -> int:
         return self.num_nodes * self.ranks_per_node

@@ -24,6 +24,8 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -212,6 +214,31 @@ def _partner(cp_rank: int, m: int, p: int) -> int | None:
     return None
 
 
+class _TrafficThread(threading.Thread):
+    """A daemon thread that keeps its target's exception, so the main thread can raise it
+    (``threading.Thread`` only prints it, and the calibration would go on with bad timings)."""
+
+    def __init__(self, target: Callable[..., None], *args: object) -> None:
+        super().__init__(target=target, args=args, daemon=True)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as exc:  # handed to the main thread by join_or_raise
+            self.error = exc
+
+    def join_or_raise(self, deadline_s: float) -> None:
+        self.join(deadline_s)
+        if self.is_alive():
+            raise TimeoutError(
+                f"the calibration's traffic thread is still exchanging messages after "
+                f"{deadline_s:.0f} s; a peer is gone or slow, raise --timeout (cfg timeout_s)"
+            )
+        if self.error is not None:
+            raise self.error
+
+
 def time_kernels_under_traffic(
     cfg: dict, device: torch.device, ranks: list[int], m: int, p: int, solo: dict, raw: dict
 ) -> dict:
@@ -220,7 +247,10 @@ def time_kernels_under_traffic(
     me = dist.get_rank()
     cp_rank = ranks.index(me)
     partner = _partner(cp_rank, m, p)
-    traffic = dist.new_group(ranks, backend=dist.get_backend())
+    timeout_s = cfg.get("timeout_s", 600)  # the default group's, as start_rank set it
+    traffic = dist.new_group(
+        ranks, timeout=timedelta(seconds=timeout_s), backend=dist.get_backend()
+    )
     nbytes = 1 << 20
     link = raw["p2p"].get("cross" if m > 1 else "intra") or [{"bytes": 1, "s": 1e-3}]
     one_way = max(s["s"] * nbytes / s["bytes"] for s in link)  # pessimistic for 1 MiB
@@ -250,11 +280,13 @@ def time_kernels_under_traffic(
     fwd_call, bwd_call = _block_calls(cfg, device, solo["tokens"], 1, heads=solo["heads"])
     stream(1)  # connect the pair before anything is timed
     dist.barrier()
-    worker = threading.Thread(target=stream, args=(count,), daemon=True)
+    worker = _TrafficThread(stream, count)
     worker.start()
     fwd = _timed(fwd_call, cfg, device)
     bwd = _timed(bwd_call, cfg, device)
-    worker.join()
+    # A hung send or recv raises in the thread after timeout_s; the grace lets that error,
+    # which names the failing op, arrive before the deadline's.
+    worker.join_or_raise(timeout_s + 30.0)
     dist.barrier()
     return {
         "tokens": solo["tokens"],

@@ -165,7 +165,17 @@ class Profile:
 
 
 def preset_profile(name: str) -> Profile:
-    """The paper's Table 2 system ``name`` (``H100``, ``H20``, ``L20``) as a profile."""
+    """The paper's Table 2 system ``name`` (``H100``, ``H20``, ``L20``, any case, as
+    :func:`load_profile` takes it) as a profile."""
+    by_name = {k.lower(): k for k in PRESETS}
+    key = by_name.get(str(name).lower())
+    if key is None:
+        raise ValueError(
+            f"preset_profile(name={name!r}): unknown preset; pass one of "
+            f"{', '.join(sorted(PRESETS))} (any case), or load a calibrated JSON with "
+            "load_profile(PATH)"
+        )
+    name = key
     hw = PRESETS[name]
     return Profile(
         name=f"{hw.name} (paper Table 2; not measured on this cluster)",
