@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_charm import env
 from megatron_charm.bench.methods import BASELINES, OURS
 from megatron_charm.bench.provenance import git, host
 from megatron_charm.bench.summary import markdown, summarise
@@ -232,7 +233,7 @@ def run_attention(args: argparse.Namespace) -> dict:
     if args.launcher == "env":
         from megatron_charm.bench.worker import run
 
-        cfg["cross_bps"] = int(os.environ.get("MEGATRON_CHARM_TESTBED_CROSS_BPS", "0"))
+        cfg["cross_bps"] = env.testbed_cross_bps()
         raw = run(cfg)
         if raw is None:
             return {}

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megatron_charm import env
 from megatron_charm.bench.methods import (
     OURS,
     Inputs,
@@ -169,7 +170,10 @@ def start_rank(cfg: dict) -> tuple[torch.device, CPTopology]:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.get("timeout_s", 600)))
-    return device, CPTopology.build(None, ranks_per_node=cfg.get("ranks_per_node"))
+    # The bench worker is an entry point: the loopback launcher and the testbed give each rank
+    # its node identity in MEGATRON_CHARM_NODE_ID, read here and passed down as data.
+    topo = CPTopology.build(None, ranks_per_node=cfg.get("ranks_per_node"), node_id=env.node_id())
+    return device, topo
 
 
 def run(cfg: dict) -> dict | None:

@@ -17,6 +17,7 @@ the full groups.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_charm import env
 from megatron_charm.constants import DEFAULT_TIMEOUT
 from megatron_charm.plan import CHANNELS, Layout
 
@@ -44,8 +44,9 @@ def layout_from_nodes(node_ids: list[str], ranks_per_node: int | None) -> Layout
         if ranks_per_node < 1 or cp_size % ranks_per_node != 0:
             raise ValueError(
                 f"ranks_per_node={ranks_per_node} must be >= 1 and divide the CP size {cp_size}; "
-                "set ranks_per_node (or MEGATRON_CHARM_RANKS_PER_NODE) to a divisor of the "
-                "context-parallel size"
+                "pass a divisor of the context-parallel size as the ranks_per_node= argument "
+                "(in the Megatron integration: charm ranks_per_node / --charm-ranks-per-node, "
+                "whose default is MEGATRON_CHARM_RANKS_PER_NODE)"
             )
         return Layout(cp_size // ranks_per_node, ranks_per_node)
     blocks: list[tuple[str, int]] = []
@@ -128,8 +129,10 @@ class CPTopology:
                 gathered over the CP group.
             timeout: timeout of every channel group; after it a dead peer raises (gloo) or
                 NCCL's watchdog ends the process (docs/launchers.md, "NCCL: what differs").
-            node_id: this rank's node identity; ``None`` reads it with
-                :func:`megatron_charm.env.node_id` (``$MEGATRON_CHARM_NODE_ID``, else hostname).
+            node_id: this rank's node identity; ``None``: the hostname. No environment
+                variable is read here: entry points pass ``node_id=`` from
+                :func:`megatron_charm.env.node_id` (``MEGATRON_CHARM_NODE_ID``, which the
+                testbed sets per emulated node, else the hostname).
         """
         if not dist.is_initialized():
             raise ValueError(
@@ -147,7 +150,8 @@ class CPTopology:
         global_ranks = dist.get_process_group_ranks(group)
         backend = str(dist.get_backend(group))
         ids: list[str | None] = [None] * cp_size
-        dist.all_gather_object(ids, node_id if node_id is not None else env.node_id(), group=group)
+        mine = node_id if node_id is not None else socket.gethostname()
+        dist.all_gather_object(ids, mine, group=group)
         try:
             layout = layout_from_nodes([str(i) for i in ids], ranks_per_node)
             err = ""

@@ -22,15 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_charm import env
 from megatron_charm.kernels.flash_attn_kernel import load_flash_attn
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.math_kernel import math_backward, math_forward
 from megatron_charm.kernels.torch_kernel import cpu_native_gqa, torch_backward, torch_forward
 
 Tensor = torch.Tensor
-
-KERNEL_ENV = env.KERNEL
 
 
 @dataclass(frozen=True)
@@ -78,20 +75,21 @@ def available_kernels(device: torch.device) -> list[str]:
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, name: str | None = None) -> BlockKernel:
-    """Pick the block kernel for ``(device, dtype)``; ``name`` (or env ``MEGATRON_CHARM_KERNEL``)
-    overrides the choice.
+    """Pick the block kernel for ``(device, dtype)``; ``name`` overrides the choice.
 
-    Default: ``math`` for float64; on CUDA ``flash_attn`` for fp16/bf16 when it imports, else
-    ``torch`` (which runs fp32 on the memory-efficient kernel, never the float64 reference).
+    Default (``name=None``): ``math`` for float64; on CUDA ``flash_attn`` for fp16/bf16 when it
+    imports, else ``torch`` (which runs fp32 on the memory-efficient kernel, never the float64
+    reference). The choice depends on the arguments only: no environment variable is read here
+    (``MEGATRON_CHARM_KERNEL`` is the trainer's and the Megatron module's default, read there,
+    :mod:`megatron_charm.env`).
 
     Raises:
         ValueError: unknown name, or a kernel that cannot run this device/dtype.
     """
-    name = name or env.kernel()
     if name is not None and name not in NAMES:
         raise ValueError(
-            f"unknown block kernel {name!r}; expected one of {sorted(NAMES)} "
-            f"(set kernel= or {KERNEL_ENV})"
+            f"unknown block kernel {name!r}; expected one of {sorted(NAMES)} or None (the "
+            "default by device and dtype)"
         )
     if name is None:
         if dtype == torch.float64:
@@ -103,7 +101,7 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: str | None = N
         if device.type != "cuda":
             raise ValueError(
                 f"block kernel 'flash_attn' is not available on device {device}; it needs CUDA "
-                "(use kernel='torch' or unset MEGATRON_CHARM_KERNEL)"
+                "(use kernel='torch', or kernel=None for the default by device and dtype)"
             )
         if dtype not in _HALF:
             raise ValueError(
@@ -114,7 +112,7 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: str | None = N
         if kern is None:
             raise ValueError(
                 f"block kernel 'flash_attn' was requested but {load_flash_attn()[1]}; "
-                "use kernel='torch' or unset MEGATRON_CHARM_KERNEL"
+                "use kernel='torch', or kernel=None for the default by device and dtype"
             )
         return kern
     if name == "torch" and device.type == "cuda" and dtype not in (*_HALF, torch.float32):
@@ -127,7 +125,7 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: str | None = N
 
 __all__ = [
     "BlockKernel",
-    "KERNEL_ENV",
+    "NAMES",
     "available_kernels",
     "expand_kv_heads",
     "fold_kv_heads",

@@ -18,7 +18,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_charm import env
 from megatron_charm.auto import AUTO
+from megatron_charm.kernels import BlockKernel
+from megatron_charm.kernels.backends import NAMES as KERNEL_NAMES
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.megatron.groups import get_charm_topology
 from megatron_charm.megatron.masks import documents_from_attention_mask, thd_mask
@@ -72,6 +75,26 @@ def resolve_method(cp_comm_type: Any, config_cp_comm_type: Any, default: str | N
     return method
 
 
+def resolve_kernel(kernel: str | BlockKernel | None) -> str | BlockKernel | None:
+    """The block kernel of the Megatron module: ``kernel`` when given, else
+    ``$MEGATRON_CHARM_KERNEL`` (read once, here, at model construction: Megatron-LM has no
+    argument to carry it), else ``None`` (``cp_attention`` picks by device and dtype).
+
+    Raises:
+        ValueError: for a name that is not a block kernel, naming where it came from.
+    """
+    if kernel is None:
+        kernel, source = env.kernel(), env.KERNEL
+    else:
+        source = "kernel"
+    if isinstance(kernel, str) and kernel not in KERNEL_NAMES:
+        raise ValueError(
+            f"{source}={kernel!r} is not a block kernel; use one of {', '.join(KERNEL_NAMES)}, "
+            "or leave it unset for the default by device and dtype"
+        )
+    return kernel
+
+
 class CharmDotProductAttention(MegatronModule):
     """Context-parallel core attention with the CHARM+ schedules.
 
@@ -80,8 +103,9 @@ class CharmDotProductAttention(MegatronModule):
     ``ranks_per_node``, ``node_split`` and ``options`` (the :class:`megatron_charm.PlanOptions`;
     its method is replaced by the resolved ``cp_comm_type``) and ``timeout_s`` (seconds before a
     blocked exchange fails: Megatron-LM's ``--distributed-timeout-minutes``) and ``profile``
-    (what ``cp_comm_type="auto"`` chooses from: Megatron-LM's ``--charm-profile``) are extra
-    keywords that spec helpers set through ``ModuleSpec.params``.
+    (what ``cp_comm_type="auto"`` chooses from: Megatron-LM's ``--charm-profile``) and
+    ``kernel`` (the block kernel, see :func:`resolve_kernel`) are extra keywords that spec helpers
+    set through ``ModuleSpec.params``.
 
     Checkpoints: like Transformer Engine's attention, the module saves an ``_extra_state`` entry
     and accepts TE's on load, so state dicts move between a TE-spec run and a CHARM+ run in both
@@ -115,6 +139,7 @@ class CharmDotProductAttention(MegatronModule):
         node_split: str = "host",
         timeout_s: float | None = None,
         profile: str | None = None,
+        kernel: str | BlockKernel | None = None,
     ) -> None:
         super().__init__(config=config)
         check_megatron_compat()
@@ -128,6 +153,7 @@ class CharmDotProductAttention(MegatronModule):
                 "the other methods take none"
             )
         self.profile = profile
+        self.kernel = resolve_kernel(kernel)
         self.options = options or PlanOptions()
         if self.method != AUTO:
             self.options = self.options.replace(method=self.method)
@@ -230,6 +256,7 @@ class CharmDotProductAttention(MegatronModule):
                 qkv_format="sbhd",
                 mask=mask,
                 profile=self.profile,
+                kernel=self.kernel,
             )
 
         masks = self._masks(query, attention_mask, causal, packed_seq_params)
@@ -314,9 +341,10 @@ class CharmDotProductAttention(MegatronModule):
 
     def extra_repr(self) -> str:
         topo = self.topology
+        kernel = getattr(self.kernel, "name", self.kernel) or "by device and dtype"
         return (
             f"options={self.options}, cp_size={topo.cp_size}, nodes={topo.num_nodes}x"
-            f"{topo.ranks_per_node}, softmax_scale={self.softmax_scale:.4g}"
+            f"{topo.ranks_per_node}, softmax_scale={self.softmax_scale:.4g}, kernel={kernel}"
         )
 
 

@@ -10,7 +10,8 @@ order of precedence:
    ``MEGATRON_CHARM_RANKS_PER_NODE``;
 2. ``--hierarchical-context-parallel-sizes A B`` (``config.hierarchical_context_parallel_sizes``):
    Megatron's level-0 groups are ``A`` contiguous CP ranks, exactly our notion of a node;
-3. detection: hostnames gathered over the CP group (done by ``CPTopology.build``).
+3. detection: node identities gathered over the CP group (done by ``CPTopology.build``): this
+   module passes ``MEGATRON_CHARM_NODE_ID``, else the hostname (:func:`megatron_charm.env.node_id`).
 
 ``CPTopology.build`` creates process groups, which is collective over the whole job. It therefore
 runs where every rank is present, exactly once per (CP group, split): :func:`build_charm_groups`
@@ -208,7 +209,9 @@ def get_charm_topology(
                 cp_group,
                 ranks_per_node=split.ranks_per_node,
                 timeout=_timeout(timeout_s),
-                node_id=_numa_node_id() if detect else None,
+                # This is an entry point: the node identity comes from the environment here
+                # (the testbed sets MEGATRON_CHARM_NODE_ID), and reaches the library as data.
+                node_id=_numa_node_id() if detect else env.node_id(),
             )
         finally:
             core_logger.setLevel(level)

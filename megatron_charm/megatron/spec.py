@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_charm.kernels.backends import NAMES as KERNEL_NAMES
 from megatron_charm.megatron.attention import CHARM_METHODS, CharmDotProductAttention
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.nodes import check_node_split
@@ -27,6 +28,7 @@ def charm_core_attention_spec(
     node_split: str = "host",
     timeout_s: float | None = None,
     profile: str | None = None,
+    kernel: str | None = None,
 ) -> ModuleSpec:
     """A ``core_attention`` ModuleSpec for :class:`CharmDotProductAttention`.
 
@@ -42,10 +44,18 @@ def charm_core_attention_spec(
             ``--distributed-timeout-minutes`` x 60); ``None``: ``MEGATRON_CHARM_TIMEOUT_S`` or 600.
         profile: with method ``auto``: the profile it chooses from (a ``megatron-charm-sim
             calibrate`` JSON or a preset name; Megatron-LM's ``--charm-profile``).
+        kernel: the block kernel of every layer (``"torch"``, ``"flash_attn"``, ``"math"``);
+            ``None``: ``MEGATRON_CHARM_KERNEL``, read when the module is built, else by device
+            and dtype (the trainer's ``parallel.kernel``).
     """
     if method is not None and method not in CHARM_METHODS:
         raise ValueError(
             f"method={method!r} is not a CHARM+ method; use one of {', '.join(CHARM_METHODS)}."
+        )
+    if kernel is not None and kernel not in KERNEL_NAMES:
+        raise ValueError(
+            f"kernel={kernel!r} is not a block kernel; use one of {', '.join(KERNEL_NAMES)}, or "
+            "None for MEGATRON_CHARM_KERNEL / the default by device and dtype."
         )
     params: dict[str, Any] = {}
     if method is not None:
@@ -60,6 +70,8 @@ def charm_core_attention_spec(
         params["timeout_s"] = timeout_s
     if profile is not None:
         params["profile"] = profile
+    if kernel is not None:
+        params["kernel"] = kernel
     return ModuleSpec(module=CharmDotProductAttention, params=params)
 
 
@@ -81,13 +93,14 @@ def apply_charm(
     node_split: str = "host",
     timeout_s: float | None = None,
     profile: str | None = None,
+    kernel: str | None = None,
 ) -> Any:
     """Return a copy of ``spec`` whose self-attention layers use CHARM+ core attention.
 
     Args:
         spec: a TransformerLayer ``ModuleSpec``, a list of them, a ``TransformerBlockSubmodules``
             (``layer_specs``), or a ``ModuleSpec`` wrapping one (``TransformerBlock``).
-        method, ranks_per_node, options, node_split, timeout_s, profile: see
+        method, ranks_per_node, options, node_split, timeout_s, profile, kernel: see
             :func:`charm_core_attention_spec`.
 
     Raises:
@@ -96,7 +109,7 @@ def apply_charm(
     """
     check_megatron_compat()
     core_attention = charm_core_attention_spec(
-        method, ranks_per_node, options, node_split, timeout_s, profile
+        method, ranks_per_node, options, node_split, timeout_s, profile, kernel
     )
     new_spec = copy.deepcopy(spec)
     if isinstance(new_spec, (list, tuple)):
@@ -125,6 +138,7 @@ def get_gpt_layer_charm_spec(
     node_split: str = "host",
     timeout_s: float | None = None,
     profile: str | None = None,
+    kernel: str | None = None,
     **kwargs: Any,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec (local or Transformer Engine) with CHARM+ core attention.
@@ -132,7 +146,7 @@ def get_gpt_layer_charm_spec(
     Args:
         use_transformer_engine: start from ``get_gpt_layer_with_transformer_engine_spec`` (fused
             TE linears and norms, GPU) instead of ``get_gpt_layer_local_spec`` (runs on CPU).
-        method, ranks_per_node, options, node_split, timeout_s, profile: see
+        method, ranks_per_node, options, node_split, timeout_s, profile, kernel: see
             :func:`charm_core_attention_spec`.
         **kwargs: forwarded to the megatron-core spec function (``qk_layernorm``,
             ``normalization`` for the local spec, ...). ``multi_latent_attention`` is refused.
@@ -148,7 +162,9 @@ def get_gpt_layer_charm_spec(
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
-    return apply_charm(base, method, ranks_per_node, options, node_split, timeout_s, profile)
+    return apply_charm(
+        base, method, ranks_per_node, options, node_split, timeout_s, profile, kernel
+    )
 
 
 def get_gpt_decoder_block_charm_spec(
@@ -160,6 +176,7 @@ def get_gpt_decoder_block_charm_spec(
     node_split: str = "host",
     timeout_s: float | None = None,
     profile: str | None = None,
+    kernel: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """megatron-core's GPT decoder block spec (MoE layer patterns included) with CHARM+ attention.
@@ -169,4 +186,6 @@ def get_gpt_decoder_block_charm_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    return apply_charm(block, method, ranks_per_node, options, node_split, timeout_s, profile)
+    return apply_charm(
+        block, method, ranks_per_node, options, node_split, timeout_s, profile, kernel
+    )

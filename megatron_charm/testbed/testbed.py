@@ -27,8 +27,9 @@ from megatron_charm.testbed.config import (
 from megatron_charm.testbed.launch import RunResult, launch
 from megatron_charm.testbed.net import TestbedError
 
-#: Where a testbed records its configuration while it is up (so ``down``/``run`` can find it).
-STATE_DIR = os.environ.get("MEGATRON_CHARM_TESTBED_STATE", "/run/megatron-charm-testbed")
+#: Where a testbed records its configuration while it is up (so ``down``/``run`` can find it),
+#: unless ``state_dir=`` names another directory (no environment variable changes it).
+STATE_DIR = "/run/megatron-charm-testbed"
 
 #: Registry of the testbeds this process brought up, so that SIGTERM/SIGHUP can take them down.
 _LIVE: dict[str, Testbed] = {}
@@ -46,18 +47,26 @@ class Testbed:
             tb.run([sys.executable, "train.py"], timeout_s=300).check()
 
     ``persistent=True`` (the CLI's ``up``) leaves it in place for later ``attach``/``down``.
+    ``state_dir`` is where it records its configuration while it is up (default
+    :data:`STATE_DIR`); ``attach`` and ``cleanup`` must be given the same directory.
     """
 
     __test__ = False
 
     def __init__(
-        self, config: TestbedConfig | None = None, *, persistent: bool = False, **kwargs: Any
+        self,
+        config: TestbedConfig | None = None,
+        *,
+        persistent: bool = False,
+        state_dir: str = STATE_DIR,
+        **kwargs: Any,
     ) -> None:
         if config is not None and kwargs:
             raise ValueError("pass either a TestbedConfig or keyword settings, not both")
         self.config = config if config is not None else TestbedConfig(**kwargs)
         self.config.validate()
         self.persistent = persistent
+        self.state_dir = state_dir
         self.cross_rate_bps: int | None = None
         """Configured rate of each cross link and direction, once built."""
         self.intra_rate_bps: int | None = None
@@ -161,7 +170,7 @@ class Testbed:
         try:
             for ns in net.list_namespaces(f"{NAME_PREFIX}{self.config.name}-"):
                 net.delete_namespace(ns)
-            _remove_state(self.config.name)
+            _remove_state(self.config.name, self.state_dir)
         finally:
             self._up = False
             with _LIVE_LOCK:
@@ -270,14 +279,15 @@ class Testbed:
         }
 
     def _write_state(self) -> None:
-        os.makedirs(STATE_DIR, exist_ok=True)
-        with open(_state_path(self.config.name), "w") as f:
+        os.makedirs(self.state_dir, exist_ok=True)
+        with open(_state_path(self.config.name, self.state_dir), "w") as f:
             json.dump(self.describe(), f, indent=1)
 
     @classmethod
-    def attach(cls, name: str) -> Testbed:
-        """A handle on a testbed that ``up`` left running (its ``down`` removes it)."""
-        path = _state_path(name)
+    def attach(cls, name: str, state_dir: str = STATE_DIR) -> Testbed:
+        """A handle on a testbed that ``up`` left running (its ``down`` removes it); ``state_dir``
+        as the ``state_dir`` it was brought up with."""
+        path = _state_path(name, state_dir)
         if not os.path.exists(path) or not net.list_namespaces(f"{NAME_PREFIX}{name}-"):
             raise TestbedError(
                 f"no testbed named {name!r} is up; start one with "
@@ -285,7 +295,7 @@ class Testbed:
             )
         with open(path) as f:
             state = json.load(f)
-        tb = cls(TestbedConfig.from_dict(state["config"]), persistent=True)
+        tb = cls(TestbedConfig.from_dict(state["config"]), persistent=True, state_dir=state_dir)
         tb.cross_rate_bps = state["cross_rate_bps"]
         tb.intra_rate_bps = state["intra_rate_bps"]
         tb.measured_intra_bps = state["measured_intra_bps"]
@@ -293,32 +303,33 @@ class Testbed:
         return tb
 
 
-def cleanup(name: str | None = None) -> list[str]:
-    """Remove leftover namespaces and state of testbed ``name`` (all testbeds when ``None``).
+def cleanup(name: str | None = None, state_dir: str = STATE_DIR) -> list[str]:
+    """Remove leftover namespaces and state (in ``state_dir``) of testbed ``name`` (all
+    testbeds when ``None``).
 
     Returns the namespaces removed. Needs no record of how they were made: the name prefix is
     enough, and deleting a namespace deletes the veth ends inside it.
     """
     prefix = NAME_PREFIX if name is None else f"{NAME_PREFIX}{name}-"
     removed = [ns for ns in net.list_namespaces(prefix) if net.delete_namespace(ns)]
-    if os.path.isdir(STATE_DIR):
-        for entry in os.listdir(STATE_DIR):
+    if os.path.isdir(state_dir):
+        for entry in os.listdir(state_dir):
             if entry.endswith(".json") and (name is None or entry == f"{name}.json"):
-                _remove_state(entry[: -len(".json")])
+                _remove_state(entry[: -len(".json")], state_dir)
     return removed
 
 
-def _state_path(name: str) -> str:
-    return os.path.join(STATE_DIR, f"{name}.json")
+def _state_path(name: str, state_dir: str) -> str:
+    return os.path.join(state_dir, f"{name}.json")
 
 
-def _remove_state(name: str) -> None:
+def _remove_state(name: str, state_dir: str) -> None:
     try:
-        os.remove(_state_path(name))
+        os.remove(_state_path(name, state_dir))
     except FileNotFoundError:
         pass
     try:
-        os.rmdir(STATE_DIR)  # only when no other testbed is up
+        os.rmdir(state_dir)  # only when no other testbed is up
     except OSError:
         pass
 

@@ -64,6 +64,10 @@ class ParallelConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Timeout for collective operations, so a hang fails instead of waiting forever (default:
     Megatron's own distributed timeout)."""
+    kernel: str | None = None
+    """Block attention kernel of the CHARM+ methods: ``torch``, ``flash_attn`` (CUDA fp16/bf16)
+    or ``math`` (float64 reference); ``None`` means ``$MEGATRON_CHARM_KERNEL`` if set, else the
+    default by device and dtype (flash-attn for bf16 on GPU when it imports, else torch)."""
 
 
 @dataclass
@@ -274,6 +278,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 def _optional_example(section: str, key: str) -> Any:
     examples = {
         ("parallel", "ranks_per_node"): 1,
+        ("parallel", "kernel"): "torch",
         ("parallel", "hierarchical_context_parallel_sizes"): [1],
         ("model", "num_query_groups"): 1,
         ("model", "ffn_hidden_size"): 1,

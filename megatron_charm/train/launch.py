@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_charm import env
 from megatron_charm.launch import LaunchSpec, free_port, run
 from megatron_charm.train.config import CHARM_COMM_TYPES, Config
 
@@ -107,16 +108,17 @@ class DistContext:
     dp_cp_group: dist.ProcessGroup
 
 
-def use_gpu() -> bool:
-    """GPU when CUDA is available, unless ``MEGATRON_CHARM_DEVICE=cpu``."""
-    return torch.cuda.is_available() and os.environ.get("MEGATRON_CHARM_DEVICE", "") != "cpu"
+def use_gpu(device: str | None = None) -> bool:
+    """GPU when CUDA is available, unless ``device`` is ``"cpu"`` (the trainer passes
+    ``MEGATRON_CHARM_DEVICE``, :func:`megatron_charm.env.device`)."""
+    return torch.cuda.is_available() and device != "cpu"
 
 
 def setup_distributed(cfg: Config) -> DistContext:
     """Initialise torch.distributed (if needed) and megatron-core's parallel state for ``cfg``."""
     from megatron.core import parallel_state
 
-    on_gpu = use_gpu()
+    on_gpu = use_gpu(env.device())
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if on_gpu:
         from megatron_charm.device import set_cuda_device_from_env

@@ -67,6 +67,8 @@ def build_layer_spec(cfg: Config) -> Any:
             else cfg.plan.replace(method=cfg.parallel.cp_comm_type),
             timeout_s=cfg.parallel.timeout_s,
             profile=cfg.parallel.profile,
+            # None: the module reads MEGATRON_CHARM_KERNEL once, as it does under Megatron-LM
+            kernel=cfg.parallel.kernel,
         )
     # TE baselines: p2p / a2a / all_gather run inside TEDotProductAttention.
     if not (torch.cuda.is_available() and transformer_engine_available()):

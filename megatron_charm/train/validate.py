@@ -114,6 +114,20 @@ def _check_choices(cfg: Config) -> None:
         from megatron_charm.sim.profile import load_profile
 
         load_profile(p.profile)
+    if p.kernel is not None:
+        from megatron_charm.kernels.backends import NAMES as KERNEL_NAMES  # imports torch
+
+        if p.kernel not in KERNEL_NAMES:
+            raise ValueError(
+                f"parallel.kernel={p.kernel!r} is not a block kernel; use one of "
+                f"{', '.join(KERNEL_NAMES)}, or null for the default by device and dtype."
+            )
+        if p.cp_comm_type not in CHARM_COMM_TYPES:
+            raise ValueError(
+                f"parallel.kernel={p.kernel!r} picks the block kernel of the CHARM+ methods, but "
+                f"parallel.cp_comm_type={p.cp_comm_type!r} runs in Transformer Engine; set "
+                "parallel.kernel=null."
+            )
     if p.cp_comm_type in CHARM_COMM_TYPES and m.attention_dropout != 0:
         raise ValueError(
             f"model.attention_dropout={m.attention_dropout}: CHARM+ methods do not implement "

@@ -314,11 +314,7 @@ def expect_value_error(ctx, case: str):
         elif case == "rpn_divide":
             mc.CPTopology.build(None, ranks_per_node=3)
         elif case == "unequal_nodes":
-            os.environ["MEGATRON_CHARM_NODE_ID"] = "a" if r < 2 else "b"
-            try:
-                mc.CPTopology.build(None)
-            finally:
-                del os.environ["MEGATRON_CHARM_NODE_ID"]
+            mc.CPTopology.build(None, node_id="a" if r < 2 else "b")
         else:
             raise AssertionError(case)
     except ValueError as exc:

@@ -59,14 +59,17 @@ def fake_dist(monkeypatch):
     return groups
 
 
-def test_numa_split_gives_the_topology_a_numa_node_identity(fake_dist):
+def test_numa_split_gives_the_topology_a_numa_node_identity(fake_dist, monkeypatch):
     pgs = type("PGs", (), {"cp": object()})()
     fake_dist.get_charm_topology(pgs, node_split="numa")
     assert _FakeTopology.built[-1]["node_id"] == "host-a/numa1"
-    fake_dist.get_charm_topology(pgs)  # host split: a second topology, hostname detection
-    assert _FakeTopology.built[-1]["node_id"] is None and len(_FakeTopology.built) == 2
+    # host split: a second topology, the entry point's node identity (env.node_id(): the
+    # hostname unless MEGATRON_CHARM_NODE_ID names one), passed down as an argument
+    monkeypatch.setenv("MEGATRON_CHARM_NODE_ID", "host-b")
+    fake_dist.get_charm_topology(pgs)
+    assert _FakeTopology.built[-1]["node_id"] == "host-b" and len(_FakeTopology.built) == 2
     fake_dist.get_charm_topology(pgs, ranks_per_node=2, node_split="numa")  # explicit wins
-    assert _FakeTopology.built[-1]["node_id"] is None
+    assert _FakeTopology.built[-1]["node_id"] == "host-b"
     assert _FakeTopology.built[-1]["ranks_per_node"] == 2
 
 

@@ -6,8 +6,9 @@ expect it to fail:
 * ``merge``: the merge of partial results scales the merged output by 1.01 (every CP method with
   more than one rank merges, so ``cp4`` must fail);
 * ``kernel``: the ``torch`` block kernel's forward scales its output by 1.01 (``megatron`` and
-  ``cp4`` must fail). The plant reaches the ``torch`` kernel only, so on CUDA it needs
-  ``MEGATRON_CHARM_KERNEL=torch`` to matter for half precision.
+  ``cp4`` must fail). The plant reaches the ``torch`` kernel only, so on CUDA it matters for
+  half precision only where the check runs ``kernel="torch"`` (the default there is
+  flash-attn).
 """
 
 from __future__ import annotations
