@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 from megatron_charm.bench.__main__ import main
 from megatron_charm.bench.memory import SHAPES
+
+LINUX_HWM = sys.platform.startswith("linux") and os.access("/proc/self/clear_refs", os.W_OK)
 
 
 def test_memory_tiny_runs_and_reports_every_part(tmp_path):
@@ -30,8 +34,12 @@ def test_memory_tiny_runs_and_reports_every_part(tmp_path):
         assert 0 < row["fwd_peak"] <= row["peak"], row
         assert row["peak"] == max(row["fwd_peak"], row["saved"] + row["bwd_peak"]), row
         assert row["with_inputs"] > row["peak"], row
-        # the process's own high-water mark over the call (Linux), never below its start
-        assert row["process_peak"] is None or row["process_peak"] >= 0, row
+        # the process's own high-water mark over the call, less its start (Linux, where the mark
+        # can be reset): the call allocates, so it grows; elsewhere there is none
+        if LINUX_HWM:
+            assert isinstance(row["process_peak"], int) and row["process_peak"] > 0, row
+        else:
+            assert row["process_peak"] is None, row
     assert "| tiny | 4 | 128 | 4 | 16 | 2 x 2 |" in md.read_text()
 
 

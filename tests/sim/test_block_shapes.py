@@ -8,7 +8,7 @@ import pytest
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Compute, Heads, Part
 from megatron_charm.sim.calibrate_worker import kernel_shapes
-from megatron_charm.sim.compute import FittedCompute, block_elements, block_flops
+from megatron_charm.sim.compute import FittedCompute, block_elements
 from megatron_charm.sim.profile import (
     block_elements_full,
     block_flops_full,
@@ -81,10 +81,12 @@ def test_a_head_split_block_pays_for_its_own_rows_only() -> None:
     split = Compute(0, 1, Part.FULL, Part.FULL, False, Heads(1, 8))  # one head of eight
     assert block_elements(whole, shape) == 2 * 1024 * 8 * 64
     assert block_elements(split, shape) == 2 * 1024 * 64
-    for ins in (whole, split):
-        expected = OVER + block_elements(ins, shape) * PER_ELEMENT
-        expected += block_flops(ins, shape, False) / RATE
-        assert model.block_time(ins, shape, False) == pytest.approx(expected)
+    # whole: 0.3 ms + 1,048,576 elements x 4 ns + 4 * 1024 * 1024 * 8 * 64 = 2,147,483,648 FLOPs
+    # at 600 GFLOP/s: 0.3 + 4.194304 + 3.579139 = 8.073443 ms
+    assert model.block_time(whole, shape, False) == pytest.approx(8.073443e-3, rel=1e-6)
+    # one head: 0.3 ms (the call is paid whole) + 131,072 x 4 ns + 268,435,456 FLOPs at 600
+    # GFLOP/s: 0.3 + 0.524288 + 0.447392 = 1.271680 ms
+    assert model.block_time(split, shape, False) == pytest.approx(1.271680e-3, rel=1e-6)
     # GQA: kv rows count the kv heads
     gqa = AttnShape(1, 1024, 8, 2, 64, 2)
     half = Compute(0, 1, Part.FIRST, Part.FULL, False)

