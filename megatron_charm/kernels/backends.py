@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_charm.constants import KERNEL_NAMES
 from megatron_charm.kernels.flash_attn_kernel import load_flash_attn
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.math_kernel import math_backward, math_forward
@@ -55,7 +56,7 @@ _KERNELS = {
     "torch": BlockKernel("torch", torch_forward, torch_backward, _torch_native_gqa),
     "math": BlockKernel("math", math_forward, math_backward),
 }
-NAMES = ("flash_attn", "torch", "math")
+NAMES = KERNEL_NAMES
 _HALF = (torch.float16, torch.bfloat16)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_charm.auto import AUTO
+from megatron_charm.constants import KERNEL_NAMES
 from megatron_charm.nodes import NODE_SPLITS
 from megatron_charm.plan.options import (
     MEGATRON_METHODS,
@@ -67,6 +68,14 @@ def add_megatron_arguments(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="with --cp-comm-type auto: the profile the method is chosen from, a JSON written "
         "by `megatron-charm-sim calibrate` on this cluster or a preset (H100, H20, L20).",
+    )
+    group.add_argument(
+        "--charm-kernel",
+        choices=KERNEL_NAMES,
+        default=None,
+        help="block attention kernel of the megatron-charm methods (default: "
+        "$MEGATRON_CHARM_KERNEL, else flash_attn for bf16/fp16 on GPU when it imports, else "
+        "torch; math is the float64 reference).",
     )
     add_plan_arguments(group, prefix="charm-")
 
@@ -160,6 +169,7 @@ def _refuse_charm_flags_without_charm(args: argparse.Namespace) -> None:
             ("--charm-ranks-per-node", None),
             ("--charm-node-split", "host"),
             ("--charm-profile", None),
+            ("--charm-kernel", None),
             ("--charm-window", _DEFAULTS.window),
             ("--charm-cross-return", _DEFAULTS.cross_return),
             ("--charm-cross-level", _DEFAULTS.cross_level),
@@ -368,6 +378,7 @@ def apply_charm_from_args(spec: Any, args: argparse.Namespace) -> Any:
         node_split=args.charm_node_split,
         timeout_s=timeout_s_from_args(args),
         profile=getattr(args, "charm_profile", None),
+        kernel=getattr(args, "charm_kernel", None),
     )
 
 
@@ -404,6 +415,7 @@ def megatron_defaults(names: Sequence[str] | None = None) -> dict[str, Any]:
         "charm_ranks_per_node": None,
         "charm_node_split": "host",
         "charm_profile": None,
+        "charm_kernel": None,
         "charm_window": _DEFAULTS.window,
         "charm_cross_return": _DEFAULTS.cross_return,
         "charm_cross_level": _DEFAULTS.cross_level,

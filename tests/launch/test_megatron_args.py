@@ -190,6 +190,20 @@ def _core_attention_params(**changes) -> dict:
     return spec.submodules.self_attention.submodules.core_attention.params
 
 
+def test_charm_kernel_flag():
+    # Megatron-LM's way to choose the block kernel (the module's kernel=): unset leaves it to
+    # the module (MEGATRON_CHARM_KERNEL, else by device and dtype); refused without charm
+    assert _core_attention_params(charm_kernel="math")["kernel"] == "math"
+    assert _core_attention_params().get("kernel") is None
+    parser = argparse.ArgumentParser()
+    margs.add_megatron_arguments(parser.add_argument_group("distributed"))
+    assert parser.parse_args(["--charm-kernel", "torch"]).charm_kernel == "torch"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--charm-kernel", "xformers"])
+    with pytest.raises(ValueError, match="--charm-kernel only apply"):
+        margs.validate_megatron_args(_args(cp_comm_type=["p2p"], charm_kernel="torch"))
+
+
 def test_charm_window_flag():
     assert _core_attention_params(charm_window=4)["options"].window == 4
     assert _refusal(charm_window=0).startswith("--charm-window:")
