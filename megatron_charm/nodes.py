@@ -64,7 +64,10 @@ def parse_pci(text: str) -> PciAddress:
         domain, bus, rest = text.strip().lower().split(":")
         return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
     except ValueError:
-        raise ValueError(f"{text!r} is not a PCI address of the form dddd:bb:dd.f") from None
+        raise ValueError(
+            f"{text!r} is not a PCI address of the form dddd:bb:dd.f (node_split='numa' reads "
+            "them from NVML); set charm node_split='host' or ranks_per_node explicitly"
+        ) from None
 
 
 def numa_domains(gpus: Sequence[GpuPlacement]) -> dict[PciAddress, int]:

@@ -43,7 +43,10 @@ def _link(layout: Layout, src: int, dst: int, peer: int, topology: str) -> tuple
 def classify(report: Report, shape: AttnShape, layout: Layout, topology: str) -> LinkBytes:
     """Sum a validator report's sends per link class (see the module docstring)."""
     if topology not in ("shared", "rails"):
-        raise ValueError(f"topology {topology!r}: expected 'shared' or 'rails'")
+        raise ValueError(
+            f"topology {topology!r}: expected 'shared' (one cross link per node pair) or 'rails' "
+            "(one per local index); pass --topology shared or rails"
+        )
     intra = cross = 0
     links: dict[tuple[int, int, int], int] = defaultdict(int)
     for rec in report.sends:

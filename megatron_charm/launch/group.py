@@ -89,16 +89,16 @@ class RankGroup:
             os.makedirs(spec.log_dir, exist_ok=True)
         preexec = _die_with_parent()
         try:
-            for rank in range(spec.nproc):
+            for global_rank in range(spec.nproc):
                 out = err = None
                 if spec.log_dir is not None:
-                    out = open(os.path.join(spec.log_dir, f"rank{rank}.out"), "w")
-                    err = open(os.path.join(spec.log_dir, f"rank{rank}.err"), "w")
+                    out = open(os.path.join(spec.log_dir, f"rank{global_rank}.out"), "w")
+                    err = open(os.path.join(spec.log_dir, f"rank{global_rank}.err"), "w")
                     self._files += [out, err]
                 self.procs.append(
                     subprocess.Popen(
-                        spec.argv(rank),
-                        env=spec.rank_environ(rank, port),
+                        spec.argv(global_rank),
+                        env=spec.rank_environ(global_rank, port),
                         stdout=out,
                         stderr=err,
                         start_new_session=True,

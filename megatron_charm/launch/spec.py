@@ -75,20 +75,20 @@ class LaunchSpec:
         if self.kill_grace_s < 0:
             raise ValueError(f"kill_grace_s={self.kill_grace_s!r}: must not be negative")
 
-    def argv(self, rank: int) -> list[str]:
-        """Rank ``rank``'s full command line."""
-        return [*(self.prefix(rank) if self.prefix else ()), *self.cmd]
+    def argv(self, global_rank: int) -> list[str]:
+        """Rank ``global_rank``'s full command line."""
+        return [*(self.prefix(global_rank) if self.prefix else ()), *self.cmd]
 
-    def rank_environ(self, rank: int, master_port: int) -> dict[str, str]:
-        """Rank ``rank``'s whole environment."""
+    def rank_environ(self, global_rank: int, master_port: int) -> dict[str, str]:
+        """Rank ``global_rank``'s whole environment."""
         env = dict(os.environ)
         env.update(self.env)
         # One compute thread per rank unless asked otherwise: the ranks share this machine's cores.
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(
-            RANK=str(rank),
+            RANK=str(global_rank),
             WORLD_SIZE=str(self.nproc),
-            LOCAL_RANK=str(rank),
+            LOCAL_RANK=str(global_rank),
             LOCAL_WORLD_SIZE=str(self.nproc),
         )
         if self.rendezvous == "tcp":
@@ -97,5 +97,5 @@ class LaunchSpec:
         else:
             env[ENV_INIT_METHOD] = f"file://{self.store_path}"
         if self.rank_env is not None:
-            env.update(self.rank_env(rank))
+            env.update(self.rank_env(global_rank))
         return env

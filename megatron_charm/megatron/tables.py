@@ -95,9 +95,16 @@ def pretrain_gpt_args(
     cp = cluster.world_size
     mbs = micro_batch_size or cell.batch
     if cell.batch % mbs != 0:
-        raise ValueError(f"--micro-batch-size {mbs} does not divide the batch {cell.batch}")
+        raise ValueError(
+            f"--micro-batch-size {mbs} does not divide the batch {cell.batch} of {cell.run_id}; "
+            "pass a divisor of every batch of the tables, or leave it out to use the batch"
+        )
     if cell.seq % (2 * cp) != 0:
-        raise ValueError(f"sequence length {cell.seq} must be a multiple of 2 x CP = {2 * cp}")
+        raise ValueError(
+            f"sequence length {cell.seq} of {cell.run_id} must be a multiple of 2 x CP = "
+            f"{2 * cp} (CP = --nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node}); "
+            "pick --nodes and --gpus-per-node so that 2 x their product divides it"
+        )
     flags: list[object] = [
         "--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads,
         "--seq-length", cell.seq, "--max-position-embeddings", cell.seq,

@@ -401,7 +401,11 @@ class FittedCompute(_MergeCost):
                 "megatron-charm-sim calibrate or fix the profile"
             )
         if min(self.fwd_overhead, self.bwd_overhead) < 0:
-            raise ValueError("per-block overheads must be >= 0 seconds; fix the profile")
+            raise ValueError(
+                f"per-block overheads must be >= 0 seconds (forward {self.fwd_overhead}, backward "
+                f"{self.bwd_overhead}); fix compute.fwd_overhead/bwd_overhead in the --profile "
+                "JSON or rerun megatron-charm-sim calibrate"
+            )
         if not min(self.fwd_per_element, self.bwd_per_element) >= 0:
             raise ValueError(
                 f"seconds per element (forward {self.fwd_per_element}, backward "
@@ -409,7 +413,11 @@ class FittedCompute(_MergeCost):
                 "fix the profile"
             )
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
-            raise ValueError("slowdowns under communication must be >= 1; fix the profile")
+            raise ValueError(
+                f"slowdowns under communication must be >= 1 (forward {self.fwd_slowdown}, "
+                f"backward {self.bwd_slowdown}); set compute.fwd_slowdown/bwd_slowdown in the "
+                "--profile JSON to 1 or more"
+            )
         if not isinstance(self.sms, int) or self.sms < 0:
             raise ValueError(f"sms {self.sms!r} must be a non-negative integer; fix the profile")
         host = (self.host_call_s, self.host_post_s, self.host_byte_s)

@@ -198,7 +198,9 @@ class Engine:
         if (layout.num_nodes, layout.ranks_per_node) != (topo.num_nodes, topo.ranks_per_node):
             raise ValueError(
                 f"plan layout {layout.num_nodes}x{layout.ranks_per_node} does not match topology "
-                f"{topo.num_nodes}x{topo.ranks_per_node}"
+                f"{topo.num_nodes}x{topo.ranks_per_node}: programs replay only on the nodes x "
+                "ranks per node they were planned for; plan progs with Layout(topo.num_nodes, "
+                "topo.ranks_per_node) or pass a topo of the plan's shape"
             )
         self.progs = progs
         self.topo = topo

@@ -128,10 +128,14 @@ class Topology:
                 "pass positive --intra-bw/--cross-bw"
             )
         if not all(math.isfinite(x) and x >= 0 for x in (self.intra_lat, self.cross_lat)):
-            raise ValueError("latencies must be >= 0 seconds")
+            raise ValueError(
+                f"latencies must be finite and >= 0 seconds (intra {self.intra_lat}, cross "
+                f"{self.cross_lat}); pass --intra-lat-us/--cross-lat-us of 0 or more"
+            )
         if not (math.isfinite(self.nvlink_egress) and self.nvlink_egress >= 0):
             raise ValueError(
-                f"nvlink_egress {self.nvlink_egress} must be >= 0 GB/s (0: no cap per GPU)"
+                f"nvlink_egress {self.nvlink_egress} must be >= 0 GB/s (0: no cap per GPU); "
+                "fix nvlink_egress in the --profile JSON"
             )
         if self.fabric not in FABRICS:
             raise ValueError(
@@ -145,12 +149,12 @@ class Topology:
         if self.nics_per_node and self.ranks_per_node % self.nics_per_node:
             raise ValueError(
                 f"nics_per_node {self.nics_per_node} must divide ranks_per_node "
-                f"{self.ranks_per_node}; pass a divisor or 0"
+                f"{self.ranks_per_node}; pass --nics-per-node a divisor of it, or 0 (one per rank)"
             )
         if self.exchange_order not in EXCHANGE_ORDERS:
             raise ValueError(
                 f"exchange_order {self.exchange_order!r} is not one of {EXCHANGE_ORDERS}: "
-                "'channel' for NCCL, 'pair' for gloo"
+                "'channel' for NCCL, 'pair' for gloo; fix exchange_order in the --profile JSON"
             )
         if self.cross_links not in CROSS_LINKS:
             raise ValueError(

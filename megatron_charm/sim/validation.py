@@ -233,7 +233,10 @@ def compare_row(
     wanted = [w for w in wanted if w[2] is not None]
     methods = tuple(sorted({"ring", *(m for m, _, _ in wanted)}))
     if baselines not in BASELINES:
-        raise ValueError(f"baselines={baselines!r} is not one of {BASELINES}")
+        raise ValueError(
+            f"baselines={baselines!r} is not one of {BASELINES}: 'paper' replays ring and charm "
+            "as the paper ran them, 'ours' as our planner runs them; pass --baselines paper or ours"
+        )
     if baselines == "paper":
         # TASP's all-to-all on the links its rows show, unless a link model is asked for
         a2a = hw.a2a_topology(*row.gpus) if cross_links is None else None

@@ -69,7 +69,7 @@ class RunResult:
 
 def rank_env(
     cfg: TestbedConfig,
-    rank: int,
+    global_rank: int,
     node: int,
     local: int,
     world_size: int,
@@ -85,7 +85,7 @@ def rank_env(
     namespaces share the host name that node detection would otherwise use.
     """
     env = {
-        "RANK": str(rank),
+        "RANK": str(global_rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(local),
         "LOCAL_WORLD_SIZE": str(local_world_size),
@@ -145,9 +145,11 @@ def launch(
     if own_dir:
         log_dir = tempfile.mkdtemp(prefix="mctb-logs-")
 
-    def env_of(rank: int) -> dict[str, str]:
-        node, local = placements[rank]
-        return rank_env(cfg, rank, node, local, world, per_node[node], master, link_info or {})
+    def env_of(global_rank: int) -> dict[str, str]:
+        node, local = placements[global_rank]
+        return rank_env(
+            cfg, global_rank, node, local, world, per_node[node], master, link_info or {}
+        )
 
     spec = LaunchSpec(
         cmd=list(cmd),

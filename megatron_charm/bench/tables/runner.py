@@ -64,7 +64,10 @@ def launch_command(run: Run, launcher: str, scale: Scale, sbatch_args: Sequence[
             script,
             *argv[1:],
         ]
-    raise ValueError(f"unknown launcher {launcher!r}")
+    raise ValueError(
+        f"unknown launcher {launcher!r}: expected one of fork, local, torchrun, slurm, testbed; "
+        "pass --launcher with one of them"
+    )
 
 
 def _free_port() -> int:
