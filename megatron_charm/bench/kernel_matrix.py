@@ -112,7 +112,16 @@ def _merged(kern: BlockKernel, q, k, v, do, causal, scale):
     return rows, out, acc_l, (dq, dk, dv)
 
 
-def check_combo(kern: BlockKernel, dtype, h, h_kv, d, block, cfg: MatrixConfig, device) -> dict:
+def check_combo(
+    kern: BlockKernel,
+    dtype: torch.dtype,
+    h: int,
+    h_kv: int,
+    d: int,
+    block: str,
+    cfg: MatrixConfig,
+    device: torch.device,
+) -> dict:
     """One cell of the matrix: errors, tolerances and ``ok``."""
     gen = torch.Generator().manual_seed(cfg.seed)
     s_q, s_k, causal = block_shape(block, cfg.seq)

@@ -22,15 +22,16 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_charm.kernels import select_kernel
+from megatron_charm.kernels import BlockKernel, select_kernel
 from megatron_charm.sim.compute import BWD_FLOPS_RATIO
 from megatron_charm.sim.profile import block_flops_full
 
 
-def device_ms(fn, device: torch.device, iters: int = 10) -> float:
+def device_ms(fn: Callable[[], object], device: torch.device, iters: int = 10) -> float:
     """Median milliseconds of ``fn()`` on the device (wall time on CPU)."""
     for _ in range(2):
         fn()
@@ -64,7 +65,9 @@ def _host_us(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
-def cell(kern, s: int, b: int, h: int, d: int, device: torch.device, iters: int) -> dict:
+def cell(
+    kern: BlockKernel, s: int, b: int, h: int, d: int, device: torch.device, iters: int
+) -> dict:
     """One block shape: ``q, k, v, dout`` of ``[s, b, h, d]``, bf16 on CUDA (fp32 on CPU)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q, k, v, do = (torch.randn(s, b, h, d, device=device, dtype=dtype) for _ in range(4))
@@ -96,8 +99,14 @@ GPU_CHECK_GRID = (("12x192", "12x128"), (1, 16), (128, 256, 512, 1024, 2048, 409
 
 
 def sweep(
-    kern, device: torch.device, heads: tuple[str, ...], batches, seqs, iters: int, max_tokens: int
-):
+    kern: BlockKernel,
+    device: torch.device,
+    heads: tuple[str, ...],
+    batches: Sequence[int],
+    seqs: Sequence[int],
+    iters: int,
+    max_tokens: int,
+) -> Iterator[dict]:
     """Yield one row per shape (a dict from :func:`cell`, or ``{"error": ...}`` with the shape
     where the kernel refuses it)."""
     for hd in heads:

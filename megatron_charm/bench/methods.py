@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_charm.comm.topology import CPTopology
+from megatron_charm.kernels import BlockKernel
 from megatron_charm.plan import PlanOptions, sequence_positions
 from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.options import METHODS, PLAN_KEYS
@@ -69,6 +71,8 @@ class Contender:
         raise NotImplementedError
 
     def forward(self) -> Tensor:
+        """``out [b, s_local, h, d]`` (``bshd``) of one call on this contender's own inputs, in
+        its own shard layout (not :meth:`comparable`'s)."""
         raise NotImplementedError
 
     def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -89,7 +93,7 @@ class Contender:
         return results
 
 
-def _whole(t: Tensor, topo, where: list[Tensor]) -> Tensor:
+def _whole(t: Tensor, topo: CPTopology, where: list[Tensor]) -> Tensor:
     """The whole sequence ``[b, s_local * n, ...]`` from every rank's shard like ``t``, rank
     ``r``'s holding the global positions ``where[r]``. Collective (an all-gather)."""
     t = t.detach().contiguous()
@@ -102,7 +106,7 @@ def _whole(t: Tensor, topo, where: list[Tensor]) -> Tensor:
     return whole
 
 
-def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
+def reshard(t: Tensor, topo: CPTopology, src: str, dst: str) -> Tensor:
     """This rank's shard ``t [b, s_local, ...]`` in sequence layout ``src`` as its shard in
     layout ``dst`` (``zigzag`` or ``contiguous``). Collective over the CP group (an all-gather
     of the whole sequence): for set-up and checks, not for timed calls."""
@@ -118,7 +122,7 @@ def reshard(t: Tensor, topo, src: str, dst: str) -> Tensor:
     return whole[:, positions(x, dst)].contiguous()
 
 
-def gather_positions(t: Tensor, topo, have: Tensor, want: Tensor) -> Tensor:
+def gather_positions(t: Tensor, topo: CPTopology, have: Tensor, want: Tensor) -> Tensor:
     """This rank's shard ``t [b, s_local, ...]``, which holds global positions ``have``, as the
     shard holding ``want``, for layouts that :func:`reshard` does not name (every rank's
     ``have`` is gathered too). Collective: for set-up and checks, not for timed calls."""
@@ -151,7 +155,15 @@ def doc_mask(cfg: dict, seq: int) -> DocMask | None:
 
 class Ours(Contender):
     def __init__(
-        self, name, inp, causal, scale, topo, kernel=None, options=None, mask=None
+        self,
+        name: str,
+        inp: Inputs,
+        causal: bool,
+        scale: float,
+        topo: CPTopology,
+        kernel: str | BlockKernel | None = None,
+        options: PlanOptions | None = None,
+        mask: DocMask | None = None,
     ) -> None:
         super().__init__(name, inp, causal, scale)
         self.topo, self.kernel, self.mask = topo, kernel, mask
@@ -187,21 +199,26 @@ class Ours(Contender):
         )
 
     def forward(self) -> Tensor:
+        """``out [b, s_local, h, d]``: ``cp_attention`` on ``q [s_local, b, h, d]``, ``k, v
+        [s_local, b, h_kv, d]`` (``sbhd``, in ``seq_layout``), transposed back to ``bshd``."""
         return self._call().transpose(0, 1)
 
-    def forward_backward(self):
+    def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(out, dq, dk, dv)`` in ``bshd`` (``[b, s_local, h or h_kv, d]``), in
+        ``seq_layout``."""
         for t in (self.q, self.k, self.v):
             t.grad = None
         out = self._call()
         out.backward(self.dout)
         return tuple(t.transpose(0, 1) for t in (out, self.q.grad, self.k.grad, self.v.grad))
 
-    def comparable(self, results):
+    def comparable(self, results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """``results [b, s_local, ...]`` from ``seq_layout`` to zigzag (collective)."""
         return tuple(reshard(t, self.topo, self.seq_layout, "zigzag") for t in results)
 
 
 class RingFlash(Contender):
-    def __init__(self, name, inp, causal, scale, use_shim: bool) -> None:
+    def __init__(self, name: str, inp: Inputs, causal: bool, scale: float, use_shim: bool) -> None:
         super().__init__(name, inp, causal, scale)
         from megatron_charm.bench.flash_shim import load_zigzag_ring
 
@@ -215,9 +232,12 @@ class RingFlash(Contender):
         return self.fn(self.q, self.k, self.v, softmax_scale=self.scale, causal=self.causal)
 
     def forward(self) -> Tensor:
+        """``out [b, s_local, h, d]`` from ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv,
+        d]`` (``bshd``, zigzag)."""
         return self._call()
 
-    def forward_backward(self):
+    def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(out, dq, dk, dv)`` in ``bshd`` (``[b, s_local, h or h_kv, d]``), zigzag."""
         return self._autograd(self.q, self.k, self.v, self.inp.dout)
 
 
@@ -226,7 +246,15 @@ class RingFlashLlama3(Contender):
     sequence ``[s_local, h, d]`` (``b`` must be 1: the variant packs samples back to back and
     splits the packed sequence, not each sample, over the ranks)."""
 
-    def __init__(self, name, inp, causal, scale, topo, use_shim: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        inp: Inputs,
+        causal: bool,
+        scale: float,
+        topo: CPTopology,
+        use_shim: bool,
+    ) -> None:
         super().__init__(name, inp, causal, scale)
         from megatron_charm.bench.flash_shim import load_llama3
 
@@ -255,12 +283,16 @@ class RingFlashLlama3(Contender):
         )  # fmt: skip
 
     def forward(self) -> Tensor:
+        """``out [1, s_local, h, d]`` from the packed ``q [s_local, h, d]``, ``k, v [s_local,
+        h_kv, d]`` (contiguous shard), with the batch dimension put back."""
         return self._call().unsqueeze(0)
 
-    def forward_backward(self):
+    def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(out, dq, dk, dv)`` in ``bshd`` (``[1, s_local, h or h_kv, d]``), contiguous."""
         return tuple(t.unsqueeze(0) for t in self._autograd(self.q, self.k, self.v, self.dout))
 
-    def comparable(self, results):
+    def comparable(self, results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """``results [1, s_local, ...]`` from contiguous to zigzag (collective)."""
         return tuple(reshard(t, self.topo, "contiguous", "zigzag") for t in results)
 
 
@@ -269,7 +301,15 @@ class USP(Contender):
     per node), a ring over the nodes (``rd``). yunchang builds its groups over the whole world,
     so the benchmark's world must be the CP group (it is)."""
 
-    def __init__(self, name, inp, causal, scale, topo, use_shim: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        inp: Inputs,
+        causal: bool,
+        scale: float,
+        topo: CPTopology,
+        use_shim: bool,
+    ) -> None:
         super().__init__(name, inp, causal, scale)
         from megatron_charm.bench.flash_shim import load_usp
 
@@ -312,12 +352,17 @@ class USP(Contender):
         return self.attn(self.q, self.k, self.v, softmax_scale=self.scale, causal=self.causal)
 
     def forward(self) -> Tensor:
+        """``out [b, s_local, h, d]`` from ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv,
+        d]`` (``bshd``, in yunchang's shard layout)."""
         return self._call()
 
-    def forward_backward(self):
+    def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(out, dq, dk, dv)`` in ``bshd`` (``[b, s_local, h or h_kv, d]``), in yunchang's
+        shard layout."""
         return self._autograd(self.q, self.k, self.v, self.dout)
 
-    def comparable(self, results):
+    def comparable(self, results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """``results [b, s_local, ...]`` from yunchang's layout to zigzag (collective)."""
         return tuple(gather_positions(t, self.topo, self.mine, self.zigzag) for t in results)
 
 
@@ -343,7 +388,15 @@ def _te_cp_function() -> Callable:
     )
 
 
-def te_cp_kwargs(q: Tensor, k: Tensor, v: Tensor, topo, stream, causal: bool, scale: float) -> dict:
+def te_cp_kwargs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    topo: CPTopology,
+    stream: torch.cuda.Stream,
+    causal: bool,
+    scale: float,
+) -> dict:
     """Keyword arguments of TE's ``attn_forward_func_with_cp`` for ``bshd`` inputs
     ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv, d]`` in the zigzag CP layout."""
     b, s_local = q.shape[:2]
@@ -362,7 +415,9 @@ def te_cp_kwargs(q: Tensor, k: Tensor, v: Tensor, topo, stream, causal: bool, sc
 class TransformerEngineP2P(Contender):
     """TE's p2p context parallelism on the same zigzag inputs (CUDA; not run on CPU)."""
 
-    def __init__(self, name, inp, causal, scale, topo) -> None:
+    def __init__(
+        self, name: str, inp: Inputs, causal: bool, scale: float, topo: CPTopology
+    ) -> None:
         super().__init__(name, inp, causal, scale)
         if not inp.q.is_cuda:
             raise ValueError("te-p2p runs on CUDA only; leave it out of --methods on CPU")
@@ -388,9 +443,12 @@ class TransformerEngineP2P(Contender):
         return self.fn(**kwargs)
 
     def forward(self) -> Tensor:
+        """``out [b, s_local, h, d]`` from ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv,
+        d]`` (``bshd``, zigzag); TE's output viewed as ``q``'s shape."""
         return self._call().view_as(self.q)
 
-    def forward_backward(self):
+    def forward_backward(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(out, dq, dk, dv)`` in ``bshd`` (``[b, s_local, h or h_kv, d]``), zigzag."""
         for t in (self.q, self.k, self.v):
             t.grad = None
         out = self._call().view_as(self.q)
@@ -398,7 +456,9 @@ class TransformerEngineP2P(Contender):
         return out, self.q.grad, self.k.grad, self.v.grad
 
 
-def make_contender(name: str, inp: Inputs, causal: bool, scale: float, topo, opts: dict):
+def make_contender(
+    name: str, inp: Inputs, causal: bool, scale: float, topo: CPTopology, opts: dict
+) -> Contender:
     """Build the contender ``name`` (see the module docstring); raises ``ValueError`` if unknown."""
     mask = opts.get("mask")
     if name in OURS:

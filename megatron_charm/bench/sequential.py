@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_charm.comm.executor import RunTrace
+from megatron_charm.comm.topology import CPTopology
 from megatron_charm.function import backward_pass, forward_pass, validated_plan
 from megatron_charm.kernels import BlockKernel, select_kernel
 from megatron_charm.plan import PlanOptions
@@ -52,7 +53,7 @@ def _split(trace: RunTrace) -> SeqTimes:
 
 
 def run_sequential_ring(
-    topo,
+    topo: CPTopology,
     q: Tensor,
     k: Tensor,
     v: Tensor,

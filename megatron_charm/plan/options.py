@@ -7,6 +7,7 @@ YAML, the bench CLI) to the planner, and every rank of a CP group checks that it
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass, fields, replace
 
 METHODS: tuple[str, ...] = (
@@ -195,7 +196,11 @@ def flag_name(key: str, prefix: str = "") -> str:
     return f"--{prefix}{key.replace('_', '-')}"
 
 
-def add_plan_arguments(parser, prefix: str = "", keys: tuple[str, ...] = tuple(FLAG_HELP)) -> None:
+def add_plan_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    prefix: str = "",
+    keys: tuple[str, ...] = tuple(FLAG_HELP),
+) -> None:
     """Add ``--<prefix><option>`` flags for the plan options ``keys`` to an argparse parser or
     group, with :class:`PlanOptions`' defaults and choices."""
     defaults = PlanOptions()

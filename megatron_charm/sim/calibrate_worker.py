@@ -31,6 +31,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_charm.comm.topology import CPTopology
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -170,7 +172,7 @@ def _ping_pong(pairs: list[tuple[int, int]], nbytes: int, reps: int, device) -> 
 
 
 def time_p2p(
-    cfg: dict, ranks: list[int], m: int, p: int, device
+    cfg: dict, ranks: list[int], m: int, p: int, device: torch.device
 ) -> tuple[dict, dict | None, dict | None]:
     """Ping-pong samples per link class, the concurrent cross-node timing, and (four or more
     ranks per node) the concurrent intra-node one: disjoint pairs of node 0 at once."""
@@ -334,7 +336,7 @@ def _attention_calls(cfg: dict, device, topo, method: str, tokens: int, gen, ker
     return kept
 
 
-def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
+def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
     """Host seconds of the real attention's calls outside kernels and transfers, from its own
     trace (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): per pass, from the
     call to its first instruction (``call_s``), and per posted exchange (``post_s``). Calls of
@@ -372,7 +374,7 @@ def time_host_work(cfg: dict, device: torch.device, topo) -> dict:
 HOST_CPU_TOKENS = (256, 512, 1024)
 
 
-def time_host_cpu(cfg: dict, device: torch.device, topo) -> list[dict]:
+def time_host_cpu(cfg: dict, device: torch.device, topo: CPTopology) -> list[dict]:
     """CPU seconds one rank spends in a pass of the real attention outside its kernels
     (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): calls of
     ``HOST_METHODS`` and ``a2a`` (where the heads divide over the CP group) at each of

@@ -72,6 +72,7 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from megatron_charm.bench.provenance import host_differences
 from megatron_charm.plan import METHODS, PlanOptions
@@ -219,14 +220,15 @@ def compare(
     probe: dict | None = None,
     cal: Calibration | None = None,
     repeats: Sequence[dict] = (),
-    **kw,
+    **kw: Any,
 ) -> list[dict]:
     """Rows of predicted vs measured median seconds per method and pass (fwd, fwd+bwd);
     ``cal``: an already computed :func:`calibrate` of ``result`` (else made from ``probe``,
-    ``kw``); ``repeats``: further runs of the same point (Note [Repeatability]): the measured
-    time is then the median of every run's median, ``runs_s`` lists them and ``spread`` is the
-    largest over the smallest, minus one. A method missing from a repeat is compared with the
-    runs that have it."""
+    ``kw``: :func:`calibrate`'s keywords ``intra_gbps``, ``intra_lat_us``, ``cross_lat_us``,
+    ``merge_gbps``, ``profile``; unread when ``cal`` is given); ``repeats``: further runs of the
+    same point (Note [Repeatability]): the measured time is then the median of every run's
+    median, ``runs_s`` lists them and ``spread`` is the largest over the smallest, minus one. A
+    method missing from a repeat is compared with the runs that have it."""
     cal = cal if cal is not None else calibrate(result, probe, **kw)
     methods = [m for m in METHODS if m in result["methods"]]
     pred = predict(

@@ -26,6 +26,7 @@ operation inside it fails the check with the operation's message.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -60,7 +61,9 @@ def _local_index(cp_rank: int, cp_size: int, seq: int, causal: bool, seq_layout:
     )
 
 
-def sdpa_with_grads(q, k, v, do, causal: bool, scale: float | None = None) -> list[Tensor]:
+def sdpa_with_grads(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, causal: bool, scale: float | None = None
+) -> list[Tensor]:
     """SDPA on ``[b, S, h, d]`` inputs (``k, v`` with ``h_kv`` heads) and its backward for ``do``;
     returns ``out, dq, dk, dv`` (``[b, S, ., d]``)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -72,10 +75,11 @@ def sdpa_with_grads(q, k, v, do, causal: bool, scale: float | None = None) -> li
 
 
 def max_err(a: Tensor, b: Tensor) -> float:
+    """Largest absolute difference of ``a`` and ``b`` (one shape, any), in float64."""
     return (a.double() - b.double()).abs().max().item()
 
 
-def sync_free(call, set_mode) -> dict:
+def sync_free(call: Callable[[], object], set_mode: Callable[[str], object]) -> dict:
     """Run ``call()`` with synchronizing CUDA operations made errors (``set_mode``:
     ``torch.cuda.set_sync_debug_mode``); ``{"ok", "why"}``, the first line of the error."""
     set_mode("error")
@@ -187,7 +191,7 @@ def cp4(
     methods: list[str],
     s_local: int,
     plant: str | None,
-    save_partial,
+    save_partial: Callable[[dict], None],
 ) -> tuple[dict, list[str]]:
     """Run every transport; a result per transport (``save_partial`` after each)."""
     on_cuda = device.type == "cuda"
