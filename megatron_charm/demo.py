@@ -17,13 +17,15 @@ from megatron_charm.launch import RankInfo, run_function
 
 def _rank_main(info: RankInfo, args: argparse.Namespace) -> None:
     import megatron_charm as mc
+    from megatron_charm import env
     from megatron_charm.kernels.backends import _KERNELS
     from megatron_charm.plan import zigzag_positions
 
     torch.set_num_threads(1)
     cp_rank = info.rank
     info.init_process_group("gloo")
-    topo = mc.CPTopology.build(None, ranks_per_node=args.ranks_per_node)
+    # an entry point: the node identity comes from the environment here, as data below
+    topo = mc.CPTopology.build(None, ranks_per_node=args.ranks_per_node, node_id=env.node_id())
     b, seq, h, h_kv, d = 2, args.seq, 8, 2, 64
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(b, seq, hh, d, generator=gen) for hh in (h, h_kv, h_kv, h))
