@@ -237,13 +237,16 @@ def in_algorithm2_order(program: Program, group: int) -> Program:
                                                                                   merge returns
 
     and a last phase computes what the last level brought and returns it (charm's crossing
-    returns with it). Exchanges of one channel keep their order, so every rank's transfers still
-    match; only the phases move the instructions."""
+    returns with it). A partial that forwards what the rank merged (a foreign query's dq, merged
+    from the node's ranks, on its way back across nodes) leaves after that merge, in a later
+    phase. Exchanges of one channel keep their order, so every rank's transfers still match;
+    only the phases move the instructions."""
     x = program.cp_rank
     arrivals = _arrival_levels(x, program, group)
     keys: list[tuple[int, int]] = []
     posted_in: dict[int, int] = {}  # exchange handle -> its phase
     waited_in: dict[int, int] = {}  # exchange handle -> the phase of its wait
+    merged_in: dict[tuple, int] = {}  # (kind, owner) of a partial -> the phase of its last merge
     phase = 0  # of the last compute: returns are posted in it
     for ins in program.instrs:
         if isinstance(ins, Exchange):
@@ -252,7 +255,8 @@ def in_algorithm2_order(program: Program, group: int) -> Program:
                 level = merge_level(x, ins, group)
                 key = (-1 if level is None else level, 0)
             else:
-                key = (phase, 1)
+                sent = [op.payload for op in ins.ops if op.send]
+                key = (max([phase, *(merged_in.get((p.kind, p.owner), -1) + 1 for p in sent)]), 1)
             posted_in[ins.handle] = key[0]
         elif isinstance(ins, Compute):
             phase = _data_level(ins, x, arrivals) + 1
@@ -262,6 +266,7 @@ def in_algorithm2_order(program: Program, group: int) -> Program:
             key = (posted_in[ins.handle], 2)
         else:
             key = (waited_in[ins.handle], 3)
+            merged_in[(ins.payload.kind, ins.payload.owner)] = key[0]
         keys.append(key)
     order = sorted(range(len(keys)), key=lambda i: (*keys[i], i))
     out = Program(x, tuple(program.instrs[i] for i in order))

@@ -518,3 +518,28 @@ def test_figure8_replays_table_4s_one_node_rm_plus_rows() -> None:
         for row in rows:
             (rmp,) = compare_row(row, PRESETS[gpu].efficiency)
             assert rmp.method == "rm+" and got[row.seq] == pytest.approx(rmp.predicted, rel=1e-9)
+
+
+def test_algorithm_2_order_computes_the_same_result() -> None:
+    # Reordered, every program must still compute every block once, merge every partial
+    # before it forwards it (a foreign query's dq goes back across nodes after the node's ranks'
+    # parts are merged into it), and end with exact accumulators: the plan validator's replay
+    from megatron_charm.plan import build_plan
+    from megatron_charm.plan.payloads import AttnShape
+    from megatron_charm.plan.validate import replay
+
+    shape = AttnShape(1, 256, 4, 4, 32)
+    for m, p in ((1, 8), (2, 2), (2, 4), (4, 2)):
+        for causal in (False, True):
+            for method, options in (("rm+", PlanOptions(method="rm+")), ("charm", paper_charm(m))):
+                if method == "charm" and m == 1:
+                    continue
+                plan = build_plan(options, Layout(m, p), causal, shape)
+                group = p if method == "charm" else m * p
+                reordered = dataclasses.replace(
+                    plan,
+                    forward=tuple(in_algorithm2_order(x, group) for x in plan.forward),
+                    backward=tuple(in_algorithm2_order(x, group) for x in plan.backward),
+                )
+                for backward in (False, True):
+                    replay(reordered, backward)
