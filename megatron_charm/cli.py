@@ -369,7 +369,8 @@ def megatron_lm_args(cfg: Any) -> list[str]:
 
 
 def _charm_flags(cfg: Any) -> list[Any]:
-    """The ``--charm-*`` flags of the config's node split and plan options (non-defaults)."""
+    """The ``--charm-*`` flags of the config's node split, kernel and plan options
+    (non-defaults)."""
     from megatron_charm.plan import PlanOptions
 
     p, plan, default = cfg.parallel, cfg.plan, PlanOptions()
@@ -378,6 +379,8 @@ def _charm_flags(cfg: Any) -> list[Any]:
         flags += ["--charm-ranks-per-node", p.ranks_per_node]
     if p.node_split != "host":
         flags += ["--charm-node-split", p.node_split]
+    if p.kernel is not None:
+        flags += ["--charm-kernel", p.kernel]
     keys = ("window", "cross_return", "cross_level", "intra_level", "foreign_q", "memory_budget")
     for key in keys:
         if getattr(plan, key) != getattr(default, key):

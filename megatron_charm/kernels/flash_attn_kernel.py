@@ -173,7 +173,8 @@ def _check_head_dim(q: Tensor) -> int:
     if d > MAX_HEAD_DIM:
         raise ValueError(
             f"head_dim={d}: flash-attn supports head dimensions up to {MAX_HEAD_DIM}; use "
-            "kernel='torch' (or MEGATRON_CHARM_KERNEL=torch)"
+            "kernel='torch' (cp_attention; Megatron-LM: --charm-kernel torch; the trainer: "
+            "parallel.kernel=torch)"
         )
     return d
 

@@ -58,10 +58,11 @@ def test_plan_options_and_node_split_become_charm_flags():
         "plan.cross_return=fp32",
         "plan.combine_nodes=true",
         "parallel.node_split=numa",
+        "parallel.kernel=torch",
     )
     joined = " ".join(flags)
     for expected in (
-        "--charm-ranks-per-node 2",
+        "--charm-kernel torch",
         "--charm-window 4",
         "--charm-cross-level kv",
         "--charm-cross-return fp32",
@@ -70,6 +71,7 @@ def test_plan_options_and_node_split_become_charm_flags():
     ):
         assert expected in joined
     assert "--charm-window" not in " ".join(_flags())  # defaults are left to the flags
+    assert "--charm-kernel" not in " ".join(_flags())
 
 
 def test_vocab_size_note_goes_to_stderr(capsys):
