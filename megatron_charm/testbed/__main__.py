@@ -22,7 +22,7 @@ import sys
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.testbed.config import PRESET_RATIOS, TOPOLOGIES, TestbedConfig, format_rate
 from megatron_charm.testbed.net import TestbedError, netem_available
-from megatron_charm.testbed.testbed import Testbed, cleanup
+from megatron_charm.testbed.testbed import STATE_DIR, Testbed, cleanup
 
 _SHAPE_FLAGS = (
     "nodes",
@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     named = argparse.ArgumentParser(add_help=False)
     named.add_argument("--name", help="testbed instance name (default: 'default')")
+    named.add_argument(
+        "--state-dir",
+        default=STATE_DIR,
+        help=f"where a running testbed records its configuration (default {STATE_DIR}); "
+        "pass the same to every command of one testbed",
+    )
 
     parser = argparse.ArgumentParser(
         prog="python -m megatron_charm.testbed",
@@ -105,9 +111,9 @@ def _open(args: argparse.Namespace) -> tuple[Testbed, bool]:
     """The testbed to use and whether this command built it (and must remove it)."""
     shaped = any(getattr(args, f) is not None for f in _SHAPE_FLAGS)
     if not shaped:
-        return Testbed.attach(args.name or "default"), False
+        return Testbed.attach(args.name or "default", args.state_dir), False
     cfg = _config(args, args.name or f"p{os.getpid()}")
-    return Testbed(cfg), True
+    return Testbed(cfg, state_dir=args.state_dir), True
 
 
 def _summary(tb: Testbed) -> str:
@@ -139,16 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.verb == "up":
-            tb = Testbed(_config(args, args.name or "default"), persistent=True)
+            cfg = _config(args, args.name or "default")
+            tb = Testbed(cfg, persistent=True, state_dir=args.state_dir)
             with tb:
                 print(_summary(tb))
             return 0
         if args.verb == "down":
-            removed = cleanup(args.name or "default")
+            removed = cleanup(args.name or "default", args.state_dir)
             print("removed: " + (" ".join(removed) or "nothing"))
             return 0
         if args.verb in ("cleanup", "teardown"):
-            removed = cleanup(args.name)
+            removed = cleanup(args.name, args.state_dir)
             print("removed: " + (" ".join(removed) or "nothing"))
             return 0
         if args.verb == "status":

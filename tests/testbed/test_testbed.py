@@ -172,6 +172,30 @@ def test_cli_up_run_down() -> None:
     assert missing.returncode == 2 and "no testbed named" in missing.stderr
 
 
+def test_cli_state_dir_names_where_a_testbed_is_found(tmp_path) -> None:
+    # --state-dir is data: a testbed brought up with one is found there, and only there
+    name = _name("sdir")
+    cli = [sys.executable, "-m", "megatron_charm.testbed"]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    state = str(tmp_path / "state")
+
+    def call(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], capture_output=True, text=True, env=env, timeout=60)
+
+    try:
+        up = call("up", "--name", name, "--state-dir", state, "--cross-rate", "30mbit")
+        assert up.returncode == 0, up.stderr
+        assert os.path.exists(os.path.join(state, f"{name}.json"))
+        run = call("run", "--name", name, "--state-dir", state, "--", "true")
+        assert run.returncode == 0, run.stderr
+        elsewhere = call("run", "--name", name, "--", "true")  # the default directory
+        assert elsewhere.returncode == 2 and "no testbed named" in elsewhere.stderr
+    finally:
+        down = call("down", "--name", name, "--state-dir", state)
+    assert down.returncode == 0 and _left(name) == []
+    assert not os.path.exists(os.path.join(state, f"{name}.json"))
+
+
 def test_refuses_to_reuse_a_live_name() -> None:
     name = _name("dup")
     with Testbed(nodes=2, cross_rate="1gbit", name=name):
