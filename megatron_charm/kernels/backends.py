@@ -75,6 +75,20 @@ def available_kernels(device: torch.device) -> list[str]:
     return names
 
 
+def check_kernel_name(kernel: object, setting: str, unset: str) -> None:
+    """Refuse a block kernel given by name that is none of :data:`NAMES` (a
+    :class:`BlockKernel` or ``None`` passes): ``setting`` names where the value came from (an
+    argument, a config key, a variable), ``unset`` what leaving it unset does.
+
+    Raises:
+        ValueError: ``"{setting}={kernel!r} is not a block kernel; use one of ..., or {unset}"``.
+    """
+    if isinstance(kernel, str) and kernel not in NAMES:
+        raise ValueError(
+            f"{setting}={kernel!r} is not a block kernel; use one of {', '.join(NAMES)}, or {unset}"
+        )
+
+
 def select_kernel(device: torch.device, dtype: torch.dtype, name: str | None = None) -> BlockKernel:
     """Pick the block kernel for ``(device, dtype)``; ``name`` overrides the choice.
 
@@ -128,6 +142,7 @@ __all__ = [
     "BlockKernel",
     "NAMES",
     "available_kernels",
+    "check_kernel_name",
     "expand_kv_heads",
     "fold_kv_heads",
     "select_kernel",

@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_charm import env
 from megatron_charm.auto import AUTO
 from megatron_charm.kernels import BlockKernel
-from megatron_charm.kernels.backends import NAMES as KERNEL_NAMES
+from megatron_charm.kernels.backends import check_kernel_name
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.megatron.groups import get_charm_topology
 from megatron_charm.megatron.masks import documents_from_attention_mask, thd_mask
@@ -87,11 +87,7 @@ def resolve_kernel(kernel: str | BlockKernel | None) -> str | BlockKernel | None
         kernel, source = env.kernel(), env.KERNEL
     else:
         source = "kernel"
-    if isinstance(kernel, str) and kernel not in KERNEL_NAMES:
-        raise ValueError(
-            f"{source}={kernel!r} is not a block kernel; use one of {', '.join(KERNEL_NAMES)}, "
-            "or leave it unset for the default by device and dtype"
-        )
+    check_kernel_name(kernel, source, "leave it unset for the default by device and dtype")
     return kernel
 
 

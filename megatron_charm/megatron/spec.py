@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_charm.kernels.backends import NAMES as KERNEL_NAMES
+from megatron_charm.kernels.backends import check_kernel_name
 from megatron_charm.megatron.attention import CHARM_METHODS, CharmDotProductAttention
 from megatron_charm.megatron.compat import check_megatron_compat
 from megatron_charm.nodes import check_node_split
@@ -52,11 +52,9 @@ def charm_core_attention_spec(
         raise ValueError(
             f"method={method!r} is not a CHARM+ method; use one of {', '.join(CHARM_METHODS)}."
         )
-    if kernel is not None and kernel not in KERNEL_NAMES:
-        raise ValueError(
-            f"kernel={kernel!r} is not a block kernel; use one of {', '.join(KERNEL_NAMES)}, or "
-            "None for MEGATRON_CHARM_KERNEL / the default by device and dtype."
-        )
+    check_kernel_name(
+        kernel, "kernel", "None for MEGATRON_CHARM_KERNEL / the default by device and dtype."
+    )
     params: dict[str, Any] = {}
     if method is not None:
         params["method"] = method

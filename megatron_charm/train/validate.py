@@ -115,13 +115,9 @@ def _check_choices(cfg: Config) -> None:
 
         load_profile(p.profile)
     if p.kernel is not None:
-        from megatron_charm.kernels.backends import NAMES as KERNEL_NAMES  # imports torch
+        from megatron_charm.kernels.backends import check_kernel_name  # imports torch
 
-        if p.kernel not in KERNEL_NAMES:
-            raise ValueError(
-                f"parallel.kernel={p.kernel!r} is not a block kernel; use one of "
-                f"{', '.join(KERNEL_NAMES)}, or null for the default by device and dtype."
-            )
+        check_kernel_name(p.kernel, "parallel.kernel", "null for the default by device and dtype.")
         if p.cp_comm_type not in CHARM_COMM_TYPES:
             raise ValueError(
                 f"parallel.kernel={p.kernel!r} picks the block kernel of the CHARM+ methods, but "
