@@ -164,11 +164,15 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
+def _preset_key(name: object) -> str | None:
+    """The key of :data:`PRESETS` that ``name`` names in any case, else ``None``."""
+    return {k.lower(): k for k in PRESETS}.get(str(name).lower())
+
+
 def preset_profile(name: str) -> Profile:
     """The paper's Table 2 system ``name`` (``H100``, ``H20``, ``L20``, any case, as
     :func:`load_profile` takes it) as a profile."""
-    by_name = {k.lower(): k for k in PRESETS}
-    key = by_name.get(str(name).lower())
+    key = _preset_key(name)
     if key is None:
         raise ValueError(
             f"preset_profile(name={name!r}): unknown preset; pass one of "
@@ -206,9 +210,8 @@ def load_profile(spec: str | Path | Profile) -> Profile:
     ``megatron-charm-sim calibrate`` wrote."""
     if isinstance(spec, Profile):
         return spec
-    by_name = {k.lower(): k for k in PRESETS}
-    if str(spec).lower() in by_name:
-        return preset_profile(by_name[str(spec).lower()])
+    if _preset_key(spec) is not None:
+        return preset_profile(str(spec))
     path = Path(spec)
     if not path.is_file():
         raise ValueError(
