@@ -31,6 +31,7 @@ from megatron_charm.bench.methods import (
     make_contender,
     plan_options,
 )
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from megatron_charm.comm.topology import CPTopology
@@ -169,7 +170,8 @@ def start_rank(cfg: dict) -> tuple[torch.device, CPTopology]:
         device = torch.device("cuda", torch.cuda.current_device())
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.get("timeout_s", 600)))
+        timeout = timedelta(seconds=cfg.get("timeout_s", DEFAULT_TIMEOUT_S))
+        dist.init_process_group(backend, timeout=timeout)
     # The bench worker is an entry point: the loopback launcher and the testbed give each rank
     # its node identity in MEGATRON_CHARM_NODE_ID, read here and passed down as data.
     topo = CPTopology.build(None, ranks_per_node=cfg.get("ranks_per_node"), node_id=env.node_id())

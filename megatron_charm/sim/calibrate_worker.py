@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.comm.topology import CPTopology
+from megatron_charm.constants import DEFAULT_TIMEOUT_S
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -249,7 +250,7 @@ def time_kernels_under_traffic(
     me = dist.get_rank()
     cp_rank = ranks.index(me)
     partner = _partner(cp_rank, m, p)
-    timeout_s = cfg.get("timeout_s", 600)  # the default group's, as start_rank set it
+    timeout_s = cfg.get("timeout_s", DEFAULT_TIMEOUT_S)  # the default group's (start_rank)
     traffic = dist.new_group(
         ranks, timeout=timedelta(seconds=timeout_s), backend=dist.get_backend()
     )
