@@ -22,7 +22,7 @@ def _rank_main(info: RankInfo, args: argparse.Namespace) -> None:
     from megatron_charm.plan import zigzag_positions
 
     torch.set_num_threads(1)
-    cp_rank = info.rank
+    cp_rank = info.global_rank
     info.init_process_group("gloo")
     # an entry point: the node identity comes from the environment here, as data below
     topo = mc.CPTopology.build(None, ranks_per_node=args.ranks_per_node, node_id=env.node_id())

@@ -45,7 +45,8 @@ CLOSE_GRACE_S = 20.0
 class RankContext:
     """What a task sees on its rank (``context=True`` pools)."""
 
-    rank: int
+    global_rank: int
+    """The rank's place in the pool's world (every pool rank is one CP rank)."""
     world_size: int
     cache: dict = field(default_factory=dict)
 
@@ -81,9 +82,9 @@ def _serve(info: RankInfo, address: str, authkey: bytes, context: bool, pg_timeo
 
     torch.set_num_threads(1)
     conn = Client(address, family="AF_UNIX", authkey=authkey)
-    conn.send(info.rank)
+    conn.send(info.global_rank)
     info.init_process_group("gloo", timeout_s=pg_timeout_s)
-    ctx = RankContext(info.rank, info.world_size)
+    ctx = RankContext(info.global_rank, info.world_size)
     while True:
         try:
             task = pickle.loads(conn.recv_bytes())
@@ -207,7 +208,8 @@ class RankPool:
         return [got[r][1] for r in range(self.world_size)]
 
     def _exits(self, ranks: list[int]):
-        return [e for e in self._group.exits() if e.rank in ranks and e.returncode is not None]
+        exits = self._group.exits()
+        return [e for e in exits if e.global_rank in ranks and e.returncode is not None]
 
     def close(self) -> None:
         """Ask every rank to stop; stop those that do not within ``CLOSE_GRACE_S``."""

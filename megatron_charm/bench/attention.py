@@ -202,7 +202,7 @@ def run_testbed(
         if not getattr(args, "quiet", False):
             for r in res.ranks:
                 if r.returncode != 0 and r.stderr:
-                    sys.stderr.write(f"--- rank {r.rank} stderr ---\n{r.stderr[-4000:]}\n")
+                    sys.stderr.write(f"--- rank {r.global_rank} stderr ---\n{r.stderr[-4000:]}\n")
         res.check()
         return tb.describe()
 

@@ -61,7 +61,7 @@ def _rank_main(info: RankInfo, shape: tuple, methods: list[str], out_path: str) 
     torch.set_num_threads(1)
     m, p, b, seq, h, d, h_kv = shape
     world = m * p
-    cp_rank = info.rank
+    cp_rank = info.global_rank
     info.init_process_group("gloo")
     topo = mc.CPTopology.build(None, ranks_per_node=p)
     s_local = seq // world

@@ -119,7 +119,7 @@ def _rank_main(info: RankInfo, args: dict, result_path: str) -> None:
 
     torch.set_num_threads(1)
     world = args["nodes"] * args["ranks_per_node"]
-    cp_rank = info.rank
+    cp_rank = info.global_rank
     info.init_process_group("gloo")
     topo = mc.CPTopology.build(None, ranks_per_node=args["ranks_per_node"])
     scale = args["head_dim"] ** -0.5

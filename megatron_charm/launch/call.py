@@ -38,7 +38,7 @@ def package_pythonpath(path: str | None = None) -> str:
 class RankInfo:
     """Where a function rank sits in its launch."""
 
-    rank: int
+    global_rank: int
     """This process's global rank."""
     world_size: int
     """Number of ranks of the launch."""
@@ -56,7 +56,7 @@ class RankInfo:
         dist.init_process_group(
             backend,
             init_method=self.init_method,
-            rank=self.rank,
+            rank=self.global_rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=timeout_s),
         )

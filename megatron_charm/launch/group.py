@@ -54,14 +54,14 @@ def _die_with_parent() -> Callable[[], None] | None:
 class RankExit:
     """How one rank ended."""
 
-    rank: int
+    global_rank: int
     returncode: int | None
     """Exit status, negative when a signal killed it; ``None`` if it could not be reaped."""
     killed: bool = False
     """The launcher stopped it (another rank failed, timeout or interrupt)."""
 
     def describe(self) -> str:
-        return f"rank {self.rank} {describe_exit(self.returncode)}"
+        return f"rank {self.global_rank} {describe_exit(self.returncode)}"
 
 
 class RankGroup:

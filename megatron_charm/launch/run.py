@@ -111,9 +111,9 @@ def run(spec: LaunchSpec) -> LaunchResult:
             f"interrupted by {signal.Signals(handlers.caught).name}; every rank was stopped"
         )
     exits = group.exits()
-    failed = next((r.rank for r in exits if r.returncode != 0), None)
+    failed = next((r.global_rank for r in exits if r.returncode != 0), None)
     # A rank stopped because of another's failure also fails; blame the one that was not stopped.
-    first = next((r.rank for r in exits if r.returncode != 0 and not r.killed), failed)
+    first = next((r.global_rank for r in exits if r.returncode != 0 and not r.killed), failed)
     return LaunchResult(
         exits, time.monotonic() - start, timed_out, spec.timeout_s, None if timed_out else first
     )

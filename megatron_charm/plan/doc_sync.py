@@ -2,7 +2,7 @@
 
 A generated region in a Markdown file is::
 
-    <!-- render: --method ring --nodes 1 --ranks-per-node 8 --rank 2 -->
+    <!-- render: --method ring --nodes 1 --ranks-per-node 8 --cp-rank 2 -->
     ...whatever ``python -m megatron_charm.plan.render <args>`` prints...
     <!-- /render -->
 

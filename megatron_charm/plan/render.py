@@ -155,11 +155,18 @@ def _kib(b: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--method", default="charm")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=None, help="also list this rank's program")
+    ap.add_argument(
+        "--cp-rank",
+        "--rank",
+        dest="cp_rank",
+        type=int,
+        default=None,
+        help="also list the program of this CP position (--rank: its older name)",
+    )
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--no-matrix", action="store_true", help="list the program only")
     ap.add_argument("--non-causal", action="store_true")
@@ -219,9 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"inside nodes: {plan.intra[0]} (forward), {plan.intra[1]} (backward)")
     if not args.no_matrix:
         print(block_matrix(plan) + "\n")
-    if args.rank is not None:
-        print(f"cp_rank {args.rank}, {'backward' if args.backward else 'forward'}:")
-        print(program_listing(plan, args.rank, args.backward))
+    if args.cp_rank is not None:
+        print(f"cp_rank {args.cp_rank}, {'backward' if args.backward else 'forward'}:")
+        print(program_listing(plan, args.cp_rank, args.backward))
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def _run(tb: Testbed, args: argparse.Namespace) -> int:
     if not res.ok:
         bad = res.ranks[res.first_failure]
         print(
-            f"error: rank {bad.rank} exited with {bad.returncode}; others stopped", file=sys.stderr
+            f"error: rank {bad.global_rank} exited with {bad.returncode}; others stopped",
+            file=sys.stderr,
         )
         return bad.returncode if bad.returncode and bad.returncode > 0 else 1
     return 0

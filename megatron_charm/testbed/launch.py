@@ -24,7 +24,7 @@ from megatron_charm.testbed.net import TestbedError
 class RankResult:
     """How one rank ended."""
 
-    rank: int
+    global_rank: int
     node: int
     local: int
     returncode: int | None
@@ -59,8 +59,8 @@ class RunResult:
         if self.timed_out:
             why = f"timed out after {self.elapsed_s:.1f} s"
         else:
-            bad = next(r for r in self.ranks if r.rank == self.first_failure)
-            why = f"rank {bad.rank} {describe_exit(bad.returncode)}"
+            bad = next(r for r in self.ranks if r.global_rank == self.first_failure)
+            why = f"rank {bad.global_rank} {describe_exit(bad.returncode)}"
             if bad.stderr:
                 why += ":\n" + bad.stderr[-2000:]
         where = f" (logs in {self.log_dir})" if self.log_dir else ""
@@ -165,10 +165,10 @@ def launch(
     outcome = run(spec)
     results = []
     for exit_, (node, local) in zip(outcome.ranks, placements, strict=True):
-        res = RankResult(exit_.rank, node, local, exit_.returncode, killed=exit_.killed)
+        res = RankResult(exit_.global_rank, node, local, exit_.returncode, killed=exit_.killed)
         if capture:
-            res.stdout = _read(os.path.join(log_dir, f"rank{exit_.rank}.out"))
-            res.stderr = _read(os.path.join(log_dir, f"rank{exit_.rank}.err"))
+            res.stdout = _read(os.path.join(log_dir, f"rank{exit_.global_rank}.out"))
+            res.stderr = _read(os.path.join(log_dir, f"rank{exit_.global_rank}.err"))
         results.append(res)
     if own_dir:
         shutil.rmtree(log_dir, ignore_errors=True)

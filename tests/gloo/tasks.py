@@ -195,7 +195,7 @@ def auto_matches_its_choice(ctx):
     from megatron_charm.plan.payloads import AttnShape
 
     topo = ctx.topology(2)
-    g = torch.Generator().manual_seed(ctx.rank)
+    g = torch.Generator().manual_seed(ctx.global_rank)
     q, k, v, dout = (torch.randn(1, 8, hh, 8, generator=g) for hh in (4, 2, 2, 4))
     prof = link_profile(slow=True)
     picked = choose_method(prof, topo.layout, AttnShape(1, 8, 4, 2, 8, 4), True).method
@@ -218,7 +218,7 @@ def one_rank_planning_matches(ctx):
     import megatron_charm.function as fn
 
     topo = ctx.topology(2)
-    g = torch.Generator().manual_seed(ctx.rank)
+    g = torch.Generator().manual_seed(ctx.global_rank)
     q, k, v, dout = (torch.randn(1, 8, hh, 8, generator=g) for hh in (4, 2, 2, 4))
 
     def run():
@@ -247,7 +247,7 @@ def expect_value_error(ctx, case: str):
     import megatron_charm as mc
 
     topo = ctx.topology(None)
-    r = ctx.rank
+    r = ctx.global_rank
     t = lambda *shape, dtype=torch.float32: torch.randn(*shape, dtype=dtype)  # noqa: E731
     q, k, v = t(1, 8, 4, 8), t(1, 8, 2, 8), t(1, 8, 2, 8)
     try:
@@ -328,7 +328,7 @@ def dead_rank(ctx, timeout_s: float = 5.0):
 
     topo = ctx.topology(None, timeout_s=timeout_s)
     q = torch.randn(1, 8, 2, 8)
-    if ctx.rank == 1:
+    if ctx.global_rank == 1:
         os._exit(3)
     start = time.monotonic()
     try:
@@ -400,7 +400,7 @@ def agreement_on_control_group(ctx):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 8, 4, 8, generator=g) for _ in range(3))
     facts["out_shape"] = tuple(mc.cp_attention(q, k, v, cut).shape)
-    s = 8 if ctx.rank == 0 else 12
+    s = 8 if ctx.global_rank == 0 else 12
     try:
         mc.cp_attention(*(torch.randn(1, s, 4, 8) for _ in range(3)), cut)
         facts["mismatch"] = None

@@ -169,9 +169,9 @@ def test_sigkilled_launcher_takes_its_ranks_along(tmp_path):
 
 
 def _record(info: RankInfo, out: str, fail_rank: int) -> None:
-    with open(os.path.join(out, f"fn{info.rank}"), "w") as f:
-        json.dump([info.rank, info.world_size, info.local_rank, info.init_method], f)
-    if info.rank == fail_rank:
+    with open(os.path.join(out, f"fn{info.global_rank}"), "w") as f:
+        json.dump([info.global_rank, info.world_size, info.local_rank, info.init_method], f)
+    if info.global_rank == fail_rank:
         raise RuntimeError("planned failure")
 
 

@@ -202,3 +202,16 @@ def test_render_validate_replays_a_group_offline(capsys):
     render.main(["--nodes", "2", "--ranks-per-node", "4", "--validate", "--window", "1"])
     out = capsys.readouterr().out
     assert out.startswith("valid: PlanOptions(method='charm', window=1") and "on 2x4, causal" in out
+
+
+def test_render_lists_a_cp_rank_under_either_flag_and_takes_no_abbreviations(capsys):
+    from megatron_charm.plan import render
+
+    base = ["--method", "ring", "--nodes", "1", "--ranks-per-node", "4", "--no-matrix"]
+    render.main([*base, "--cp-rank", "1"])
+    new = capsys.readouterr().out
+    render.main([*base, "--rank", "1"])
+    assert new.startswith("cp_rank 1, forward:") and capsys.readouterr().out == new
+    # "--ranks" once abbreviated --ranks-per-node; a typo must not change the layout silently
+    with pytest.raises(SystemExit):
+        render.main(["--method", "ring", "--nodes", "1", "--ranks", "4"])

@@ -68,7 +68,7 @@ def test_env_and_paths_rails() -> None:
     for r in res.ranks:
         head, *route_lines = r.stdout.strip().splitlines()
         rank, local, lws, world, node, node_id, ifname, master, bps = head.split()
-        assert (int(rank), int(local), int(node)) == (r.rank, r.local, r.node)
+        assert (int(rank), int(local), int(node)) == (r.global_rank, r.local, r.node)
         assert (lws, world, ifname, master, bps) == (
             "2",
             "4",
