@@ -385,8 +385,8 @@ class _Mailbox:
         heads, ready = self.ready()
         for x, channel in ready:
             ex = self.fifo[(x, channel)].popleft()
-            rank = ranks[x]
-            rank.completed.add(ex.handle)
+            replay = ranks[x]
+            replay.completed.add(ex.handle)
             for op in ex.ops:
                 if op.send:
                     continue
@@ -397,7 +397,7 @@ class _Mailbox:
                     if o.send and o.peer == x and o.payload == op.payload
                 )
                 msg = self.messages[(op.peer, peer_ex.handle)][idx]
-                rank.inbox[ex.handle].append((op.payload, msg))
+                replay.inbox[ex.handle].append((op.payload, msg))
         return bool(ready)
 
 

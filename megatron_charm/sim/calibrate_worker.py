@@ -414,8 +414,8 @@ def time_host_cpu(cfg: dict, device: torch.device, topo: CPTopology) -> list[dic
             "exchanges": posted,
             "bytes": nbytes,
             "elements": cfg["batch"] * tokens * cfg["heads"] * cfg["head_dim"],
-            "thread_s": statistics.mean(rank[j][-2] for rank in everyone),
-            "cpu_s": statistics.mean(rank[j][-1] for rank in everyone),
+            "thread_s": statistics.mean(theirs[j][-2] for theirs in everyone),
+            "cpu_s": statistics.mean(theirs[j][-1] for theirs in everyone),
         }
         for j, (method, tokens, backward, posted, nbytes, _, _) in enumerate(mine)
     ]

@@ -99,8 +99,8 @@ def _run_phases(
     ]
     run = tb.run(cmd, timeout_s=timeout_s, capture=True, placements=placements).check()
     times: dict[tuple[str, int], list[float]] = {}
-    for rank in run.ranks:
-        for line in (rank.stdout or "").splitlines():
+    for res in run.ranks:
+        for line in (res.stdout or "").splitlines():
             if line.startswith(_TAG):
                 rec = json.loads(line[len(_TAG) :])
                 times[(rec["phase"], rec["sender"])] = rec["seconds"]

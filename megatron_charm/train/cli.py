@@ -123,9 +123,9 @@ def _error(message: object, every_rank: bool = False, status: int = 2) -> int:
     Errors during training may concern one rank only (its own checkpoint file), so each rank
     that hits one prints it, with its rank.
     """
-    rank = os.environ.get("RANK", "0")
-    if every_rank or rank == "0":
-        where = f" (rank {rank})" if every_rank and "WORLD_SIZE" in os.environ else ""
+    global_rank = os.environ.get("RANK", "0")
+    if every_rank or global_rank == "0":
+        where = f" (rank {global_rank})" if every_rank and "WORLD_SIZE" in os.environ else ""
         print(f"megatron-charm-train: error{where}: {message}", file=sys.stderr)
     return status
 

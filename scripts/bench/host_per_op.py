@@ -29,11 +29,11 @@ def table(raw: dict) -> str:
         "| method | pass | cp_rank | exchange us (n) | kernel us (n) | merge us (n) |",
         "|---|---|---|---|---|---|",
     ]
-    methods = sorted({m for rank in raw["ranks"] for m in rank["recs"]})
+    methods = sorted({m for rec in raw["ranks"] for m in rec["recs"]})
     for method in methods:
         for tag in ("fwd", "bwd"):
-            for rank in raw["ranks"]:
-                calls = rank["recs"][method]["fwdbwd"]
+            for per_rank in raw["ranks"]:
+                calls = per_rank["recs"][method]["fwdbwd"]
                 got: dict[str, list[float]] = {k: [] for k in KINDS}
                 for rec in calls:
                     for pass_tag, kind, _, start, end in rec["events"]:
@@ -44,7 +44,7 @@ def table(raw: dict) -> str:
                     for v in got.values()
                 ]
                 lines.append(
-                    f"| {method} | {tag} | {rank['cp_rank']} | " + " | ".join(cells) + " |"
+                    f"| {method} | {tag} | {per_rank['cp_rank']} | " + " | ".join(cells) + " |"
                 )
     return "\n".join(lines)
 

@@ -109,7 +109,7 @@ class ForkRunner:
         with log.open("w") as out:
             out.write("$ " + shlex.join([sys.executable, "-m", TRAIN_MODULE, *argv]) + "\n")
             out.flush()
-            for rank in range(nproc):
+            for global_rank in range(nproc):
                 pid = os.fork()
                 if pid == 0:  # the rank
                     code = 1
@@ -117,9 +117,9 @@ class ForkRunner:
                         os.dup2(out.fileno(), 1)
                         os.dup2(out.fileno(), 2)
                         os.environ.update(
-                            RANK=str(rank),
+                            RANK=str(global_rank),
                             WORLD_SIZE=str(nproc),
-                            LOCAL_RANK=str(rank),
+                            LOCAL_RANK=str(global_rank),
                             LOCAL_WORLD_SIZE=str(nproc),
                             MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(port),
