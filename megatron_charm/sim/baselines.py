@@ -118,6 +118,16 @@ Ring-Attention and CHARM+ do neither:
   on one NIC per GPU CHARM+'s forward is 2.6 times too fast, on two per node TASP's is 3 times
   too slow. We replay each as its rows show; which of the paper's cluster facts reconciles them
   is unknown.
+* **Its TASP forward overlaps; its ring forward does not.** Rows 1, 3 and 4 of a Table 5 block
+  move the same bytes, with blocks in the ratio 8 : 2 : 1. Ring's forward falls with its blocks
+  (149.97 / 141.75 / 140.55 ms on 2 x 8); TASP's stays (98.01 / 97.65 / 97.15; 4 x 8: 183.22 /
+  182.93 / 183.09), where adding its blocks would spread it by 9.6 ms (7.3 ms on 4 x 8). TASP's
+  public code runs its ring and its Hamiltonian steps alike (a step's transfers on a side
+  stream, its block on the compute stream, a host synchronisation at the step's end), so the
+  code does not say why one overlaps and the other does not; the rows do, and TASP is replayed
+  as the planner builds it, overlapped. With its all-to-all's wider links this is what puts
+  TASP ahead of CHARM+ on 2 x 8 beyond about 110K tokens in the replay, against the paper's
+  text (``scripts/bench/paper_structure.py``).
 
 What stays ours: the intra-node pipeline's order of exchanges and merges (Note [CHARM+ rounds]
 in :mod:`megatron_charm.plan.pipeline`), and every link model choice of the presets.
