@@ -33,6 +33,7 @@ from megatron_charm.sim.predict import (
 )
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
+from megatron_charm.sim.sensitivity import enqueue_note
 from megatron_charm.sim.topology import (
     CROSS_LINKS,
     FABRICS,
@@ -388,18 +389,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo, problem, compute, methods, profile = _resolve(args)
         a2a = _a2a_links(args, topo)
-        if args.replay == "paper":
-            pred = _paper_prediction(args, command, topo, problem, compute, methods, a2a)
-        else:
-            pred = predict(
-                topo,
-                problem,
-                compute,
-                None if methods is None else tuple(methods),
-                args.mode,
-                PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS)),
-                a2a_topo=a2a,
-            )
+        options = PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS))
+
+        def replay(model: ComputeModel, names: tuple[str, ...] | None) -> Prediction:
+            if args.replay == "paper":
+                picked = None if names is None else list(names)
+                return _paper_prediction(args, command, topo, problem, model, picked, a2a)
+            return predict(topo, problem, model, names, args.mode, options, a2a_topo=a2a)
+
+        pred = replay(compute, None if methods is None else tuple(methods))
         _table2_ccr(args, pred)
         if a2a is not None and "tasp" in pred.methods:
             tasp_note = (
@@ -409,9 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2
+    # Note [Enqueue sensitivity]: only a preset's enqueue cost is an assumption of ours
+    assumed = profile is not None and not profile.measured and profile.preset in PRESETS
+    assumed = assumed and args.enqueue_us is None
     if command == "advise":
         adv = advise(pred)
         adv.reasons.append(uncertainty(pred, adv.method, profile))
+        note = enqueue_note(pred, adv.method, compute, replay) if assumed else None
+        if note:
+            adv.reasons.append(note)
         if args.json:
             print(json.dumps({"cp_comm_type": adv.method, "reasons": adv.reasons}, indent=2))
         else:
@@ -424,19 +428,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay == "paper"
         else "this package's schedules"
     )
+    compared = tuple(m for m in pred.methods if m not in BASELINES)
+    fastest = min(compared, key=lambda m: pred.methods[m].total)
+    note = enqueue_note(pred, fastest, compute, replay, compared) if assumed else None
     if args.json:
         data = pred.to_dict()
         data["replay"] = {"schedules": args.replay, "what": replayed}
         if tasp_note:
             data["tasp_links"] = tasp_note
+        if note:
+            data["enqueue_note"] = note
         print(json.dumps(data, indent=2, default=str))
     else:
-        fastest = min(
-            (m for m in pred.methods if m not in BASELINES), key=lambda m: pred.methods[m].total
-        )
         print(f"schedules: {replayed}")
         print(format_table(pred))
         if tasp_note:
             print(tasp_note)
         print(uncertainty(pred, fastest, profile))
+        if note:
+            print(note)
     return 0

@@ -122,6 +122,9 @@ class RankResult:
     """``(start, end, label)`` of every block (``C``), merge (``R``) and wait (``W``)."""
     transfers: list[tuple[float, float, str]] = field(default_factory=list)
     """``(start, end, channel)`` of every exchange of the rank."""
+    enqueued: float = 0.0
+    """Host seconds to enqueue the rank's whole pass on a GPU (Note [Enqueue ahead]; 0 without
+    enqueue costs): the time the device would wait for its host if every operation were free."""
 
 
 @dataclass
@@ -146,6 +149,11 @@ class PassResult:
     @property
     def busy_mean(self) -> float:
         return sum(r.busy for r in self.ranks) / len(self.ranks)
+
+    @property
+    def enqueued_max(self) -> float:
+        """The longest host enqueue time of a simulated rank (:attr:`RankResult.enqueued`)."""
+        return max((r.enqueued for r in self.ranks), default=0.0)
 
     @property
     def idle_mean(self) -> float:
@@ -236,6 +244,9 @@ class Engine:
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
         # Note [Enqueue ahead]: when the host has enqueued each instruction (None: no gate)
         self.enqueued = [self._enqueued(p) for p in programs] if self.enqueue else None
+        if self.enqueued is not None and self.enqueue is not None:
+            for res, times in zip(self.results, self.enqueued, strict=True):
+                res.enqueued = times[-1] if times else self.enqueue.call
 
     # -- compilation ----------------------------------------------------------------------------
 

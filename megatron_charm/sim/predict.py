@@ -148,6 +148,7 @@ class Prediction:
                     "exposed_ms_max": res.exposed_max * 1e3,
                     "compute_ms_mean": res.busy_mean * 1e3,
                     "idle_ms_mean": res.idle_mean * 1e3,
+                    "host_enqueue_ms_max": res.enqueued_max * 1e3,
                     "bytes_per_link": res.link_bytes(),
                     "simulated_ranks": len(res.ranks),
                     "exact": res.exact,

@@ -1,0 +1,91 @@
+"""How much an assumed host cost moves a recommendation.
+
+Note [Enqueue sensitivity]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A preset's host enqueue cost (20 us per device operation, Note [Enqueue ahead] in
+:mod:`megatron_charm.sim.engine`) is an assumption, not a measurement of any GPU. On problems
+the paper's tables cover (passes of 30-560 ms) it does not show; on small ones the host's
+enqueueing is most of a pass, and there the assumption, not the links or the kernels, decides
+which method leads. The error that ``advise`` quotes (the preset's miss on the paper's rows)
+does not cover that. So where the host's enqueueing is a large part of the compared methods'
+time, ``advise`` replays the two leading methods again with no enqueue cost and with twice the
+preset's, and says what each gives::
+
+    host: enqueueing takes the host 58% of charm's forward+backward and 61% of ring's at the
+      preset's 20 us per operation (assumed, not measured on a GPU); at 0 us charm leads ring
+      4.84x, at 40 us ring leads charm 1.09x: measure it (calibrate --device cuda) before
+      trusting this margin
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from megatron_charm.sim.compute import ComputeModel, Enqueue
+from megatron_charm.sim.predict import SIMPLICITY, MethodPrediction, Prediction
+
+#: Host share of a method's forward+backward (its enqueue time over its time) from which the
+#: enqueue assumption is replayed at 0 and twice the preset's cost.
+HOST_SHARE = 0.25
+
+#: The factors of the assumed enqueue cost that the note replays.
+FACTORS = (0.0, 2.0)
+
+
+def host_share(mp: MethodPrediction) -> float:
+    """Seconds the host takes to enqueue ``mp``'s forward and backward (the slowest rank's each),
+    over ``mp``'s forward+backward time."""
+    return (mp.forward.enqueued_max + mp.backward.enqueued_max) / mp.total
+
+
+def scaled(enqueue: Enqueue, factor: float) -> Enqueue:
+    """``enqueue`` with every cost times ``factor``."""
+    return Enqueue(*(factor * getattr(enqueue, f.name) for f in dataclasses.fields(Enqueue)))
+
+
+def _amount(enqueue: Enqueue, per_operation: bool = False) -> str:
+    costs = [getattr(enqueue, f.name) * 1e6 for f in dataclasses.fields(Enqueue)]
+    if len(set(costs)) == 1:
+        return f"{costs[0]:g} us" + (" per operation" if per_operation else "")
+    return "call/exchange/kernel/merge " + "/".join(f"{c:g}" for c in costs) + " us"
+
+
+def _lead(pred: Prediction, pair: tuple[str, str]) -> str:
+    fast, slow = sorted(pair, key=lambda m: pred.methods[m].total)
+    return f"{fast} leads {slow} {pred.methods[slow].total / pred.methods[fast].total:.2f}x"
+
+
+def enqueue_note(
+    pred: Prediction,
+    choice: str,
+    compute: ComputeModel,
+    repredict: Callable[[ComputeModel, tuple[str, ...]], Prediction],
+    candidates: tuple[str, ...] = SIMPLICITY,
+) -> str | None:
+    """The sentence of Note [Enqueue sensitivity] for ``choice`` and the fastest other method of
+    ``candidates`` in ``pred`` (replayed with ``compute``, whose enqueue cost is an assumption),
+    or ``None`` where the host's enqueueing is under :data:`HOST_SHARE` of both methods' time.
+    ``repredict(compute, methods)`` replays ``methods`` as ``pred`` was, with another
+    ``compute``."""
+    enqueue = compute.enqueue_cost()
+    others = [m for m in pred.methods if m in candidates and m != choice]
+    if not enqueue.any or not others or not dataclasses.is_dataclass(compute):
+        return None
+    runner_up = min(others, key=lambda m: pred.methods[m].total)
+    pair = (choice, runner_up)
+    shares = {m: host_share(pred.methods[m]) for m in pair}
+    if max(shares.values()) < HOST_SHARE:
+        return None
+    leads = []
+    for factor in FACTORS:
+        model = dataclasses.replace(compute, enqueue=scaled(enqueue, factor))  # type: ignore[type-var]
+        alt = repredict(model, pair)
+        leads.append(f"at {_amount(scaled(enqueue, factor))} {_lead(alt, pair)}")
+    assumed = _amount(enqueue, per_operation=True)
+    return (
+        f"host: enqueueing takes the host {shares[choice]:.0%} of {choice}'s forward+backward "
+        f"and {shares[runner_up]:.0%} of {runner_up}'s at {assumed} (assumed, not measured on a "
+        f"GPU); {', '.join(leads)}: measure it (`megatron-charm-sim calibrate --device cuda`, "
+        "then --profile) before trusting this margin"
+    )

@@ -1,0 +1,86 @@
+"""Note [Enqueue sensitivity]: the host's enqueue time per pass, and advise's note where an
+assumed enqueue cost decides the margin."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_charm.sim import FlopsCompute, Problem, Topology, predict
+from megatron_charm.sim.cli import main
+from megatron_charm.sim.compute import Enqueue
+from megatron_charm.sim.sensitivity import enqueue_note, host_share
+
+TOPO = Topology(1, 2, 100.0, 10.0)
+# call, exchange, kernel, merge: distinct powers of ten, so a count of each shows in the sum
+ENQ = Enqueue(call=1e-6, exchange=10e-6, kernel=100e-6, merge=1000e-6)
+
+
+def test_the_host_enqueue_time_counts_each_operation_of_the_pass() -> None:
+    compute = FlopsCompute(100.0, 0.5, mem_bw=1e6, enqueue=ENQ)
+    pred = predict(TOPO, Problem(1, 1024, 2, 64), compute, ("ring",))
+    ring = pred.methods["ring"]
+    # ring on two ranks (plan.render --method ring --nodes 1 --ranks-per-node 2 --non-causal):
+    # forward: 1 exchange, 2 kernel calls; backward: 3 exchanges, 2 kernel calls, 2 merges
+    assert ring.forward.enqueued_max == pytest.approx(1e-6 + 10e-6 + 200e-6)
+    assert ring.backward.enqueued_max == pytest.approx(1e-6 + 30e-6 + 200e-6 + 2000e-6)
+    no_host = predict(TOPO, Problem(1, 1024, 2, 64), FlopsCompute(100.0, 0.5), ("ring",))
+    assert no_host.methods["ring"].forward.enqueued_max == 0.0
+
+
+def _small_and_large(enqueue: Enqueue | None):
+    compute = FlopsCompute(100.0, 0.5, mem_bw=1e6, enqueue=enqueue)
+    topo = Topology(2, 2, 100.0, 10.0)
+    small = predict(topo, Problem(1, 256, 2, 64), compute, ("ring", "charm"))
+    large = predict(topo, Problem(8, 65536, 16, 128), compute, ("ring", "charm"))
+    return topo, compute, small, large
+
+
+def test_the_note_replays_the_two_leaders_without_and_with_twice_the_enqueue_cost() -> None:
+    e = 20e-6
+    topo, compute, small, large = _small_and_large(Enqueue(e, e, e, e))
+    seen: list[tuple[float, tuple[str, ...]]] = []
+
+    def replay(model, names):
+        seen.append((model.enqueue_cost().kernel, names))
+        return predict(topo, small.problem, model, names)
+
+    choice = min(small.methods, key=lambda m: small.methods[m].total)
+    assert max(host_share(mp) for mp in small.methods.values()) > 0.5  # host-bound
+    note = enqueue_note(small, choice, compute, replay)
+    assert note is not None and note.startswith("host: enqueueing takes the host ")
+    assert "at 20 us per operation (assumed" in note and "at 0 us " in note and "at 40 us " in note
+    assert [k for k, _ in seen] == pytest.approx([0.0, 40e-6])
+    assert all(sorted(names) == ["charm", "ring"] for _, names in seen)
+    # where blocks and links take the time, the host's enqueueing is a sliver: no note
+    assert max(host_share(mp) for mp in large.methods.values()) < 0.01
+    assert enqueue_note(large, "charm", compute, replay) is None
+
+
+def test_no_note_without_an_enqueue_cost() -> None:
+    _, compute, small, _ = _small_and_large(None)
+    assert enqueue_note(small, "charm", compute, lambda *a: pytest.fail("replayed")) is None
+
+
+def test_advise_adds_the_note_only_to_a_presets_assumed_cost(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = "advise --preset H100 --gpus 2x2 --heads 4 --head-dim 64 --json".split()
+
+    def host_reasons(extra: str) -> list[str]:
+        assert main([*base, *extra.split()]) == 0
+        reasons = json.loads(capsys.readouterr().out)["reasons"]
+        return [r for r in reasons if r.startswith("host: ")]
+
+    small = host_reasons("--batch 1 --seq 512")
+    assert len(small) == 1 and "20 us per operation (assumed" in small[0]
+    assert host_reasons("--batch 1 --seq 512 --enqueue-us 20") == []  # the user's own number
+    assert host_reasons("--batch 16 --seq 262144") == []
+
+
+def test_scaled_enqueue_keeps_each_kind() -> None:
+    from megatron_charm.sim.sensitivity import scaled
+
+    assert dataclasses.astuple(scaled(ENQ, 2.0)) == pytest.approx((2e-6, 20e-6, 200e-6, 2000e-6))
