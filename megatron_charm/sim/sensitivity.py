@@ -4,7 +4,7 @@ Note [Enqueue sensitivity]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 A preset's host enqueue cost (20 us per device operation, Note [Enqueue ahead] in
 :mod:`megatron_charm.sim.engine`) is an assumption, not a measurement of any GPU. On problems
-the paper's tables cover (passes of 30-560 ms) it does not show; on small ones the host's
+of Table 5's size (H100 passes of 31-561 ms) it does not show; on small ones the host's
 enqueueing is most of a pass, and there the assumption, not the links or the kernels, decides
 which method leads. The error that ``advise`` quotes (the preset's miss on the paper's rows)
 does not cover that. So where the host's enqueueing is a large part of the compared methods'
