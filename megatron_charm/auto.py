@@ -102,6 +102,7 @@ def choose_method(
         options: the other plan options (their method is replaced per candidate).
     """
     from megatron_charm.sim.predict import Problem, advise, predict
+    from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note
 
     options = options or PlanOptions()
     # A path or preset is its own key; a Profile object is keyed by identity (the cache holds
@@ -117,10 +118,23 @@ def choose_method(
     problem = Problem(
         shape.b, shape.s_local * m * p, shape.h, shape.d, shape.h_kv, causal, shape.itemsize
     )
-    pred = predict(prof.topology(m, p), problem, prof.compute_model(), options=options)
+    topo, compute = prof.topology(m, p), prof.compute_model()
+    pred = predict(topo, problem, compute, options=options)
     adv = advise(pred)
+    # Note [Enqueue sensitivity]: a preset's host cost is assumed; say where it decides
+    note = None
+    if assumes_enqueue(prof):
+        note = enqueue_note(
+            pred,
+            adv.method,
+            compute,
+            lambda model, names: predict(topo, problem, model, names, options=options),
+        )
     totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
-    choice = AutoChoice(adv.method, totals, prof.name, tuple(adv.reasons))
+    reasons = (*adv.reasons, note) if note else tuple(adv.reasons)
+    choice = AutoChoice(adv.method, totals, prof.name, reasons)
     _CACHE[key] = (profile, choice)
     log.info("megatron-charm: %s", choice.describe())
+    if note:
+        log.warning("megatron-charm: cp method auto -> %s: %s", adv.method, note)
     return choice

@@ -33,7 +33,7 @@ from megatron_charm.sim.predict import (
 )
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
-from megatron_charm.sim.sensitivity import enqueue_note
+from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note
 from megatron_charm.sim.topology import (
     CROSS_LINKS,
     FABRICS,
@@ -408,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2
     # Note [Enqueue sensitivity]: only a preset's enqueue cost is an assumption of ours
-    assumed = profile is not None and not profile.measured and profile.preset in PRESETS
-    assumed = assumed and args.enqueue_us is None
+    assumed = assumes_enqueue(profile) and args.enqueue_us is None
     if command == "advise":
         adv = advise(pred)
         adv.reasons.append(uncertainty(pred, adv.method, profile))

@@ -8,8 +8,8 @@ of Table 5's size (H100 passes of 31-561 ms) it does not show; on small ones the
 enqueueing is most of a pass, and there the assumption, not the links or the kernels, decides
 which method leads. The error that ``advise`` quotes (the preset's miss on the paper's rows)
 does not cover that. So where the host's enqueueing is a large part of the compared methods'
-time, ``advise`` replays the two leading methods again with no enqueue cost and with twice the
-preset's, and says what each gives::
+time, ``advise`` (and ``auto``'s logged choice) replays the two leading methods again with no
+enqueue cost and with twice the preset's, and says what each gives::
 
     host: enqueueing takes the host 58% of charm's forward+backward and 61% of ring's at the
       preset's 20 us per operation (assumed, not measured on a GPU); at 0 us charm leads ring
@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 from megatron_charm.sim.compute import ComputeModel, Enqueue
 from megatron_charm.sim.predict import SIMPLICITY, MethodPrediction, Prediction
+from megatron_charm.sim.profile import Profile
+from megatron_charm.sim.topology import PRESETS
 
 #: Host share of a method's forward+backward (its enqueue time over its time) from which the
 #: enqueue assumption is replayed at 0 and twice the preset's cost.
@@ -31,6 +33,12 @@ HOST_SHARE = 0.25
 
 #: The factors of the assumed enqueue cost that the note replays.
 FACTORS = (0.0, 2.0)
+
+
+def assumes_enqueue(profile: Profile | None) -> bool:
+    """Whether ``profile``'s host enqueue cost is this package's assumption (a preset's) rather
+    than a measurement (a calibrated profile's) or the user's own number."""
+    return profile is not None and not profile.measured and profile.preset in PRESETS
 
 
 def host_share(mp: MethodPrediction) -> float:

@@ -84,3 +84,30 @@ def test_scaled_enqueue_keeps_each_kind() -> None:
     from megatron_charm.sim.sensitivity import scaled
 
     assert dataclasses.astuple(scaled(ENQ, 2.0)) == pytest.approx((2e-6, 20e-6, 200e-6, 2000e-6))
+
+
+def test_auto_logs_where_a_presets_assumed_host_cost_decides(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from megatron_charm.auto import choose_method
+    from megatron_charm.plan.payloads import AttnShape
+    from megatron_charm.plan.types import Layout
+
+    layout = Layout(2, 2)
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        small = choose_method("H100", layout, AttnShape(1, 128, 4, 4, 64, 2), causal=True)
+    assert small.reasons[-1].startswith("host: enqueueing takes the host ")
+    assert any("cp method auto -> " in r.message and "host: " in r.message for r in caplog.records)
+    large = choose_method("H100", layout, AttnShape(16, 65536, 4, 4, 64, 2), causal=True)
+    assert not any(r.startswith("host: ") for r in large.reasons)
+
+
+def test_only_a_presets_enqueue_cost_counts_as_assumed() -> None:
+    from megatron_charm.sim.profile import preset_profile
+    from megatron_charm.sim.sensitivity import assumes_enqueue
+
+    preset = preset_profile("H100")
+    assert assumes_enqueue(preset)
+    assert not assumes_enqueue(dataclasses.replace(preset, measured=True))
+    assert not assumes_enqueue(dataclasses.replace(preset, preset=""))
+    assert not assumes_enqueue(None)
