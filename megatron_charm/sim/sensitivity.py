@@ -78,7 +78,10 @@ def enqueue_note(
     ``compute``."""
     enqueue = compute.enqueue_cost()
     others = [m for m in pred.methods if m in candidates and m != choice]
-    if not enqueue.any or not others or not dataclasses.is_dataclass(compute):
+    settable = dataclasses.is_dataclass(compute) and any(
+        f.name == "enqueue" for f in dataclasses.fields(compute)
+    )
+    if not enqueue.any or not others or not settable:
         return None
     runner_up = min(others, key=lambda m: pred.methods[m].total)
     pair = (choice, runner_up)
