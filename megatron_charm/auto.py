@@ -103,6 +103,7 @@ def choose_method(
     """
     from megatron_charm.sim.predict import Problem, advise, predict
     from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note
+    from megatron_charm.sim.topology import PRESETS
 
     options = options or PlanOptions()
     # A path or preset is its own key; a Profile object is keyed by identity (the cache holds
@@ -129,6 +130,7 @@ def choose_method(
             adv.method,
             compute,
             lambda model, names: predict(topo, problem, model, names, options=options),
+            error=PRESETS[prof.preset].paper_error,
         )
     totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
     reasons = (*adv.reasons, note) if note else tuple(adv.reasons)

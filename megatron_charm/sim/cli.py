@@ -409,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Note [Enqueue sensitivity]: only a preset's enqueue cost is an assumption of ours
     assumed = assumes_enqueue(profile) and args.enqueue_us is None
+    err = PRESETS[profile.preset].paper_error if assumed and profile is not None else 0.0
     if command == "advise":
         adv = advise(pred)
         adv.reasons.append(uncertainty(pred, adv.method, profile))
-        note = enqueue_note(pred, adv.method, compute, replay) if assumed else None
+        note = enqueue_note(pred, adv.method, compute, replay, error=err) if assumed else None
         if note:
             adv.reasons.append(note)
         if args.json:
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     compared = tuple(m for m in pred.methods if m not in BASELINES)
     fastest = min(compared, key=lambda m: pred.methods[m].total)
-    note = enqueue_note(pred, fastest, compute, replay, compared) if assumed else None
+    note = enqueue_note(pred, fastest, compute, replay, compared, err) if assumed else None
     if args.json:
         data = pred.to_dict()
         data["replay"] = {"schedules": args.replay, "what": replayed}

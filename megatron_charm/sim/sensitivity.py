@@ -9,12 +9,16 @@ enqueueing is most of a pass, and there the assumption, not the links or the ker
 which method leads. The error that ``advise`` quotes (the preset's miss on the paper's rows)
 does not cover that. So where the host's enqueueing is a large part of the compared methods'
 time, ``advise`` (and ``auto``'s logged choice) replays the two leading methods again with no
-enqueue cost and with twice the preset's, and says what each gives::
+enqueue cost and with twice the preset's, and, where either moves their margin out of the range
+it quotes, says what each gives::
 
-    host: enqueueing takes the host 58% of charm's forward+backward and 61% of ring's at the
-      preset's 20 us per operation (assumed, not measured on a GPU); at 0 us charm leads ring
-      4.84x, at 40 us ring leads charm 1.09x: measure it (calibrate --device cuda) before
-      trusting this margin
+    host: enqueueing takes the host 97% of charm's forward+backward and 39% of ring's at 20 us
+      per operation (assumed, not measured on a GPU); at 0 us charm leads ring 4.84x, at 40 us
+      ring leads charm 1.09x: measure it (`megatron-charm-sim calibrate --device cuda`, then
+      --profile) before trusting this margin
+
+(H100 preset, 2 x 8, batch 1, 3,360 tokens, 12 heads of 192, where ``advise`` quotes charm's
+margin as 1.75x, 1.37-2.23x within the preset's error.)
 """
 
 from __future__ import annotations
@@ -70,12 +74,14 @@ def enqueue_note(
     compute: ComputeModel,
     repredict: Callable[[ComputeModel, tuple[str, ...]], Prediction],
     candidates: tuple[str, ...] = SIMPLICITY,
+    error: float = 0.0,
 ) -> str | None:
     """The sentence of Note [Enqueue sensitivity] for ``choice`` and the fastest other method of
     ``candidates`` in ``pred`` (replayed with ``compute``, whose enqueue cost is an assumption),
-    or ``None`` where the host's enqueueing is under :data:`HOST_SHARE` of both methods' time.
-    ``repredict(compute, methods)`` replays ``methods`` as ``pred`` was, with another
-    ``compute``."""
+    or ``None`` where the host's enqueueing is under :data:`HOST_SHARE` of both methods' time or
+    where neither replay moves the margin out of the range that ``error`` (the model's known
+    relative error, as ``advise`` quotes it) gives. ``repredict(compute, methods)`` replays
+    ``methods`` as ``pred`` was, with another ``compute``."""
     enqueue = compute.enqueue_cost()
     others = [m for m in pred.methods if m in candidates and m != choice]
     settable = dataclasses.is_dataclass(compute) and any(
@@ -88,11 +94,20 @@ def enqueue_note(
     shares = {m: host_share(pred.methods[m]) for m in pair}
     if max(shares.values()) < HOST_SHARE:
         return None
-    leads = []
+
+    def margin(p: Prediction) -> float:
+        return p.methods[runner_up].total / p.methods[choice].total
+
+    err = min(error, 0.9)
+    lo, hi = margin(pred) * (1 - err) / (1 + err), margin(pred) * (1 + err) / (1 - err)
+    leads, moved = [], False
     for factor in FACTORS:
         model = dataclasses.replace(compute, enqueue=scaled(enqueue, factor))  # type: ignore[type-var]
         alt = repredict(model, pair)
+        moved = moved or not lo <= margin(alt) <= hi
         leads.append(f"at {_amount(scaled(enqueue, factor))} {_lead(alt, pair)}")
+    if not moved:
+        return None
     assumed = _amount(enqueue, per_operation=True)
     return (
         f"host: enqueueing takes the host {shares[choice]:.0%} of {choice}'s forward+backward "
