@@ -12,9 +12,12 @@ The choice is a pure function of data that every rank holds alike::
 The candidates are the zigzag methods that can split the shape (``a2a`` only when the heads
 divide over the CP group); masks are not simulated, so the choice is made for the dense shape.
 It runs once per new shape and is cached; on CP groups of 64+ ranks the replay takes seconds
-(``bench planning``). Every rank computes it, so a rank whose profile differs may pick another
-method: the plan-option agreement that every call runs then stops the job with both values,
-instead of letting ranks run different schedules.
+(``bench planning``). With a preset as the profile, a shape whose time the host's assumed
+enqueue cost dominates replays its two leading methods twice more (Note [Enqueue sensitivity]
+in :mod:`megatron_charm.sim.sensitivity`), about a second each on 128 ranks. Every rank
+computes it, so a rank whose profile differs may pick another method: the plan-option agreement
+that every call runs then stops the job with both values, instead of letting ranks run
+different schedules.
 """
 
 from __future__ import annotations

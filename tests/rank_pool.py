@@ -168,16 +168,16 @@ class RankPool:
             self.broken = True
             return {}
         task = (*_resolve(target), args, kwargs)
-        for rank in range(self.world_size):
-            self._conns[rank].send_bytes(pickle.dumps(task))
-        waiting = {conn: rank for rank, conn in self._conns.items()}
+        for global_rank in range(self.world_size):
+            self._conns[global_rank].send_bytes(pickle.dumps(task))
+        waiting = {conn: global_rank for global_rank, conn in self._conns.items()}
         got: dict[int, tuple[bool, Any]] = {}
         grace_set = False
         while waiting and time.monotonic() < deadline:
             for conn in wait(list(waiting), timeout=0.5):
-                rank = waiting.pop(conn)
+                global_rank = waiting.pop(conn)
                 try:
-                    got[rank] = pickle.loads(conn.recv_bytes())
+                    got[global_rank] = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     pass  # the rank died; it is missing from the answer
             if not grace_set and any(self._dead(r) for r in waiting.values()):

@@ -14,6 +14,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +47,14 @@ class RankInfo:
     """Rank among the ranks of this machine."""
     init_method: str
     """``torch.distributed``'s ``init_method`` for the launch's rendezvous."""
+
+    @property
+    def rank(self) -> int:
+        """:attr:`global_rank` under its name before 2026-12-05 (deprecated)."""
+        warnings.warn(
+            "RankInfo.rank is deprecated: use RankInfo.global_rank", DeprecationWarning, 2
+        )
+        return self.global_rank
 
     def init_process_group(
         self, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S

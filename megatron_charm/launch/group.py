@@ -111,10 +111,10 @@ class RankGroup:
 
     def first_failure(self) -> RankExit | None:
         """The lowest rank that ended with a non-zero status, if any."""
-        for rank, proc in enumerate(self.procs):
+        for global_rank, proc in enumerate(self.procs):
             code = proc.poll()
             if code not in (None, 0):
-                return RankExit(rank, code, killed=rank in self.killed)
+                return RankExit(global_rank, code, killed=global_rank in self.killed)
         return None
 
     def all_exited(self) -> bool:

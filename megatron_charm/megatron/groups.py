@@ -257,7 +257,11 @@ def _check_split_agreement(mine: tuple[str, str]) -> None:
     dist.all_gather_object(gathered, mine)
     if len({split for split, _ in gathered}) == 1 and gathered[0][0] != "invalid":
         return
-    invalid = {rank: reason for rank, (split, reason) in enumerate(gathered) if split == "invalid"}
+    invalid = {
+        global_rank: reason
+        for global_rank, (split, reason) in enumerate(gathered)
+        if split == "invalid"
+    }
     if invalid:
         first = min(invalid)
         raise ValueError(

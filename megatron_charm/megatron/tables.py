@@ -224,9 +224,9 @@ def parse_training_log(text: str, seq_length: int, warmup: int = 5) -> RunSummar
             "(with 'global batch size'); was the run complete, with --log-interval 1?"
         )
     last: dict[int, tuple[int, float]] = {}
-    for rank, after, mb in _MEMORY.findall(text):
-        if int(after) >= last.get(int(rank), (-1, 0.0))[0]:
-            last[int(rank)] = (int(after), float(mb))
+    for global_rank, after, mb in _MEMORY.findall(text):
+        if int(after) >= last.get(int(global_rank), (-1, 0.0))[0]:
+            last[int(global_rank)] = (int(after), float(mb))
     iter_ms = statistics.median(times)
     return RunSummary(
         iterations=len(times),

@@ -209,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     options = PlanOptions(method=args.method, cross_level=args.cross_level, **extra)
     shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=args.kv_heads or args.heads, d=64)
     layout = Layout(args.nodes, args.ranks_per_node)
+    if args.cp_rank is not None and not 0 <= args.cp_rank < layout.cp_size:
+        ap.error(
+            f"--cp-rank {args.cp_rank}: a CP position is 0..{layout.cp_size - 1} on "
+            f"{args.nodes} x {args.ranks_per_node} ranks; pass one of those, or change --nodes "
+            "and --ranks-per-node"
+        )
     plan = build_plan(options, layout, not args.non_causal, shape)
     if args.validate:
         start = time.perf_counter()

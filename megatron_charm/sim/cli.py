@@ -23,6 +23,7 @@ from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, describe_compute
 from megatron_charm.sim.predict import (
+    SIMPLICITY,
     Prediction,
     Problem,
     advise,
@@ -399,6 +400,14 @@ def main(argv: list[str] | None = None) -> int:
 
         pred = replay(compute, None if methods is None else tuple(methods))
         _table2_ccr(args, pred)
+        # Note [Enqueue sensitivity]: only a preset's enqueue cost is an assumption of ours
+        assumed = assumes_enqueue(profile) and args.enqueue_us is None
+        known = PRESETS[profile.preset].paper_error if assumed and profile is not None else 0.0
+        adv = advise(pred) if command == "advise" else None
+        compared = tuple(m for m in pred.methods if m not in BASELINES)
+        lead = adv.method if adv is not None else min(compared, key=lambda m: pred.methods[m].total)
+        candidates = SIMPLICITY if adv is not None else compared
+        note = enqueue_note(pred, lead, compute, replay, candidates, known) if assumed else None
         if a2a is not None and "tasp" in pred.methods:
             tasp_note = (
                 f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "
@@ -407,13 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2
-    # Note [Enqueue sensitivity]: only a preset's enqueue cost is an assumption of ours
-    assumed = assumes_enqueue(profile) and args.enqueue_us is None
-    err = PRESETS[profile.preset].paper_error if assumed and profile is not None else 0.0
-    if command == "advise":
-        adv = advise(pred)
+    if adv is not None:
         adv.reasons.append(uncertainty(pred, adv.method, profile))
-        note = enqueue_note(pred, adv.method, compute, replay, error=err) if assumed else None
         if note:
             adv.reasons.append(note)
         if args.json:
@@ -428,9 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay == "paper"
         else "this package's schedules"
     )
-    compared = tuple(m for m in pred.methods if m not in BASELINES)
-    fastest = min(compared, key=lambda m: pred.methods[m].total)
-    note = enqueue_note(pred, fastest, compute, replay, compared, err) if assumed else None
     if args.json:
         data = pred.to_dict()
         data["replay"] = {"schedules": args.replay, "what": replayed}
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(pred))
         if tasp_note:
             print(tasp_note)
-        print(uncertainty(pred, fastest, profile))
+        print(uncertainty(pred, lead, profile))
         if note:
             print(note)
     return 0

@@ -14,8 +14,8 @@ it quotes, says what each gives::
 
     host: enqueueing takes the host 97% of charm's forward+backward and 39% of ring's at 20 us
       per operation (assumed, not measured on a GPU); at 0 us charm leads ring 4.84x, at 40 us
-      ring leads charm 1.09x: measure it (`megatron-charm-sim calibrate --device cuda`, then
-      --profile) before trusting this margin
+      ring leads charm 1.09x: measure it (`megatron-charm-sim calibrate --device cuda`) and use
+      that profile before trusting this margin
 
 (H100 preset, 2 x 8, batch 1, 3,360 tokens, 12 heads of 192, where ``advise`` quotes charm's
 margin as 1.75x, 1.37-2.23x within the preset's error.)
@@ -112,6 +112,6 @@ def enqueue_note(
     return (
         f"host: enqueueing takes the host {shares[choice]:.0%} of {choice}'s forward+backward "
         f"and {shares[runner_up]:.0%} of {runner_up}'s at {assumed} (assumed, not measured on a "
-        f"GPU); {', '.join(leads)}: measure it (`megatron-charm-sim calibrate --device cuda`, "
-        "then --profile) before trusting this margin"
+        f"GPU); {', '.join(leads)}: measure it (`megatron-charm-sim calibrate --device cuda`) "
+        "and use that profile before trusting this margin"
     )

@@ -159,7 +159,12 @@ def launch(
         timeout_s=timeout_s,
         env=dict(env or {}),
         rank_env=env_of,
-        prefix=lambda rank: ["ip", "netns", "exec", namespace(cfg.name, placements[rank][0])],
+        prefix=lambda global_rank: [
+            "ip",
+            "netns",
+            "exec",
+            namespace(cfg.name, placements[global_rank][0]),
+        ],
         log_dir=log_dir,
     )
     outcome = run(spec)

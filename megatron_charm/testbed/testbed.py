@@ -256,7 +256,7 @@ class Testbed:
             "namespaces": self.namespaces,
             "ranks": [
                 {
-                    "rank": n * cfg.ranks_per_node + i,
+                    "global_rank": n * cfg.ranks_per_node + i,
                     "node": n,
                     "local": i,
                     "address": rank_address(n, i),

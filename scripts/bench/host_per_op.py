@@ -29,7 +29,7 @@ def table(raw: dict) -> str:
         "| method | pass | cp_rank | exchange us (n) | kernel us (n) | merge us (n) |",
         "|---|---|---|---|---|---|",
     ]
-    methods = sorted({m for rec in raw["ranks"] for m in rec["recs"]})
+    methods = sorted({m for per_rank in raw["ranks"] for m in per_rank["recs"]})
     for method in methods:
         for tag in ("fwd", "bwd"):
             for per_rank in raw["ranks"]:

@@ -216,3 +216,9 @@ def test_demo_runs_its_ranks_through_the_launcher():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "cp_rank 1: tokens from" in proc.stdout and proc.stdout.rstrip().endswith("OK")
+
+
+def test_rank_info_still_reads_its_old_field_name_with_a_warning() -> None:
+    info = RankInfo(3, 4, 1, "env://")
+    with pytest.warns(DeprecationWarning, match="use RankInfo.global_rank"):
+        assert info.rank == 3

@@ -215,3 +215,7 @@ def test_render_lists_a_cp_rank_under_either_flag_and_takes_no_abbreviations(cap
     # "--ranks" once abbreviated --ranks-per-node; a typo must not change the layout silently
     with pytest.raises(SystemExit):
         render.main(["--method", "ring", "--nodes", "1", "--ranks", "4"])
+    for outside in ("4", "-1"):
+        with pytest.raises(SystemExit):
+            render.main([*base, "--cp-rank", outside])
+        assert f"--cp-rank {outside}: a CP position is 0..3 on 1 x 4" in capsys.readouterr().err

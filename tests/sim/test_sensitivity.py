@@ -89,11 +89,14 @@ def test_scaled_enqueue_keeps_each_kind() -> None:
 
 
 def test_auto_logs_where_a_presets_assumed_host_cost_decides(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from megatron_charm import auto
     from megatron_charm.auto import choose_method
     from megatron_charm.plan.payloads import AttnShape
     from megatron_charm.plan.types import Layout
+
+    monkeypatch.setattr(auto, "_CACHE", {})  # a cached choice is not logged again
 
     layout = Layout(2, 8)  # the Note's example: 3,360 tokens over 16 ranks
     with caplog.at_level("WARNING", logger="megatron_charm"):
@@ -115,10 +118,21 @@ def test_only_a_presets_enqueue_cost_counts_as_assumed() -> None:
     assert not assumes_enqueue(None)
 
 
-def test_no_note_where_the_assumption_leaves_the_margin_inside_the_quoted_error() -> None:
+def test_the_note_needs_a_margin_moved_out_of_the_quoted_error() -> None:
     e = 20e-6
     _, compute, small, _ = _small_and_large(Enqueue(e, e, e, e))
     choice = min(small.methods, key=lambda m: small.methods[m].total)
+    other = next(m for m in small.methods if m != choice)
     assert max(host_share(mp) for mp in small.methods.values()) > 0.5  # host-bound
-    # a replay that the enqueue cost does not move: the margin stays where it was
-    assert enqueue_note(small, choice, compute, lambda *a: small, error=0.1) is None
+    # replays that move the runner-up's time, and so the margin, by 5%
+    moved = dataclasses.replace(small, methods=dict(small.methods))
+    mp = small.methods[other]
+    slower = [dataclasses.replace(p, makespan=p.makespan * 1.05) for p in (mp.forward, mp.backward)]
+    moved.methods[other] = dataclasses.replace(mp, forward=slower[0], backward=slower[1])
+    # inside a +-10% error the range is [margin / 1.22, margin * 1.22]: no note
+    assert enqueue_note(small, choice, compute, lambda *a: moved, error=0.1) is None
+    # inside +-1% it is [margin / 1.02, margin * 1.02]: 5% is out of it
+    note = enqueue_note(small, choice, compute, lambda *a: moved, error=0.01)
+    assert note is not None and note.startswith("host: ")
+    # an unmoved margin never calls for a note
+    assert enqueue_note(small, choice, compute, lambda *a: small, error=0.0) is None
