@@ -29,6 +29,7 @@ from megatron_charm.sim.predict import (
     advise,
     ccr_ratio,
     describe_links,
+    margin_range,
     nominal_ccr_parts,
     predict,
 )
@@ -247,8 +248,7 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
             f"{profile.name}, whose {profile.preset} rows of the paper's Tables 4 and 5 it "
             f"misses by up to +-{err:.0%}"
         )
-    err = min(err, 0.9)
-    lo, hi = margin * (1 - err) / (1 + err), margin * (1 + err) / (1 - err)
+    lo, hi = margin_range(margin, err)
     return (
         f"uncertainty: {source}; {choice}'s margin over the next method {margin:.2f}x, "
         f"{lo:.2f}x-{hi:.2f}x within that error"

@@ -296,6 +296,14 @@ def advise(pred: Prediction) -> Advice:
     return Advice(choice, reasons, pred)
 
 
+def margin_range(margin: float, error: float) -> tuple[float, float]:
+    """The range of a predicted ``margin`` (one time over another) when each time may be off
+    by the relative ``error`` (capped at 0.9): ``margin * (1 - e) / (1 + e)`` to
+    ``margin * (1 + e) / (1 - e)``, as ``advise`` quotes it."""
+    e = min(error, 0.9)
+    return margin * (1 - e) / (1 + e), margin * (1 + e) / (1 - e)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 

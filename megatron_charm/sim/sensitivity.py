@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Callable
 
 from megatron_charm.sim.compute import ComputeModel, Enqueue
-from megatron_charm.sim.predict import SIMPLICITY, MethodPrediction, Prediction
+from megatron_charm.sim.predict import SIMPLICITY, MethodPrediction, Prediction, margin_range
 from megatron_charm.sim.profile import Profile
 from megatron_charm.sim.topology import PRESETS
 
@@ -98,14 +98,13 @@ def enqueue_note(
     def margin(p: Prediction) -> float:
         return p.methods[runner_up].total / p.methods[choice].total
 
-    err = min(error, 0.9)
-    lo, hi = margin(pred) * (1 - err) / (1 + err), margin(pred) * (1 + err) / (1 - err)
+    lo, hi = margin_range(margin(pred), error)
     leads, moved = [], False
     for factor in FACTORS:
-        model = dataclasses.replace(compute, enqueue=scaled(enqueue, factor))  # type: ignore[type-var]
-        alt = repredict(model, pair)
+        other = scaled(enqueue, factor)
+        alt = repredict(dataclasses.replace(compute, enqueue=other), pair)  # type: ignore[type-var]
         moved = moved or not lo <= margin(alt) <= hi
-        leads.append(f"at {_amount(scaled(enqueue, factor))} {_lead(alt, pair)}")
+        leads.append(f"at {_amount(other)} {_lead(alt, pair)}")
     if not moved:
         return None
     assumed = _amount(enqueue, per_operation=True)
