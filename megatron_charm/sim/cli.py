@@ -203,7 +203,7 @@ def _resolve(
                 "--enqueue-us is for GPU clusters; this profile has every rank on one CPU "
                 "host, whose host work it measured; drop --enqueue-us"
             )
-        compute = replace(compute, enqueue=Enqueue(call=e, exchange=e, kernel=e, merge=e))
+        compute = replace(compute, enqueue=Enqueue.per_operation(e))
     problem = Problem(
         args.batch,
         args.seq,

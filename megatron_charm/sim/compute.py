@@ -167,6 +167,15 @@ class Enqueue:
     def any(self) -> bool:
         return max(self.call, self.exchange, self.kernel, self.merge) > 0
 
+    @classmethod
+    def per_operation(cls, seconds: float) -> Enqueue:
+        """The same ``seconds`` for every kind of operation and for the pass's call."""
+        return cls(call=seconds, exchange=seconds, kernel=seconds, merge=seconds)
+
+    def times(self, factor: float) -> Enqueue:
+        """Every cost times ``factor``."""
+        return Enqueue(*(factor * getattr(self, f.name) for f in dataclasses.fields(self)))
+
 
 def _load_enqueue(model: object) -> None:
     """A profile read from JSON holds the enqueue costs as a dict."""

@@ -51,11 +51,6 @@ def host_share(mp: MethodPrediction) -> float:
     return (mp.forward.enqueued_max + mp.backward.enqueued_max) / mp.total
 
 
-def scaled(enqueue: Enqueue, factor: float) -> Enqueue:
-    """``enqueue`` with every cost times ``factor``."""
-    return Enqueue(*(factor * getattr(enqueue, f.name) for f in dataclasses.fields(Enqueue)))
-
-
 def _amount(enqueue: Enqueue, per_operation: bool = False) -> str:
     costs = [getattr(enqueue, f.name) * 1e6 for f in dataclasses.fields(Enqueue)]
     if len(set(costs)) == 1:
@@ -101,7 +96,7 @@ def enqueue_note(
     lo, hi = margin_range(margin(pred), error)
     leads, moved = [], False
     for factor in FACTORS:
-        other = scaled(enqueue, factor)
+        other = enqueue.times(factor)
         alt = repredict(dataclasses.replace(compute, enqueue=other), pair)  # type: ignore[type-var]
         moved = moved or not lo <= margin(alt) <= hi
         leads.append(f"at {_amount(other)} {_lead(alt, pair)}")

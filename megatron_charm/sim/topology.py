@@ -342,7 +342,7 @@ class Hardware:
 #: executor's host time per instruction at tiny shapes on a CPU host (docs/results/host-per-op.md),
 #: which includes the CPU kernel's own work and gloo's copies. ``calibrate --device cuda``
 #: measures it on the user's GPUs; ``--enqueue-us`` overrides it.
-GPU_ENQUEUE = Enqueue(call=20e-6, exchange=20e-6, kernel=20e-6, merge=20e-6)
+GPU_ENQUEUE = Enqueue.per_operation(20e-6)
 
 
 # Note [One PCIe domain]

@@ -432,7 +432,7 @@ def set_fields(specs: list[str]) -> dict[str, Hardware]:
     for gpu, name, number in map(parse_set, specs):
         if name == "enqueue_us":
             e = number * 1e-6
-            field: dict = {"enqueue": Enqueue(call=e, exchange=e, kernel=e, merge=e)}
+            field: dict = {"enqueue": Enqueue.per_operation(e)}
         else:
             field = {name: number}
         presets[gpu] = dataclasses.replace(presets[gpu], **field)

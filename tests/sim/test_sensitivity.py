@@ -83,9 +83,8 @@ def test_advise_adds_the_note_only_to_a_presets_assumed_cost(
 
 
 def test_scaled_enqueue_keeps_each_kind() -> None:
-    from megatron_charm.sim.sensitivity import scaled
-
-    assert dataclasses.astuple(scaled(ENQ, 2.0)) == pytest.approx((2e-6, 20e-6, 200e-6, 2000e-6))
+    assert dataclasses.astuple(ENQ.times(2.0)) == pytest.approx((2e-6, 20e-6, 200e-6, 2000e-6))
+    assert Enqueue.per_operation(3e-6) == Enqueue(3e-6, 3e-6, 3e-6, 3e-6)
 
 
 def test_auto_logs_where_a_presets_assumed_host_cost_decides(
