@@ -381,7 +381,11 @@ class Engine:
         self.held_of: list[dict[int, int]] = [{} for _ in range(n)]
         self.held: list[int] = [0] * n
         self.pending: dict[tuple, tuple] = {}
-        self.res_flows: dict[tuple, set[_Flow]] = defaultdict(set)
+        # flows per resource, in the order they started: a dict, not a set, so that rerates
+        # (and the events they push, ties included) follow the same order in every run; a
+        # set's order follows the flows' addresses, which made predictions differ in the
+        # fourth digit between runs
+        self.res_flows: dict[tuple, dict[_Flow, None]] = defaultdict(dict)
         self.finished = [False] * n
         self.compute_start = [0.0] * n
         self.paid = [False] * n  # the host work of the exchange at pc is done
@@ -511,11 +515,11 @@ class Engine:
         if not flow.res:
             self._push(now + flow.remaining / flow.bw, _FINISH, flow, flow.version)
             return
-        touched: set[_Flow] = set()
+        touched: dict[_Flow, None] = {}
         for r in flow.res:
             flows = self.res_flows[r]
-            flows.add(flow)
-            touched |= flows
+            flows[flow] = None
+            touched.update(flows)
         fifo: dict = {}
         for f in touched:
             self._rerate(f, now, fifo)
@@ -565,11 +569,11 @@ class Engine:
             else:
                 self.pair_busy[flow.pair] = False
         if flow.res:
-            touched: set[_Flow] = set()
+            touched: dict[_Flow, None] = {}
             for r in flow.res:
                 flows = self.res_flows[r]
-                flows.discard(flow)
-                touched |= flows
+                flows.pop(flow, None)
+                touched.update(flows)
             fifo: dict = {}
             for f in touched:
                 self._rerate(f, now, fifo)
