@@ -80,10 +80,11 @@ class PlanOptions:
     (``scripts/bench/window_rule.py``, docs/results/window-rule.md)."""
 
     combine_nodes: bool = False
-    """charm on two or more nodes with queries crossing: every node's queries cross whole and
-    run with the node's own in one pipeline (the paper's Algorithm 2), instead of one round per
-    foreign piece (Note [CHARM+ rounds]). Fewer operations per rank, less overlap of the cross
-    transfers. Off by default (docs/results/window-rule.md has the simulator's comparison)."""
+    """charm on two or more nodes with queries crossing: the paper's Algorithm 2, every node's
+    queries cross whole and run one source node a step, the first step with the node's own (on
+    two nodes: one pipeline), instead of one round per foreign piece (Note [CHARM+ rounds], Note
+    [Algorithm 2 per step]). Fewer operations per rank, less overlap of the cross transfers. Off
+    by default (docs/results/window-rule.md has the simulator's comparison)."""
 
     cross_return: str = "input"
     """Wire precision of node-merged partial results that cross nodes (charm's returned outputs
@@ -187,7 +188,7 @@ FLAG_HELP: dict[str, str] = {
     "intra_level": "plan option: what charm exchanges inside a node (split: RM+, kv, or auto)",
     "foreign_q": "plan option: charm's backward keeps the forward's foreign queries or resends",
     "memory_budget": "plan option: attention memory auto choices may use, x ring's (> 0)",
-    "combine_nodes": "plan option: charm's own and foreign q in one pipeline (paper Algorithm 2)",
+    "combine_nodes": "plan option: charm's q across whole, a step per source node (Algorithm 2)",
 }
 
 

@@ -18,10 +18,31 @@ The next offset's q travels while the current one computes::
     intra       RM+ own q      RM+ q(a-1).first   RM+ q(a-1).second  ...
     cross out                  out(a-1).first --- out(a-1).second -----------> (last exposed)
 
-``combine_nodes`` gives the paper's Algorithm 2 instead: every q crosses whole, and one round runs
-the node's own and every foreign query set ([own, q(a-1), ..., q(a-m+1)]); the foreign q must
-then arrive before the q exchanges start, and every result returns at the end. Fewer operations
-per rank (one intra-node pipeline instead of ``2m - 1``), less overlap of the cross transfers.
+``combine_nodes`` gives the paper's Algorithm 2 instead (Note [Algorithm 2 per step]): every q
+crosses whole, the first round runs the node's own query set with the first foreign one, and the
+foreign q must arrive before the round's q exchanges start. Fewer operations per rank (one
+intra-node pipeline a source node instead of two a foreign node, and one for the own), less
+overlap of the cross transfers.
+
+Note [Algorithm 2 per step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On two nodes Algorithm 2 is one step: ``CrossComm(q)``, ``Commwait``, one intra-node pipeline over
+the own and the crossed queries, the crossed queries' outputs back at the end. The paper's
+Appendix C.2 says how it runs on more: "the only dependency is that cross-node query
+communication must finish before the intra-node pipeline begins. Accordingly, the query required
+for the next step can be communicated concurrently during the intra-node pipeline." So on ``m``
+nodes there are ``m - 1`` steps, one a source node, the first also running the own queries; a
+step's pipeline hides the next step's queries crossing and the last step's outputs going back::
+
+    node a       step 0                    step 1              step 2 (m = 4)
+    cross q      q(a-1) | q(a-2) ------------ | q(a-3) ----------- |
+    intra               | RM+ own + q(a-1)    | RM+ q(a-2)         | RM+ q(a-3)
+    cross out                                 | out(a-1) --------- | out(a-2) --- | out(a-3)
+
+Rounds ``[[own, (1, 0)], [(2, 0)], ..., [(m - 1, 0)]]``; the next step's queries are posted when a
+round starts (:meth:`_Pass.run_round`). Until 2026-12-05 one round ran every node's queries, so on
+four nodes all three foreign query sets crossed before the first level (the simulator's replay of
+the paper's 4 x 8 CHARM+ was 5-12% slower than its Table 5 rows; per step, within 9%).
 
 The rank that ran a foreign query set returns its merged (out, lse), and the owner merges it. The
 backward mirrors this: the foreign rank receives (q, dout, lse, delta), runs the same pipeline,
@@ -76,7 +97,8 @@ class PipelineConfig:
     window: int = 2
     """Exchanges in flight per channel."""
     combine_nodes: bool = False
-    """Run own and every foreign q in one round (paper Algorithm 2; cross ``q`` only)."""
+    """The paper's Algorithm 2, one round a source node, the first with the own q (Note
+    [Algorithm 2 per step]; cross ``q`` only)."""
     split_foreign: bool = True
     """Ship a foreign q that is needed whole as two halves, processed in two rounds."""
     cross: str = "q"
@@ -201,7 +223,9 @@ class _Pass:
         """Rounds as lists of (node offset, piece index)."""
         m = self.layout.num_nodes
         if self.combined:
-            return [[(o, 0) for o in range(m)]]
+            # Note [Algorithm 2 per step]: the own queries with the first source node's, then
+            # one source node a step
+            return [[(0, 0), (1, 0)], *([(o, 0)] for o in range(2, m))]
         foreign = []
         for o in range(1, m):
             count = len(self.pieces(self.source(self.x, o), self.layout.node(self.x)))
@@ -390,7 +414,8 @@ class _Pass:
         ``host`` counting 1 and each merged from a partner counting 2 (Note [Wire
         precision]). ``host`` runs the piece in the round ``[(offset, i)]`` of its own node."""
         layout, mine = self.layout, (self.x, piece)
-        rnd = self.rounds()[0] if self.combined else [(offset, i)]
+        # combined rounds are the same on every node (whole pieces); others: one slot each
+        rnd = next(r for r in self.rounds() if (offset, i) in r) if self.combined else [(offset, i)]
 
         def blocks(r: int) -> int:
             if self.kv_cross:  # r's queries against this rank's kv piece

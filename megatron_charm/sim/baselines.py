@@ -23,16 +23,20 @@ Ring-Attention and CHARM+ do neither:
   ``X`` of 1 and 4 ms, where its blocks (2.5 times the forward's) take 27 and 21 ms.
   So the paper's ring forward is replayed with every exchange waited for right after it is
   posted (:meth:`megatron_charm.plan.types.Program.without_overlap`), and its backward as ours.
-* **Its CHARM+ is its Algorithm 2 on any number of nodes.** Algorithm 2 (Appendix A) ships the
-  queries across once (``q_cross <- CrossComm(q)``), runs them and the node's own queries
+* **Its CHARM+ is its Algorithm 2, one step a source node.** Algorithm 2 (Appendix A) ships
+  the queries across once (``q_cross <- CrossComm(q)``), runs them and the node's own queries
   through one intra-node pipeline, and sends the crossed queries' output back at the end
-  (``CommAndUpdate(out, out_cross)``). Replayed so (``combine_nodes``): on ``m`` nodes every
-  rank's queries cross whole to the ``m - 1`` other nodes, and the node's pipeline runs ``m``
-  query sets. Until 2026-12-03 four nodes were replayed with our own rounds (one intra-node
-  pipeline per foreign half, ``2m - 1`` in all): they also matched Table 5's four 4 x 8 rows
-  (within 6%), but they enqueue about twice ring's operations per rank and, host-bound at
-  batch 1, put CHARM+ at 0.55x ring at 3,360 tokens; Algorithm 2 enqueues fewer than half of
-  ring's (``scripts/bench/paper_structure.py`` prints the counts) and keeps it above 2x there.
+  (``CommAndUpdate(out, out_cross)``). On more than two nodes its Appendix C.2 says the next
+  step's queries cross "concurrently during the intra-node pipeline": one step a source node
+  (Note [Algorithm 2 per step] in :mod:`megatron_charm.plan.pipeline`; ``combine_nodes``), a
+  step's outputs going back during the next. Until 2026-12-03 four nodes were replayed with our
+  own rounds (one pipeline per foreign half, ``2m - 1`` in all), which enqueue about twice
+  ring's operations per rank and, host-bound at batch 1, put CHARM+ at 0.55x ring at 3,360
+  tokens; from then to 2026-12-05 with every node's queries in one step, all crossing before
+  the first level: Table 5's 4 x 8 CHARM+ 5-12% too slow (-12, -5, -9, -9% forward), where per
+  step it is -2, +2, -4, -4% (backward -12..-9% -> -9..-2%): its cross links are busy with
+  queries and outputs nearly the whole pass.
+  Per step the paper's CHARM+ enqueues 22 operations a forward per rank on 4 x 8 (ring 62).
 * **Its merge levels end in a barrier.** Algorithm 2 ships the crossing queries and waits for
   them (``CrossComm``, ``Commwait``); then, level by level, it posts the level's kv and q
   exchanges, computes on what the levels before brought (the local block during level 0), sends
@@ -47,6 +51,10 @@ Ring-Attention and CHARM+ do neither:
       level 2 | post kv, q: x^4-7 | blocks of level 1, returns   | wait | merge returns
       last    |                   | blocks of level 2, returns   | wait | merge returns
 
+  On more than two nodes every step runs these levels (Note [Algorithm 2 per step]): a step's
+  crossing queries are posted once the step before has waited for its own, and waited for
+  before the step's first level; its outputs cross back during the next step, which waits for
+  them at its end.
   The blocks of one level then follow each other, and those that form a full product run as one
   kernel call (Note [Coalesced blocks]), as Algorithm 2's one ``CompAttention`` per level does.
   From 2026-12-04 16:45 UTC to 2026-12-05 10:00 UTC the replay kept our order and only added the
@@ -59,8 +67,9 @@ Ring-Attention and CHARM+ do neither:
 * **Its returns are float32 on two nodes; on four the rows say input precision.** The paper's
   buffers are float32 (Appendix B.2: "under FP32 precision, each buffer occupies BSH"). On
   2 x 8 float32 returns put Table 5's CHARM+ forward times within 5%; input-precision ones
-  make them 24-32% too fast. On 4 x 8 float32 returns make them 51-57% (forward) and 27-30%
-  (backward) too slow, input-precision ones come within 9% and 5%. The paper does not say how
+  make them 24-32% too fast. On 4 x 8 float32 returns make them 45-52% (forward) and 39-52%
+  (backward) too slow, input-precision ones come within 3% and 4% (one step a source node; all
+  in one step: 51-57% and 27-30% too slow, within 9% and 5%). The paper does not say how
   its four-node schedule returns its outputs; this choice (:func:`paper_returns_fp32`,
   ``cross_return``) is fitted to the rows, not derived. It carries into the backward: the
   ``out`` of the backward bundle is the owner's merged output, float32 where the forward's
@@ -136,6 +145,7 @@ in :mod:`megatron_charm.plan.pipeline`), and every link model choice of the pres
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron_charm.plan import PlanOptions
 from megatron_charm.plan.types import Compute, Exchange, Kind, Payload, Program, Wait, Wire
@@ -235,12 +245,15 @@ def _data_level(ins: Compute, cp_rank: int, arrivals: dict[tuple, int]) -> int:
     return max(level("q", ins.q_owner, ins.q_part), level("kv", ins.kv_owner, ins.kv_part))
 
 
-def in_algorithm2_order(program: Program, group: int) -> Program:
+def in_algorithm2_order(program: Program, group: int, num_nodes: int = 1) -> Program:
     """``program`` in the order of the paper's Algorithm 2 (Note [The paper's baselines]).
 
-    ``group``: ranks per pipeline (a node for charm, the CP group for rm+). Exchanges that leave
-    it (charm's crossing queries) are posted and waited for before the first level
-    (``CrossComm``, then ``Commwait``). Then, level by level::
+    ``group``: ranks per pipeline (a node for charm, the CP group for rm+); ``num_nodes``: nodes
+    of the CP group (charm's steps, Note [Algorithm 2 per step] in
+    :mod:`megatron_charm.plan.pipeline`: step ``k`` runs the queries of the node ``k + 1`` nodes
+    behind, the first also the node's own). A step's crossing queries are posted when the step
+    before has waited for its own (the first step's before anything else: ``CrossComm``) and
+    waited for before the step's first level (``Commwait``). Then, level by level::
 
         post level k's kv and q | compute what levels < k brought, post their returns | wait
                                                                                   all of phase k
@@ -250,33 +263,52 @@ def in_algorithm2_order(program: Program, group: int) -> Program:
     returns with it). A partial that forwards what the rank merged (a foreign query's dq, merged
     from the node's ranks, on its way back across nodes) leaves after that merge, in a later
     phase. Exchanges of one channel keep their order, so every rank's transfers still match;
-    only the phases move the instructions."""
+    only the steps and phases move the instructions."""
     x = program.cp_rank
+    node = x // group
+
+    def step(owner: int) -> int:
+        return max((node - owner // group) % num_nodes, 1) - 1
+
     arrivals = _arrival_levels(x, program, group)
-    keys: list[tuple[int, int]] = []
-    posted_in: dict[int, int] = {}  # exchange handle -> its phase
-    waited_in: dict[int, int] = {}  # exchange handle -> the phase of its wait
-    merged_in: dict[tuple, int] = {}  # (kind, owner) of a partial -> the phase of its last merge
-    phase = 0  # of the last compute: returns are posted in it
+    keys: list[tuple] = []
+    waited_in: dict[int, tuple] = {}  # exchange handle -> (step, phase) of its wait
+    merged_in: dict[tuple, tuple] = {}  # (kind, owner) of a partial -> its last merge's
+    cur, phase = 0, 0  # the step and phase of the last compute: returns are posted in them
     for ins in program.instrs:
         if isinstance(ins, Exchange):
+            owners = [op.payload.owner for op in ins.ops]
             # a backward bundle carries the forward's output: inputs, not a return
             if any(not op.payload.kind.is_partial for op in ins.ops):
                 level = merge_level(x, ins, group)
-                key = (-1 if level is None else level, 0)
+                if level is None:  # crossing queries: posted a step ahead, waited for at -1
+                    k = max(step(o) for o in owners)
+                    key = (max(k - 1, 0), -1, 0 if k == 0 else 2.5)
+                    waited_in[ins.handle] = (k, -1)
+                else:
+                    cur = max([cur, *(step(o) for o in owners)])
+                    key = (cur, level, 0)
+                    waited_in[ins.handle] = (cur, level)
             else:
                 sent = [op.payload for op in ins.ops if op.send]
-                key = (max([phase, *(merged_in.get((p.kind, p.owner), -1) + 1 for p in sent)]), 1)
-            posted_in[ins.handle] = key[0]
+                k = max([cur, *(step(p.owner) for p in sent)])
+                # after the merges that made what it sends (a foreign query's dq)
+                merged = [merged_in.get((p.kind, p.owner), (k, phase)) for p in sent]
+                at = max([(k, phase), *merged])
+                key = (*at, 1)
+                # a step's returns cross during the next step's pipeline, waited for at its end
+                ahead = merge_level(x, ins, group) is None and k < num_nodes - 2
+                waited_in[ins.handle] = (k + 1, math.inf) if ahead else at
         elif isinstance(ins, Compute):
+            cur = max(cur, step(ins.q_owner))
             phase = _data_level(ins, x, arrivals) + 1
-            key = (phase, 1)
+            key = (cur, phase, 1)
         elif isinstance(ins, Wait):
-            waited_in[ins.handle] = posted_in[ins.handle]
-            key = (posted_in[ins.handle], 2)
+            key = (*waited_in[ins.handle], 2)
         else:
-            key = (waited_in[ins.handle], 3)
-            merged_in[(ins.payload.kind, ins.payload.owner)] = key[0]
+            at = waited_in[ins.handle]
+            key = (*at, 3)
+            merged_in[(ins.payload.kind, ins.payload.owner)] = (at[0], at[1] + 1)
         keys.append(key)
     order = sorted(range(len(keys)), key=lambda i: (*keys[i], i))
     out = Program(x, tuple(program.instrs[i] for i in order))
@@ -303,8 +335,9 @@ def paper_programs(progs: ProgramSet) -> ProgramSet:
         return progs
     # Algorithm 2's merge levels: a node's ranks for charm, the whole group for rm+
     group = progs.layout.ranks_per_node if progs.method == "charm" else progs.layout.cp_size
-    forward = tuple(in_algorithm2_order(p, group) for p in progs.forward)
-    backward = tuple(in_algorithm2_order(p, group) for p in progs.backward)
+    m = progs.layout.num_nodes if progs.method == "charm" else 1
+    forward = tuple(in_algorithm2_order(p, group, m) for p in progs.forward)
+    backward = tuple(in_algorithm2_order(p, group, m) for p in progs.backward)
     if progs.method == "charm":
         wire = Wire.FP32 if paper_returns_fp32(progs.layout.num_nodes) else Wire.INPUT
         backward = tuple(with_output_in_bundle(p, wire) for p in backward)

@@ -18,7 +18,7 @@ it quotes, says what each gives::
       that profile before trusting this margin
 
 (H100 preset, 2 x 8, batch 1, 3,360 tokens, 12 heads of 192, where ``advise`` quotes charm's
-margin as 1.75x, 1.37-2.23x within the preset's error.)
+margin as 1.75x, 1.46-2.10x within the preset's error.)
 """
 
 from __future__ import annotations

@@ -424,7 +424,7 @@ PRESETS: dict[str, Hardware] = {
         sms=132,
         nvlink=450.0,
         a2a_rate=H100_A2A_RATE,
-        paper_error=0.12,
+        paper_error=0.09,
     ),
 }
 

@@ -451,8 +451,8 @@ def baselines_text(baselines: str) -> str:
     if baselines == "paper":
         return (
             "the paper ran them (ring's forward without overlap; charm and rm+ wait at the end of "
-            "every merge level; charm is Algorithm 2: every "
-            "q crosses once and runs in one pipeline with the node's own, float32 returns on "
+            "every merge level; charm is Algorithm 2: every q crosses once, one step a source "
+            "node, the first with the node's own q, float32 returns on "
             "two nodes, input-precision ones on more; q, out (in the returns' precision), dout, "
             "lse in the backward)"
         )

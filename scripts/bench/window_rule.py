@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
             summary,
             "",
-            "`combine_nodes=True` (own and every foreign node's queries in one pipeline) "
+            "`combine_nodes=True` (Algorithm 2: queries cross whole, one step a source node) "
             "against the default `False`, predicted forward+backward, same grid on every layout "
             "of two or more nodes:",
             "",

@@ -114,8 +114,8 @@ def test_float16(pools):
 @pytest.mark.gloo
 @pytest.mark.parametrize("n,p", [(4, 2), (8, 4), (8, 2)])
 def test_charm_combined_nodes(pools, n, p):
-    """The paper's Algorithm 2 (own and every foreign node's q in one pipeline), on 2 and 4
-    nodes."""
+    """The paper's Algorithm 2 (queries cross whole, one step a source node, the first with the
+    own q: Note [Algorithm 2 per step]), on 2 and 4 nodes."""
     results = pools(n).run(
         tasks.compare_with_reference,
         method="charm",

@@ -349,3 +349,27 @@ def test_two_node_result_receives_are_posted_when_their_turn_comes(p, causal, ba
                 since_last = []
             else:
                 since_last.append(ins)
+
+
+@pytest.mark.parametrize("m,p", [(3, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_combined_nodes_run_one_step_a_source_node(m, p, causal):
+    # Note [Algorithm 2 per step]: step k runs the queries of the node k + 1 behind (the first
+    # also the own ones); the next step's queries cross while the current step computes
+    plan = plan_of("charm", Layout(m, p), causal, combine_nodes=True, cross_level="q")
+    for prog in (*plan.forward, *plan.backward):
+
+        def step(owner: int, node: int = prog.cp_rank // p) -> int:
+            return max((node - owner // p) % m, 1) - 1
+
+        steps = [step(c.q_owner) for c in prog.instrs if isinstance(c, Compute)]
+        assert steps == sorted(steps) and set(steps) <= set(range(m - 1)), steps
+        computes = [
+            (i, step(c.q_owner)) for i, c in enumerate(prog.instrs) if isinstance(c, Compute)
+        ]
+        for i, ins in enumerate(prog.instrs):
+            if isinstance(ins, Exchange) and ins.channel == "cross.q":
+                k = max(step(op.payload.owner) for op in ins.ops if not op.send)
+                # posted when the step before starts: after its step - 2's blocks, before its own
+                assert all(j >= k - 1 for at, j in computes if at > i)
+                assert all(j < k - 1 for at, j in computes if at < i), (prog.cp_rank, k)

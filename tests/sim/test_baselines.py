@@ -155,9 +155,28 @@ def test_algorithm_2_computes_during_a_level_and_waits_at_its_end() -> None:
         assert sorted(set(posted.values())) == [0, 1, 2]
 
 
-def test_crossing_queries_arrive_before_the_first_level_and_nothing_deadlocks() -> None:
-    # Algorithm 2: q_cross <- CrossComm(q); Commwait(); then the levels
-    for m, p in ((1, 4), (2, 2), (2, 4), (4, 2), (1, 6)):
+def _step_of(prog, owner: int, group: int, m: int) -> int:
+    """Algorithm 2's step in which ``prog``'s rank runs ``owner``'s queries (Note [Algorithm 2
+    per step]): the source node's distance behind, minus one; the own queries in step 0."""
+    return max((prog.cp_rank // group - owner // group) % m, 1) - 1
+
+
+def _crossing(prog, group: int, returns: bool) -> list:
+    """``prog``'s exchanges that leave its pipeline: the queries (a backward bundle carries the
+    forward's output too), or their results going back."""
+    return [
+        i
+        for i in prog.instrs
+        if isinstance(i, Exchange)
+        and merge_level(prog.cp_rank, i, group) is None
+        and all(op.payload.kind.is_partial for op in i.ops) == returns
+    ]
+
+
+def test_crossing_queries_arrive_before_their_step_and_nothing_deadlocks() -> None:
+    # Algorithm 2: q_cross <- CrossComm(q); Commwait(); then the levels; on more than two
+    # nodes one step a source node, the next step's queries crossing during the current one
+    for m, p in ((1, 4), (2, 2), (2, 4), (4, 2), (3, 2), (1, 6)):
         topo = Topology(m, p, 100.0, 10.0)
         for causal in (False, True):
             problem = Problem(2, 2 * m * p * 16, 4, 32, causal=causal)
@@ -167,24 +186,46 @@ def test_crossing_queries_arrive_before_the_first_level_and_nothing_deadlocks() 
                 group = p if method == "charm" else m * p
                 paper = paper_programs(progs)
                 for prog in (*paper.forward, *paper.backward):
-                    kinds = [
-                        "cross" if merge_level(prog.cp_rank, i, group) is None else "level"
-                        for i in prog.instrs
-                        if isinstance(i, Exchange)
-                        and any(not op.payload.kind.is_partial for op in i.ops)
+                    crossing = _crossing(prog, group, returns=False)
+                    assert bool(crossing) == (method == "charm" and m > 1)
+                    if not crossing:
+                        continue
+                    at = {id(ins): i for i, ins in enumerate(prog.instrs)}
+                    wait = {
+                        ins.handle: i for i, ins in enumerate(prog.instrs) if isinstance(ins, Wait)
+                    }
+                    computes = [
+                        (i, _step_of(prog, ins.q_owner, group, m))
+                        for i, ins in enumerate(prog.instrs)
+                        if isinstance(ins, Compute)
                     ]
-                    assert ("cross" in kinds) == (method == "charm" and m > 1)
-                    assert kinds == sorted(kinds)  # "cross" < "level": every crossing first
-                    if "cross" in kinds:
-                        crossing = {
-                            i.handle
-                            for i in prog.instrs
-                            if isinstance(i, Exchange)
-                            and merge_level(prog.cp_rank, i, group) is None
-                            and any(not op.payload.kind.is_partial for op in i.ops)
-                        }
-                        waits = [i.handle for i in prog.instrs if isinstance(i, Wait)]
-                        assert set(waits[: len(crossing)]) == crossing  # waited for first
+                    steps = sorted({k for _, k in computes})
+                    assert steps == list(range(m - 1)), (m, steps)
+                    for ex in crossing:
+                        k = max(
+                            _step_of(prog, op.payload.owner, group, m)
+                            for op in ex.ops
+                            if not op.send
+                        )
+                        first = min(i for i, j in computes if j == k)
+                        # waited for before the step's first block
+                        assert wait[ex.handle] < first
+                        if k == 0:  # posted before anything else
+                            assert all(
+                                not isinstance(i, Compute) for i in prog.instrs[: at[id(ex)]]
+                            )
+                        else:  # posted after the step before waited for its own queries
+                            before = [e for e in crossing if e is not ex and wait[e.handle] < first]
+                            assert at[id(ex)] > max(wait[e.handle] for e in before)
+                            assert at[id(ex)] < min(i for i, j in computes if j == k - 1)
+                    # a step's outputs go back after its blocks; before the last step they are
+                    # waited for at the end of the next step
+                    for ex in _crossing(prog, group, returns=True):
+                        sent = [op.payload.owner for op in ex.ops if op.send]
+                        k = _step_of(prog, sent[0], group, m)
+                        assert at[id(ex)] > max(i for i, j in computes if j == k)
+                        if k < m - 2:
+                            assert wait[ex.handle] > max(i for i, j in computes if j == k + 1)
                 for backward in (False, True):  # raises if the order deadlocks
                     simulate_pass(paper, topo, shape, COMPUTE, backward)
 
