@@ -118,12 +118,12 @@ Ring-Attention and CHARM+ do neither:
   kernel a step on the gathered chunks where ours runs one per chunk.
 * **Its all-to-all reaches more of a node's cross bandwidth than its P2P schedules.** A 2 x 8
   TASP step moves 1.06 GB out of each node in 98.01 / 15 = 6.5 ms: 162 GB/s, six ring flows,
-  three times what the presets' two links per node carry. NCCL spreads an all-to-all over every
+  three times what the H100 preset's two links per node carry. NCCL spreads an all-to-all over every
   NIC of a node (a DGX H100 has one per GPU), each sending and receiving at once. Per NIC the
   rows give ``(n - p) kv / T``: 20.2 GB/s on 2 x 8 (0.48 of Table 2's rate), 19.2 GB/s on 4 x 8
   (0.45). The validation replays TASP on one NIC per GPU at 0.48 of Table 2's rate
   (:data:`megatron_charm.sim.topology.H100_A2A_RATE`, from the 2 x 8 rows; the 4 x 8 rows are
-  predicted) and ring and CHARM+ on the presets' two links. One NIC count cannot describe both:
+  predicted) and ring and CHARM+ on the preset's two links. One NIC count cannot describe both:
   on one NIC per GPU CHARM+'s forward is 2.6 times too fast, on two per node TASP's is 3 times
   too slow. We replay each as its rows show; which of the paper's cluster facts reconciles them
   is unknown.

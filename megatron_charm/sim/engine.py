@@ -99,6 +99,9 @@ class Transfer(NamedTuple):
     """Link resources it occupies (:meth:`Topology.resources`)."""
     bandwidth: float
     latency: float
+    """Seconds before its bytes flow."""
+    held: float = 0.0
+    """Bytes its link carries for its fixed cost (:meth:`Topology.held_bytes`)."""
 
 
 @dataclass
@@ -304,8 +307,9 @@ class Engine:
                     if link is None:
                         c = topo.link_class(src, dst)
                         res = self._canon_res(topo.resources(src, dst))
-                        link = links[(src, dst)] = (c, res, topo.bandwidth(c), topo.latency(c))
-                    cls, res, bw, lat = link
+                        bw, lat, held = topo.bandwidth(c), topo.latency(c), topo.held_bytes(c)
+                        link = links[(src, dst)] = (c, res, bw, lat, held)
+                    cls, res, bw, lat, held = link
                     if op.send or not exact:
                         size_key = (op.payload, op.wire)
                         nbytes = sizes.get(size_key, -1)
@@ -328,7 +332,7 @@ class Engine:
                         key = None
                         direction = "_out" if op.send else "_in"
                         res = tuple(r for r in res if r[0].endswith(direction))
-                    transfers.append(Transfer(key, op.send, nbytes, res, bw, lat))
+                    transfers.append(Transfer(key, op.send, nbytes, res, bw, lat, held))
                 costs.append(tuple(transfers))
             elif isinstance(ins, Compute):
                 block_key = (ins.q_part, ins.kv_part, ins.masked, ins.heads)
@@ -491,16 +495,17 @@ class Engine:
             work = self.transport_post + self.transport_byte * sent
             self._activate(_Flow(work, self.host, 1.0, []), now)
         pending = self.pending
-        for key, _, nbytes, res, bw, lat in self.ops_of[i][handle]:  # Transfer fields
+        for key, _, nbytes, res, bw, lat, held in self.ops_of[i][handle]:  # Transfer fields
             if key is None:  # unmatched (see _compile)
-                self._push(now + lat, _ACTIVATE, _Flow(nbytes, res, bw, [(i, handle)]))
+                self._push(now + lat, _ACTIVATE, _Flow(nbytes + held, res, bw, [(i, handle)]))
                 continue
             other = pending.pop(key, None)
             if other is None:
                 pending[key] = (i, handle, nbytes)
                 continue
             oi, oh, obytes = other
-            flow = _Flow(max(nbytes, obytes), res, bw, [(i, handle), (oi, oh)])
+            # both sides of a transfer cross the same link: the same held bytes
+            flow = _Flow(max(nbytes, obytes) + held, res, bw, [(i, handle), (oi, oh)])
             if self.pair_order:
                 flow.pair = key[:-1]  # the key without the transfer's sequence number
                 if self.pair_busy.get(flow.pair):

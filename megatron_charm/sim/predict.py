@@ -173,11 +173,11 @@ def ccr_parts(
         return comp, 0.0
     link = "cross" if topo.num_nodes > 1 else "intra"
     kv = payload_bytes(Payload(Kind.KV, 0, Part.FULL), shape, Wire.INPUT)
-    step = topo.latency(link) + kv / topo.bandwidth(link)
+    step = topo.fixed_cost(link) + kv / topo.bandwidth(link)
     comm = (n - 1) * step
     if backward:  # the ring's backward also moves a float32 dkv per step
         dkv = payload_bytes(Payload(Kind.DKV, 0, Part.FULL), shape, Wire.FP32)
-        comm += (n - 1) * (topo.latency(link) + dkv / topo.bandwidth(link))
+        comm += (n - 1) * (topo.fixed_cost(link) + dkv / topo.bandwidth(link))
     return comp, comm
 
 
@@ -370,8 +370,9 @@ def describe_links(topo: Topology) -> str:
         fabric += f", {topo.nvlink_egress:g} GB/s per GPU and direction"
     if topo.fabric == "pcie" and topo.pcie_domain > 0:
         fabric += f", {topo.pcie_domain:g} GB/s per node and direction"
+    on_link = " (time on the link)" if topo.cross_lat_on_link else ""
     return (
         f"intra {topo.intra_bw:g} GB/s ({fabric}), {topo.nics} cross link(s) per node at "
         f"{topo.cross_bw:g} GB/s each, latency {topo.intra_lat * 1e6:g} / "
-        f"{topo.cross_lat * 1e6:g} us"
+        f"{topo.cross_lat * 1e6:g} us{on_link}"
     )

@@ -112,6 +112,10 @@ class Profile:
     --fabric pcie`` on four or more ranks per node (Note [Fitting a profile]), else 0."""
     preset: str = ""
     """The paper's Table 2 system it was made from (``"H100"``); ``""`` for a measured one."""
+    cross_lat_on_link: bool = False
+    """Whether ``cross_lat`` is time on the link rather than a delay
+    (:attr:`megatron_charm.sim.topology.Topology.cross_lat_on_link`); presets only (H20),
+    False when measured."""
 
     def __post_init__(self) -> None:
         if self.fabric not in FABRICS:
@@ -138,6 +142,7 @@ class Profile:
             exchange_order=self.exchange_order,
             nvlink_egress=self.nvlink_egress,
             pcie_domain=self.pcie_domain,
+            cross_lat_on_link=self.cross_lat_on_link,
         )
 
     def compute_model(self) -> ComputeModel:
@@ -193,6 +198,7 @@ def preset_profile(name: str) -> Profile:
         fabric=hw.fabric,
         nvlink_egress=hw.nvlink,
         pcie_domain=hw.pcie_domain,
+        cross_lat_on_link=hw.cross_lat_on_link,
         preset=name,
         compute={
             "kind": "flops",

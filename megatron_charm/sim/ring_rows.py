@@ -28,7 +28,10 @@ with Table 2's rates, 5-10 us latencies and an efficiency fitted on the speedups
 costs are ms, not the us of a link: whatever each step of the paper's H20 runs costs beyond its
 bytes (the per-step work of its implementation, its cluster's network). The efficiency and the
 rates depend on the assumed batch and heads (at 16 x 20 x 192: 0.82, 0.38 and 0.63); the fixed
-costs do not. H100's cross rate is read the same way from Table 5
+costs do not. Whether a fixed cost is a delay or time on the link, and how many cross links a
+node has, they cannot tell (one transfer leaves a node at a time); the two-node RM+ and CHARM+
+rows can (Note [A fixed cost on the link] in :mod:`megatron_charm.sim.topology`). H100's cross
+rate is read the same way from Table 5
 (whose transfers are large enough that a fixed cost cannot be told apart from the rate). L20 has
 only two one-node rows, too few for three unknowns; its efficiency stays fitted on its speedups.
 """

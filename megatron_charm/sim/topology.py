@@ -30,6 +30,10 @@ or ends):
   testbed's build: with ``shared`` a node sends to two other nodes at the full rate each; with
   ``rails`` one such link per pair and rail, a transfer taking its destination's rail (as
   NCCL's PXN does). On two nodes ``shared`` is the same either way.
+* ``cross_lat_on_link=True``: a cross transfer's fixed cost is time on its link, as if it
+  moved ``cross_lat x cross_bw`` bytes more, shared with the link's other flows: ``k`` transfers
+  that start together on one link all finish after ``k`` fixed costs (and their bytes), where
+  as a delay they would pay one.
 * ``cross_fifo=True``: a cross link serves its flows first come, first served instead of in
   equal shares; flows that start together share it. The CPU testbed shapes each link with a
   tbf whose queue holds at least 200 ms of traffic (``tbf_params`` in
@@ -69,6 +73,36 @@ H100_CROSS_RATE = 0.62
 #: ``n - 1`` kv chunks across nodes per step, at 0.48 of it on 2 x 8 (0.45 on 4 x 8, which is
 #: predicted; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
 H100_A2A_RATE = 0.48
+
+# Note [A fixed cost on the link]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# H20's ring rows give 1.09 ms of fixed cost per cross-node transfer (Note [Constants from the
+# ring rows] in megatron_charm/sim/ring_rows.py). A ring step sends one transfer out of each node
+# at a time, so those rows cannot say where the cost sits: a delay that concurrent transfers
+# wait out side by side, or time on the link that they pay one after another
+# (Topology.cross_lat_on_link). Nor how many links a node has: one transfer never shares one.
+# The two-node RM+ and CHARM+ rows can. Per forward, RM+ sends 96 transfers out of a node (the
+# whole group's merge levels cross it), the paper's CHARM+ 16 (its queries out, the outputs
+# back), ring 15. Predicted speedup's error of the four two-node H20 rows (RM+ and CHARM+ at
+# 1,792 tokens, then at 7,168), by links per node and where the fixed cost sits:
+#
+#     links   fixed cost     RM+ 1792   CHARM+ 1792   RM+ 7168   CHARM+ 7168
+#       2     delay            -6%         +4%          -30%        -25%      (preset until
+#       4     delay           +51%        +41%          +28%        +10%       2026-12-05)
+#       1     on the link     -77%        -63%          -73%        -63%
+#       2     on the link     -55%        -33%          -47%        -36%
+#       4     on the link     -12%        +13%           +3%         +2%      (the preset)
+#       8     on the link     +69%        +72%          +95%        +44%      (one a GPU)
+#
+# Only four links with the cost on the link put all four within +-25%: the fixed costs add up
+# with the transfers a link carries (RM+'s many small ones at 1,792 tokens), and the bytes
+# spread over four links (its large ones at 7,168). What the cost is, the paper does not say: a
+# millisecond is no wire latency (NCCL's tests report tens of microseconds); something each
+# transfer of its H20 runs pays that one NIC's transfers do not overlap (a rendezvous, a
+# proxy's per-message work). H100's rows show no fixed cost (their transfers are too large to
+# tell it from the rate), and its preset keeps a 10 us delay and two links per node. Each line
+# of the table: python -m megatron_charm.sim.validation --gpus H20 --set H20.nics_per_node=K
+# --set H20.cross_lat_on_link=0|1 (K = 0 for one a GPU).
 CROSS_LINKS = ("shared", "rails")
 EXCHANGE_ORDERS = ("channel", "pair")
 
@@ -103,6 +137,11 @@ class Topology:
     """Each cross link serves its transfers first come, first served (those that start
     together share it), as a deep FIFO queue in front of the link does, instead of in equal
     shares (Note [Links and contention])."""
+    cross_lat_on_link: bool = False
+    """A cross-node transfer's fixed cost (``cross_lat``) is time on its link rather than a delay
+    before its bytes flow: the link carries ``cross_lat x cross_bw`` bytes more for it, shared
+    with concurrent flows like its own bytes, so concurrent transfers pay their fixed costs one
+    after another (Note [Links and contention]; the H20 preset, Note [A fixed cost on the link])."""
     nvlink_egress: float = 0.0
     """GB/s that all of one GPU's intra-node NVLink flows share in each direction (Note [Links
     and contention]); 0: none, every flow at ``intra_bw`` however many run."""
@@ -151,6 +190,11 @@ class Topology:
                 f"nics_per_node {self.nics_per_node} must divide ranks_per_node "
                 f"{self.ranks_per_node}; pass --nics-per-node a divisor of it, or 0 (one per rank)"
             )
+        if not isinstance(self.cross_lat_on_link, bool):
+            raise ValueError(
+                f"cross_lat_on_link={self.cross_lat_on_link!r} must be a bool (true or false); "
+                "fix cross_lat_on_link in the --profile JSON"
+            )
         if self.exchange_order not in EXCHANGE_ORDERS:
             raise ValueError(
                 f"exchange_order {self.exchange_order!r} is not one of {EXCHANGE_ORDERS}: "
@@ -180,8 +224,24 @@ class Topology:
         """Bytes per second of an uncontended flow of ``link_class``."""
         return (self.intra_bw if link_class == "intra" else self.cross_bw) * 1e9
 
-    def latency(self, link_class: str) -> float:
+    def fixed_cost(self, link_class: str) -> float:
+        """Seconds a lone transfer of ``link_class`` takes beyond its bytes."""
         return self.intra_lat if link_class == "intra" else self.cross_lat
+
+    def on_link(self, link_class: str) -> bool:
+        """Whether a transfer's fixed cost is time on its link (:attr:`cross_lat_on_link`)."""
+        return link_class == "cross" and self.cross_lat_on_link
+
+    def latency(self, link_class: str) -> float:
+        """Seconds before a transfer of ``link_class``'s bytes flow."""
+        return 0.0 if self.on_link(link_class) else self.fixed_cost(link_class)
+
+    def held_bytes(self, link_class: str) -> float:
+        """Bytes a transfer of ``link_class`` adds to its link for its fixed cost; 0 where the
+        fixed cost is a delay."""
+        if not self.on_link(link_class):
+            return 0.0
+        return self.fixed_cost(link_class) * self.bandwidth(link_class)
 
     def resources(self, src: int, dst: int) -> tuple[tuple[str, int], ...]:
         """Shared resources a flow from ``src`` to ``dst`` crosses (Note [Links and contention])."""
@@ -285,6 +345,10 @@ class Hardware:
     pcie_domain: float = 0.0
     """GB/s that all PCIe transfers of one node (NUMA domain) share in each direction
     (:attr:`Topology.pcie_domain`, Note [One PCIe domain]); 0: none (NVLink systems)."""
+    cross_lat_on_link: bool = False
+    """Whether ``cross_lat`` is time on the link (:attr:`Topology.cross_lat_on_link`): H20,
+    whose ring rows give a fixed cost of a millisecond per cross transfer (Note [A fixed cost
+    on the link]); False where it is a wire latency."""
     paper_error: float = 0.0
     """Largest relative error of this GPU's speedups in the paper's Tables 4 and 5 as the
     preset replays them (validation (a), docs/results/sim_validation_paper.md); ``advise`` quotes
@@ -311,6 +375,7 @@ class Hardware:
             "pcie_domain": self.pcie_domain,
             "intra_lat": self.intra_lat,
             "cross_lat": self.cross_lat,
+            "cross_lat_on_link": self.cross_lat_on_link,
             **links,
         }
         return Topology(
@@ -397,7 +462,7 @@ PRESETS: dict[str, Hardware] = {
         42.6,
         "nvlink",
         "rails",
-        2,
+        4,
         "2x8",
         4000.0,
         EFF_H20,
@@ -405,6 +470,7 @@ PRESETS: dict[str, Hardware] = {
         intra_rate=H20_INTRA_RATE,
         intra_lat=H20_INTRA_LAT,
         cross_lat=H20_CROSS_LAT,
+        cross_lat_on_link=True,
         sms=78,
         nvlink=450.0,
         paper_error=0.35,

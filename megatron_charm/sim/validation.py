@@ -400,11 +400,10 @@ def markdown(
 
 def parse_set(spec: str) -> tuple[str, str, float]:
     """``"GPU.FIELD=VALUE"`` -> ``(GPU, FIELD, VALUE)``, checked: GPU a preset, FIELD a numeric
-    :class:`Hardware` field or ``enqueue_us``, VALUE a finite number >= 0 (an ``int`` for a
-    whole-number field)."""
-    numeric = {
-        f.name for f in dataclasses.fields(Hardware) if f.type in ("float", "int", float, int)
-    } | {"enqueue_us"}
+    or boolean :class:`Hardware` field or ``enqueue_us``, VALUE a finite number >= 0 (an ``int``
+    for a whole-number field, 0 or 1 for a boolean one)."""
+    types = ("float", "int", "bool", float, int, bool)
+    numeric = {f.name for f in dataclasses.fields(Hardware) if f.type in types} | {"enqueue_us"}
     key, _, value = spec.partition("=")
     gpu, _, name = key.partition(".")
     if gpu not in PRESETS or name not in numeric:
@@ -412,6 +411,10 @@ def parse_set(spec: str) -> tuple[str, str, float]:
             f"--set {spec!r}: write GPU.FIELD=VALUE with GPU in {sorted(PRESETS)} and FIELD "
             f"a numeric preset field ({', '.join(sorted(numeric))})"
         )
+    if isinstance(getattr(PRESETS[gpu], name, 0.0), bool):
+        if value not in ("0", "1"):
+            raise ValueError(f"--set {spec!r}: {name} is a yes/no field: write 0 or 1")
+        return gpu, name, value == "1"
     try:
         number = float(value)
     except ValueError:
@@ -441,8 +444,9 @@ def set_fields(specs: list[str]) -> dict[str, Hardware]:
 
 #: The presets' links as the table header states them.
 PRESET_LINKS = (
-    "presets (L20: one shared NUMA link; H20/H100: 2/node; TASP's all-to-all on H100: one NIC "
-    f"per GPU at {PRESETS['H100'].a2a_rate:.2f} of Table 2's rate)"
+    f"presets (L20: one shared NUMA link; H20: {PRESETS['H20'].nics_per_node}/node, its fixed "
+    f"cost per transfer on the link; H100: {PRESETS['H100'].nics_per_node}/node; TASP's "
+    f"all-to-all on H100: one NIC per GPU at {PRESETS['H100'].a2a_rate:.2f} of Table 2's rate)"
 )
 
 
@@ -502,18 +506,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows, gpus = PAPER_ROWS, args.gpus.split(",")
         efficiency = {g: presets[g].efficiency for g in gpus if presets and g in given}
-    fits = {
-        g: fit_efficiency(
-            g,
-            args.cross_links,
-            args.causal,
-            baselines=args.baselines,
-            presets=presets,
-            efficiency=efficiency.get(g),
-            rows=rows,
-        )
-        for g in gpus
-    }
+    try:  # a set field the rows' layouts refuse (a link count that does not divide a node)
+        fits = {
+            g: fit_efficiency(
+                g,
+                args.cross_links,
+                args.causal,
+                baselines=args.baselines,
+                presets=presets,
+                efficiency=efficiency.get(g),
+                rows=rows,
+            )
+            for g in gpus
+        }
+    except ValueError as err:
+        ap.error(str(err))
     text = markdown(fits, args.cross_links, args.causal, args.baselines, args.rows, presets)
     if args.set:
         text = (

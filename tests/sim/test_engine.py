@@ -603,3 +603,43 @@ def test_a_replay_does_not_depend_on_the_flows_hashes(monkeypatch) -> None:
         monkeypatch.setattr(engine._Flow, "__hash__", lambda f, s=salt: hash(id(f) ^ s))
         times.add(total())
     assert len(times) == 1, times
+
+
+@pytest.mark.parametrize(
+    ("on_link", "count", "want_ms"),
+    [(False, 1, 2.0), (True, 1, 2.0), (False, 2, 3.0), (True, 2, 4.0), (True, 3, 6.0)],
+)
+def test_a_fixed_cost_on_the_link_is_paid_once_per_transfer(on_link, count, want_ms) -> None:
+    # Note [A fixed cost on the link]: rank 0 sends ``count`` kv at once, on channels of their
+    # own, to rank 1 on the other node over one link; each alone takes 1 ms of fixed cost and
+    # 1 ms of bytes. A delay is waited out side by side (1 ms, then the bytes shared); on the
+    # link every transfer's fixed cost is the link's time too (count x 2 ms)
+    from megatron_charm.plan.builder import ProgramBuilder, recv, send
+    from megatron_charm.plan.types import Kind
+    from megatron_charm.sim.predict import ccr_parts
+    from megatron_charm.sim.programs import ProgramSet
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    x, y = ProgramBuilder(0), ProgramBuilder(1)
+    sends = [x.exchange(f"c{i}", [send(1, Kind.KV, 0, Part.FULL)]) for i in range(count)]
+    recvs = [y.exchange(f"c{i}", [recv(0, Kind.KV, 0, Part.FULL)]) for i in range(count)]
+    for b, handles in ((x, sends), (y, recvs)):
+        for h in handles:
+            b.wait(h)
+    progs = (x.finish(), y.finish())
+    sets = ProgramSet(PlanOptions(method="ring"), Layout(2, 1), False, progs, progs, "none")
+    bw = 2 * 64 * 64 * 2 / 1e-3 / 1e9  # GB/s: one kv in 1 ms
+    t = Topology(2, 1, 1e3, bw, intra_lat=0.0, cross_lat=1e-3, cross_lat_on_link=on_link)
+    assert simulate_pass(sets, t, shape, COMPUTE, False).makespan == pytest.approx(
+        want_ms * 1e-3, rel=1e-9
+    )
+    # the paper's CCR counts a ring step's fixed cost wherever it sits
+    delay = dataclasses.replace(t, cross_lat_on_link=False)
+    assert ccr_parts(t, shape, COMPUTE, False, False) == ccr_parts(
+        delay, shape, COMPUTE, False, False
+    )
+
+
+def test_cross_lat_on_link_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="cross_lat_on_link=1 must be a bool"):
+        Topology(2, 1, 1.0, 1.0, cross_lat_on_link=1)  # type: ignore[arg-type]

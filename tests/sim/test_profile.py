@@ -189,6 +189,11 @@ def test_presets_are_profiles_that_say_they_were_not_measured() -> None:
         assert prof.known_error is None
     assert preset_profile("L20").topology(2, 4).cross_links == "shared"
     assert preset_profile("H100").topology(4, 8).nics == 2
+    # H20: four links, its fixed cost on them (Note [A fixed cost on the link]), as the preset
+    h20 = preset_profile("H20").topology(2, 8)
+    assert h20 == PRESETS["H20"].topology(2, 8)
+    assert h20.nics == 4 and h20.cross_lat_on_link and h20.latency("cross") == 0.0
+    assert not preset_profile("H100").topology(4, 8).cross_lat_on_link
 
 
 def test_a_link_count_that_does_not_divide_falls_back_to_rails() -> None:

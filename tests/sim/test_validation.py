@@ -94,8 +94,10 @@ def test_set_fields_replays_a_changed_preset(capsys: pytest.CaptureFixture) -> N
     assert presets["H20"].intra_bw == 148.6 and presets["H20"].sms == 40
     assert isinstance(presets["H20"].sms, int) and PRESETS["H20"].intra_bw == 297.2
     assert set_fields(["H100.enqueue_us=50"])["H100"].enqueue.merge == pytest.approx(50e-6)
+    assert set_fields(["H20.cross_lat_on_link=0"])["H20"].cross_lat_on_link is False
+    assert set_fields(["L20.cross_lat_on_link=1"])["L20"].cross_lat_on_link is True
     bad_specs = ("H30.efficiency=0.3", "H20.name=0.3", "H20.efficiency=-1", "H20.efficiency")
-    for bad in (*bad_specs, "H20.sms=1.5"):
+    for bad in (*bad_specs, "H20.sms=1.5", "H20.cross_lat_on_link=yes"):
         with pytest.raises(ValueError, match="--set"):
             set_fields([bad])
 
