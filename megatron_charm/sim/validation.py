@@ -16,8 +16,9 @@ efficiency fitted.
 
 Run: ``python -m megatron_charm.sim.validation [--cross-links rails|shared] [--causal]
 [--baselines paper|ours] [--set GPU.FIELD=VALUE ...] [--rows FILE.csv] [--out FILE]``. ``--set``
-replays with one preset field changed (``H100.efficiency=0.35``, ``H20.intra_bw=148.6``): what-if
-runs of a constant's source; a set efficiency is used as given, not fitted. ``--rows`` compares
+replays with one preset field changed (``H100.efficiency=0.35``, ``H20.intra_bw=148.6``, a yes/no
+field as 0 or 1: ``H20.cross_lat_on_link=0``): what-if runs of a constant's source; a set
+efficiency is used as given, not fitted. ``--rows`` compares
 other measurements of the same kind instead of Tables 4 and 5 (a CSV with the columns of
 :data:`ROW_COLUMNS`, one row per measured point, times in ms, empty where none), at the presets'
 efficiencies (nothing is fitted on them).
