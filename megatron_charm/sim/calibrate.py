@@ -177,6 +177,7 @@ def describe(profile: Profile) -> str:
             f"  intra {profile.intra_bw:.4g} GB/s + {profile.intra_lat * 1e6:.0f} us; cross "
             f"{profile.cross_bw:.4g} GB/s + {profile.cross_lat * 1e6:.0f} us; cross links per "
             f"node: {links}"
+            + ("; cross fixed cost on the link" if profile.cross_lat_on_link else "")
             + (
                 f"; PCIe domain {profile.pcie_domain:.4g} GB/s per node and direction"
                 if profile.pcie_domain

@@ -175,8 +175,9 @@ def _ping_pong(pairs: list[tuple[int, int]], nbytes: int, reps: int, device) -> 
 def time_p2p(
     cfg: dict, ranks: list[int], m: int, p: int, device: torch.device
 ) -> tuple[dict, dict | None, dict | None]:
-    """Ping-pong samples per link class, the concurrent cross-node timing, and (four or more
-    ranks per node) the concurrent intra-node one: disjoint pairs of node 0 at once."""
+    """Ping-pong samples per link class, the concurrent cross-node timings (at the largest size,
+    and at the smallest: Note [Fitting a profile]), and (four or more ranks per node) the
+    concurrent intra-node one: disjoint pairs of node 0 at once."""
     classes = {}
     if p > 1:
         classes["intra"] = (ranks[0], ranks[1])
@@ -190,7 +191,11 @@ def time_p2p(
         ]
     conc = None
     if m > 1 and p > 1:
-        conc = _concurrent([(ranks[i], ranks[p + i]) for i in range(p)], cfg, device)
+        cross_pairs = [(ranks[i], ranks[p + i]) for i in range(p)]
+        conc = _concurrent(cross_pairs, cfg, device)
+        # where a transfer's fixed cost sits (Note [A fixed cost on the link]): the smallest
+        # size, whose time is mostly that cost
+        conc["small"] = _concurrent(cross_pairs, cfg, device, min(cfg["sizes"]))
     conc_intra = None
     if p >= 4:
         pairs = [(ranks[2 * i], ranks[2 * i + 1]) for i in range(p // 2)]
@@ -198,10 +203,10 @@ def time_p2p(
     return out, conc, conc_intra
 
 
-def _concurrent(pairs: list[tuple[int, int]], cfg: dict, device) -> dict:
-    """Every pair of ``pairs`` ping-pongs the largest size at once (after one connecting
-    exchange): ``{"flows", "bytes", "s"}``."""
-    n = max(cfg["sizes"])
+def _concurrent(pairs: list[tuple[int, int]], cfg: dict, device, nbytes: int | None = None) -> dict:
+    """Every pair of ``pairs`` ping-pongs ``nbytes`` (default: the largest size) at once (after
+    one connecting exchange): ``{"flows", "bytes", "s"}``."""
+    n = max(cfg["sizes"]) if nbytes is None else nbytes
     _ping_pong(pairs, 4, 1, device)
     return {"flows": len(pairs), "bytes": n, "s": _ping_pong(pairs, n, cfg["reps"], device)}
 

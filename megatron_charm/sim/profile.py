@@ -32,7 +32,15 @@ on node 1 at once. If ``k`` flows share a link, each gets ``1/k`` of it, so the 
 ``p / k``, rounded to a divisor of ``p`` (1: ``shared``, ``p``: ``rails``). With ``--fabric pcie``
 and four or more ranks per node, disjoint pairs of node 0 ping-pong at once as well: if each of
 the ``k`` flows runs below 0.9 of one pair's rate, the node's GPUs share a PCIe domain of ``k``
-times that rate (Note [One PCIe domain] in megatron_charm/sim/topology.py). The largest relative
+times that rate (Note [One PCIe domain] in megatron_charm/sim/topology.py). The concurrent
+cross-node timing is taken at the smallest size too, where a transfer is mostly its fixed cost
+``lat``: with ``k`` flows on a link it takes ``lat + k n / bw`` if that cost is a delay and
+``k (lat + n / bw)`` if it is time on the link (Note [A fixed cost on the link]), and the large
+timing likewise. Where the two readings of the small timing differ by a quarter or more, the
+profile takes the cost on the link if, at its best link count, it explains both timings better
+than a delay does at the link count the large timing gives (``cross_sharing``;
+``cross_lat_on_link``; calibrations before 2026-12-05 have no small timing: a delay). The
+largest relative
 residual of each fit is kept in the profile (``fit_error``): it is how far the model is known to
 miss its own measurements, and predictions made with the profile quote it.
 
@@ -114,8 +122,8 @@ class Profile:
     """The paper's Table 2 system it was made from (``"H100"``); ``""`` for a measured one."""
     cross_lat_on_link: bool = False
     """Whether ``cross_lat`` is time on the link rather than a delay
-    (:attr:`megatron_charm.sim.topology.Topology.cross_lat_on_link`); presets only (H20),
-    False when measured."""
+    (:attr:`megatron_charm.sim.topology.Topology.cross_lat_on_link`): the H20 preset; measured
+    by ``calibrate`` on two or more ranks per node (Note [Fitting a profile])."""
 
     def __post_init__(self) -> None:
         if self.fabric not in FABRICS:
@@ -550,6 +558,57 @@ def repeat_summary(runs: list[dict], keep: int) -> list[dict]:
     return [{"kept": i == keep, **_repeat_times(r)} for i, r in enumerate(runs)]
 
 
+#: How much the two readings of the concurrent small timing must differ, relative to the delay
+#: reading, for :func:`cross_sharing` to tell them apart (Note [Fitting a profile]).
+ON_LINK_MARGIN = 0.25
+
+
+def _concurrent_time(t: dict, cross: tuple[float, float], flows: float, on_link: bool) -> float:
+    """Seconds the concurrent timing ``t`` (``{"bytes", ...}``) takes with ``flows`` flows on a
+    link of ``cross = (latency s, GB/s)``: its fixed cost once (a delay) or per flow (on the
+    link)."""
+    lat, gbs = cross
+    wire = t["bytes"] / (gbs * 1e9)
+    return flows * (lat + wire) if on_link else lat + flows * wire
+
+
+def cross_sharing(conc: dict, cross: tuple[float, float], p: int) -> tuple[int, bool]:
+    """``(links per node, fixed cost on the link)`` from the concurrent cross-node timings
+    (``conc``: ``{"flows", "bytes", "s", "small": the same at the smallest size}``, every rank of
+    node 0 with its counterpart at once) and one pair's cross ``(latency s, GB/s)``.
+
+    With the fixed cost a delay, the large timing alone gives the flows per link (each gets
+    ``1/k`` of the link). Where the small timing exists and the two readings differ there by
+    :data:`ON_LINK_MARGIN` or more, the fixed cost on the link is taken if, at its best link
+    count, it explains both timings better (summed squared log errors) than the delay does
+    (Note [Fitting a profile]; Note [A fixed cost on the link] in
+    :mod:`megatron_charm.sim.topology`)."""
+    sharing = cross[1] / _per_flow_gbs(conc, cross[0])  # flows per link, as a delay
+    links = _divisor_near(p, p / max(sharing, 1.0))
+    small = conc.get("small")
+    if not small:
+        return links, False
+
+    def error(k: int, on_link: bool) -> float:
+        return sum(
+            math.log(t["s"] / _concurrent_time(t, cross, p / k, on_link)) ** 2
+            for t in (conc, small)
+        )
+
+    best = min(
+        (k for k in range(1, p + 1) if p % k == 0 and p // k >= 2),
+        key=lambda k: error(k, True),
+        default=None,
+    )
+    if best is None:
+        return links, False
+    flows = p / best
+    delay, held = (_concurrent_time(small, cross, flows, on) for on in (False, True))
+    if held - delay < ON_LINK_MARGIN * delay or error(best, True) >= error(links, False):
+        return links, False
+    return best, True
+
+
 def _per_flow_gbs(conc: dict, latency: float) -> float:
     """GB/s each flow of a concurrent timing (``{"flows", "bytes", "s"}``) achieved, after the
     link's ``latency``."""
@@ -579,8 +638,9 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     ``raw``: ``{"nodes", "ranks_per_node", "device", "dtype", "backend", "kernel": [{"batch",
     "heads", "head_dim", "tokens", "fwd_s", "bwd_s", "fwd_masked_s", "bwd_masked_s"}], "merge":
     [{"bytes", "s"}], "p2p":
-    {"intra": [{"bytes", "s"}], "cross": [...]}, "concurrent_cross": {"flows", "bytes", "s"},
-    "concurrent_intra": (the same, or ``None``)}``; ``fabric``: assumed, not measured (with
+    {"intra": [{"bytes", "s"}], "cross": [...]}, "concurrent_cross": {"flows", "bytes", "s",
+    "small": the same at the smallest size (since 2026-12-05)}, "concurrent_intra": (the same
+    without "small", or ``None``)}``; ``fabric``: assumed, not measured (with
     ``"pcie"`` the concurrent intra-node timing gives :attr:`Profile.pcie_domain`).
     """
     m, p = raw["nodes"], raw["ranks_per_node"]
@@ -604,11 +664,10 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     # used by a prediction on the measured shape.
     intra = links.get("intra") or links.get("cross") or (0.0, 1.0)
     cross = links.get("cross") or intra
-    nics = 0
+    nics, on_link = 0, False
     conc = raw.get("concurrent_cross")
     if m > 1 and conc and conc["flows"] > 1:
-        sharing = cross[1] / _per_flow_gbs(conc, cross[0])  # flows per link
-        links_per_node = _divisor_near(p, p / max(sharing, 1.0))
+        links_per_node, on_link = cross_sharing(conc, cross, p)
         nics = 0 if links_per_node == p else links_per_node
     elif m > 1 and p == 1:
         nics = 1
@@ -669,6 +728,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         nics_per_node=nics,
         fabric=fabric,
         pcie_domain=domain,
+        cross_lat_on_link=on_link,
         # JSON's form (lists), so that a saved profile loads equal
         compute={
             "kind": "fitted",

@@ -100,7 +100,9 @@ H100_A2A_RATE = 0.48
 # millisecond is no wire latency (NCCL's tests report tens of microseconds); something each
 # transfer of its H20 runs pays that one NIC's transfers do not overlap (a rendezvous, a
 # proxy's per-message work). H100's rows show no fixed cost (their transfers are too large to
-# tell it from the rate), and its preset keeps a 10 us delay and two links per node. Each line
+# tell it from the rate), and its preset keeps a 10 us delay and two links per node. On a user's
+# cluster `calibrate` measures where the fixed cost sits (Note [Fitting a profile] in
+# megatron_charm/sim/profile.py). Each line
 # of the table: python -m megatron_charm.sim.validation --gpus H20 --set H20.nics_per_node=K
 # --set H20.cross_lat_on_link=0|1 (K = 0 for one a GPU).
 CROSS_LINKS = ("shared", "rails")

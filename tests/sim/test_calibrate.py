@@ -36,6 +36,9 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert shapes == [(1, 64), (1, 128), (2, 64), (2, 128)]
     assert [s["bytes"] for s in samples["p2p"]["cross"]] == [4096, 65536]
     assert samples["concurrent_cross"]["flows"] == 2
+    # and at the smallest size: where the fixed cost sits (Note [Fitting a profile])
+    small = samples["concurrent_cross"]["small"]
+    assert small["flows"] == 2 and small["bytes"] == 4096 and small["s"] > 0
     assert all(k["fwd_s"] > 0 and k["bwd_s"] > 0 for k in samples["kernel"])
     # masked blocks timed next to unmasked ones (Note [Masked blocks])
     assert all(k["fwd_masked_s"] > 0 and k["bwd_masked_s"] > 0 for k in samples["kernel"])

@@ -196,6 +196,39 @@ def test_presets_are_profiles_that_say_they_were_not_measured() -> None:
     assert not preset_profile("H100").topology(4, 8).cross_lat_on_link
 
 
+@pytest.mark.parametrize(
+    ("lat", "on_link", "links", "want"),
+    [
+        (1.09e-3, True, 4, (4, True)),  # H20-like: a millisecond per transfer, paid per flow
+        (1.09e-3, False, 4, (4, False)),  # the same cost as a delay
+        (1.09e-3, True, 1, (1, True)),
+        (1e-6, True, 4, (4, False)),  # a wire latency: the two readings differ by under 25%
+    ],
+)
+def test_calibrate_tells_a_fixed_cost_on_the_link_from_a_delay(lat, on_link, links, want) -> None:
+    # Note [Fitting a profile]: every rank of node 0 ping-pongs with its counterpart at once, at
+    # the largest and at the smallest size; k flows on a link take k (lat + n / bw) with the
+    # fixed cost on the link, lat + k n / bw as a delay
+    p, gbs = 8, 10.7
+    raw = _raw(m=2, p=p)
+    sizes = [s["bytes"] for s in raw["p2p"]["cross"]]
+    raw["p2p"]["cross"] = [{"bytes": n, "s": lat + n / (gbs * 1e9)} for n in sizes]
+    flows = p // links
+
+    def conc(n: int) -> dict:
+        wire = n / (gbs * 1e9)
+        s = flows * (lat + wire) if on_link else lat + flows * wire
+        return {"flows": p, "bytes": n, "s": s}
+
+    raw["concurrent_cross"] = {**conc(max(sizes)), "small": conc(min(sizes))}
+    prof = fit_profile(raw)
+    assert (prof.topology(2, p).nics, prof.cross_lat_on_link) == want
+    assert prof.topology(2, p).cross_lat_on_link == want[1]
+    # without the small timing (calibrations before it): a delay, links from the large one
+    del raw["concurrent_cross"]["small"]
+    assert not fit_profile(raw).cross_lat_on_link
+
+
 def test_a_link_count_that_does_not_divide_falls_back_to_rails() -> None:
     prof = fit_profile(_raw(p=8, flows_per_link=4))  # 2 links per node
     assert prof.topology(2, 3).cross_links == "rails" and prof.topology(2, 3).nics == 3
