@@ -113,6 +113,13 @@ def _shared_memo(layout: Layout, causal: bool, cfg: PipelineConfig) -> dict[tupl
     return {}
 
 
+def algorithm2_step(offset: int) -> int:
+    """The round in which ``combine_nodes`` runs the queries of the node ``offset`` nodes behind
+    (0: the node's own), Note [Algorithm 2 per step]: the own with the first source node's, then
+    one source node a round."""
+    return max(offset, 1) - 1
+
+
 def foreign_q_part(q_owner: int, node: int, layout: Layout, causal: bool) -> Part:
     """Part of q of ``q_owner`` that node ``node``'s kv can see (union over the node's ranks)."""
     first, last = layout.rank(node, 0), layout.rank(node, layout.ranks_per_node - 1)
@@ -223,9 +230,10 @@ class _Pass:
         """Rounds as lists of (node offset, piece index)."""
         m = self.layout.num_nodes
         if self.combined:
-            # Note [Algorithm 2 per step]: the own queries with the first source node's, then
-            # one source node a step
-            return [[(0, 0), (1, 0)], *([(o, 0)] for o in range(2, m))]
+            steps: list[list[Slot]] = [[] for _ in range(algorithm2_step(m - 1) + 1)]
+            for o in range(m):
+                steps[algorithm2_step(o)].append((o, 0))
+            return steps
         foreign = []
         for o in range(1, m):
             count = len(self.pieces(self.source(self.x, o), self.layout.node(self.x)))

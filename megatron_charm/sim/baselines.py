@@ -148,6 +148,7 @@ import dataclasses
 import math
 
 from megatron_charm.plan import PlanOptions
+from megatron_charm.plan.pipeline import algorithm2_step
 from megatron_charm.plan.types import Compute, Exchange, Kind, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.predict import Prediction, Problem, predict
@@ -268,7 +269,9 @@ def in_algorithm2_order(program: Program, group: int, num_nodes: int = 1) -> Pro
     node = x // group
 
     def step(owner: int) -> int:
-        return max((node - owner // group) % num_nodes, 1) - 1
+        return algorithm2_step((node - owner // group) % num_nodes)
+
+    last = algorithm2_step(num_nodes - 1)
 
     arrivals = _arrival_levels(x, program, group)
     keys: list[tuple] = []
@@ -297,7 +300,7 @@ def in_algorithm2_order(program: Program, group: int, num_nodes: int = 1) -> Pro
                 at = max([(k, phase), *merged])
                 key = (*at, 1)
                 # a step's returns cross during the next step's pipeline, waited for at its end
-                ahead = merge_level(x, ins, group) is None and k < num_nodes - 2
+                ahead = merge_level(x, ins, group) is None and k < last
                 waited_in[ins.handle] = (k + 1, math.inf) if ahead else at
         elif isinstance(ins, Compute):
             cur = max(cur, step(ins.q_owner))
