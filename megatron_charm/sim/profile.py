@@ -350,9 +350,12 @@ def max_rel_residual(xs: list[float], ys: list[float], a: float, b: float) -> fl
     return max(abs(a + b * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0)
 
 
+def _divisors(p: int) -> list[int]:
+    return [k for k in range(1, p + 1) if p % k == 0]
+
+
 def _divisor_near(p: int, x: float) -> int:
-    divisors = [k for k in range(1, p + 1) if p % k == 0]
-    return min(divisors, key=lambda k: (abs(math.log(k) - math.log(max(x, 1e-9))), k))
+    return min(_divisors(p), key=lambda k: (abs(math.log(k) - math.log(max(x, 1e-9))), k))
 
 
 #: One unmasked block of a rank's own queries and keys: the shape of every kernel sample.
@@ -596,7 +599,7 @@ def cross_sharing(conc: dict, cross: tuple[float, float], p: int) -> tuple[int, 
         )
 
     best = min(
-        (k for k in range(1, p + 1) if p % k == 0 and p // k >= 2),
+        (k for k in _divisors(p) if p // k >= 2),
         key=lambda k: error(k, True),
         default=None,
     )
