@@ -106,7 +106,6 @@ def choose_method(
     """
     from megatron_charm.sim.predict import Problem, advise, predict
     from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note
-    from megatron_charm.sim.topology import PRESETS
 
     options = options or PlanOptions()
     # A path or preset is its own key; a Profile object is keyed by identity (the cache holds
@@ -133,7 +132,7 @@ def choose_method(
             adv.method,
             compute,
             lambda model, names: predict(topo, problem, model, names, options=options),
-            error=PRESETS[prof.preset].paper_error,
+            error=prof.preset_error or 0.0,
         )
     totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
     reasons = (*adv.reasons, note) if note else tuple(adv.reasons)

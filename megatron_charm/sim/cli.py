@@ -231,7 +231,7 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
     """Where the hardware numbers come from (``profile``: the --profile or --preset in use), and
     ``choice``'s margin over the next method as a range from the model's known error (Note
     [Fitting a profile] for a measured profile)."""
-    if profile is None or not (profile.measured or profile.preset in PRESETS):
+    if profile is None or not (profile.measured or profile.preset_error is not None):
         given = "the flags given" if profile is None else f"profile {profile.name!r}"
         return (
             f"hardware numbers: {given}, not measured here; run `megatron-charm-sim "
@@ -243,7 +243,7 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
         err = profile.known_error or 0.0
         source = f"profile {profile.name!r}, whose fits miss their own samples by up to {err:.0%}"
     else:
-        err = PRESETS[profile.preset].paper_error
+        err = profile.preset_error or 0.0
         source = (
             f"{profile.name}, whose {profile.preset} rows of the paper's Tables 4 and 5 it "
             f"misses by up to +-{err:.0%}"
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         _table2_ccr(args, pred)
         # Note [Enqueue sensitivity]: only a preset's enqueue cost is an assumption of ours
         assumed = assumes_enqueue(profile) and args.enqueue_us is None
-        known = PRESETS[profile.preset].paper_error if assumed and profile is not None else 0.0
+        known = (profile.preset_error if assumed and profile is not None else None) or 0.0
         adv = advise(pred) if command == "advise" else None
         compared = tuple(m for m in pred.methods if m not in BASELINES)
         lead = adv.method if adv is not None else min(compared, key=lambda m: pred.methods[m].total)

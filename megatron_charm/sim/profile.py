@@ -166,6 +166,14 @@ class Profile:
         )
 
     @property
+    def preset_error(self) -> float | None:
+        """For an unmeasured profile made from one of the paper's systems, how far the model
+        misses that GPU's rows of the paper's Tables 4 and 5 (:attr:`Hardware.paper_error`, which
+        ``advise`` quotes); ``None`` for any other profile."""
+        hw = None if self.measured else PRESETS.get(self.preset)
+        return None if hw is None else hw.paper_error
+
+    @property
     def known_error(self) -> float | None:
         """The largest relative residual of the profile's fits; ``None`` for an unmeasured one."""
         return max(self.fit_error.values()) if self.fit_error else None

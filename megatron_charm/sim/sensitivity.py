@@ -29,7 +29,6 @@ from collections.abc import Callable
 from megatron_charm.sim.compute import ComputeModel, Enqueue
 from megatron_charm.sim.predict import SIMPLICITY, MethodPrediction, Prediction, margin_range
 from megatron_charm.sim.profile import Profile
-from megatron_charm.sim.topology import PRESETS
 
 #: Host share of a method's forward+backward (its enqueue time over its time) from which the
 #: enqueue assumption is replayed at 0 and twice the preset's cost.
@@ -42,7 +41,7 @@ FACTORS = (0.0, 2.0)
 def assumes_enqueue(profile: Profile | None) -> bool:
     """Whether ``profile``'s host enqueue cost is this package's assumption (a preset's) rather
     than a measurement (a calibrated profile's) or the user's own number."""
-    return profile is not None and not profile.measured and profile.preset in PRESETS
+    return profile is not None and profile.preset_error is not None
 
 
 def host_share(mp: MethodPrediction) -> float:
