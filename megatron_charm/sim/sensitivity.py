@@ -12,13 +12,13 @@ time, ``advise`` (and ``auto``'s logged choice) replays the two leading methods 
 enqueue cost and with twice the preset's, and, where either moves their margin out of the range
 it quotes, says what each gives::
 
-    host: enqueueing takes the host 97% of charm's forward+backward and 39% of ring's at 20 us
-      per operation (assumed, not measured on a GPU); at 0 us charm leads ring 4.84x, at 40 us
+    host: enqueueing takes the host 96% of charm's forward+backward and 39% of ring's at 20 us
+      per operation (assumed, not measured on a GPU); at 0 us charm leads ring 2.37x, at 40 us
       ring leads charm 1.09x: measure it (`megatron-charm-sim calibrate --device cuda`) and use
       that profile before trusting this margin
 
 (H100 preset, 2 x 8, batch 1, 3,360 tokens, 12 heads of 192, where ``advise`` quotes charm's
-margin as 1.75x, 1.46-2.10x within the preset's error.)
+margin as 1.74x, 1.45-2.08x within the preset's error.)
 """
 
 from __future__ import annotations
