@@ -105,7 +105,7 @@ def choose_method(
         options: the other plan options (their method is replaced per candidate).
     """
     from megatron_charm.sim.predict import Problem, advise, predict
-    from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note
+    from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note, intra_lat_note
 
     options = options or PlanOptions()
     # A path or preset is its own key; a Profile object is keyed by identity (the cache holds
@@ -124,21 +124,35 @@ def choose_method(
     topo, compute = prof.topology(m, p), prof.compute_model()
     pred = predict(topo, problem, compute, options=options)
     adv = advise(pred)
-    # Note [Enqueue sensitivity]: a preset's host cost is assumed; say where it decides
-    note = None
+    # Note [Enqueue sensitivity]: a preset's host cost and fixed cost per intra-node transfer
+    # are the paper's runs', not this cluster's; say where they decide
+    notes: list[str] = []
     if assumes_enqueue(prof):
-        note = enqueue_note(
-            pred,
-            adv.method,
-            compute,
-            lambda model, names: predict(topo, problem, model, names, options=options),
-            error=prof.preset_error or 0.0,
-        )
+        error = prof.preset_error or 0.0
+        notes = [
+            n
+            for n in (
+                enqueue_note(
+                    pred,
+                    adv.method,
+                    compute,
+                    lambda model, names: predict(topo, problem, model, names, options=options),
+                    error=error,
+                ),
+                intra_lat_note(
+                    pred,
+                    adv.method,
+                    topo,
+                    lambda links, names: predict(links, problem, compute, names, options=options),
+                    error=error,
+                ),
+            )
+            if n
+        ]
     totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
-    reasons = (*adv.reasons, note) if note else tuple(adv.reasons)
-    choice = AutoChoice(adv.method, totals, prof.name, reasons)
+    choice = AutoChoice(adv.method, totals, prof.name, (*adv.reasons, *notes))
     _CACHE[key] = (profile, choice)
     log.info("megatron-charm: %s", choice.describe())
-    if note:
+    for note in notes:
         log.warning("megatron-charm: cp method auto -> %s: %s", adv.method, note)
     return choice

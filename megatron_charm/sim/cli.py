@@ -35,7 +35,7 @@ from megatron_charm.sim.predict import (
 )
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
-from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note
+from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note, intra_lat_note
 from megatron_charm.sim.topology import (
     CROSS_LINKS,
     FABRICS,
@@ -392,11 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         a2a = _a2a_links(args, topo)
         options = PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS))
 
-        def replay(model: ComputeModel, names: tuple[str, ...] | None) -> Prediction:
+        def replay(
+            model: ComputeModel, names: tuple[str, ...] | None, links: Topology = topo
+        ) -> Prediction:
             if args.replay == "paper":
                 picked = None if names is None else list(names)
-                return _paper_prediction(args, command, topo, problem, model, picked, a2a)
-            return predict(topo, problem, model, names, args.mode, options, a2a_topo=a2a)
+                return _paper_prediction(args, command, links, problem, model, picked, a2a)
+            return predict(links, problem, model, names, args.mode, options, a2a_topo=a2a)
 
         pred = replay(compute, None if methods is None else tuple(methods))
         _table2_ccr(args, pred)
@@ -408,6 +410,17 @@ def main(argv: list[str] | None = None) -> int:
         lead = adv.method if adv is not None else min(compared, key=lambda m: pred.methods[m].total)
         candidates = SIMPLICITY if adv is not None else compared
         note = enqueue_note(pred, lead, compute, replay, candidates, known) if assumed else None
+        # the same for a preset's fixed cost per intra-node transfer, unless --intra-lat-us
+        links_note = None
+        if assumes_enqueue(profile) and args.intra_lat_us is None:
+            links_note = intra_lat_note(
+                pred,
+                lead,
+                topo,
+                lambda links, names: replay(compute, names, links),
+                candidates,
+                (profile.preset_error or 0.0) if profile is not None else 0.0,
+            )
         if a2a is not None and "tasp" in pred.methods:
             tasp_note = (
                 f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "
@@ -418,8 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if adv is not None:
         adv.reasons.append(uncertainty(pred, adv.method, profile))
-        if note:
-            adv.reasons.append(note)
+        adv.reasons.extend(n for n in (note, links_note) if n)
         if args.json:
             print(json.dumps({"cp_comm_type": adv.method, "reasons": adv.reasons}, indent=2))
         else:
@@ -439,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             data["tasp_links"] = tasp_note
         if note:
             data["enqueue_note"] = note
+        if links_note:
+            data["links_note"] = links_note
         print(json.dumps(data, indent=2, default=str))
     else:
         print(f"schedules: {replayed}")
@@ -446,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         if tasp_note:
             print(tasp_note)
         print(uncertainty(pred, lead, profile))
-        if note:
-            print(note)
+        for n in (note, links_note):
+            if n:
+                print(n)
     return 0

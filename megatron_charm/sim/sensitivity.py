@@ -19,6 +19,18 @@ it quotes, says what each gives::
 
 (H100 preset, 2 x 8, batch 1, 3,360 tokens, 12 heads of 192, where ``advise`` quotes charm's
 margin as 1.74x, 1.45-2.08x within the preset's error.)
+
+A preset's fixed cost per intra-node transfer is the paper's runs', not the user's cluster's:
+H100's 40 us is fitted on one statement of the paper's text (Note [H100's NVLink fixed cost] in
+:mod:`megatron_charm.sim.topology`), H20's 196 us comes from its ring rows. Where the schedules'
+merge levels wait for many small NVLink transfers, it decides margins the same way, and the
+same rule applies: the two leading methods are replayed with :data:`NCCL_INTRA_LAT` (what NCCL
+alone takes) and with twice the preset's, and where either moves the margin out of the quoted
+range, ``advise`` says what each gives::
+
+    links: the preset's 40 us per intra-node transfer is the paper's runs', not measured on
+      this cluster; at 5 us charm leads ring 5.05x, at 80 us charm leads ring 2.87x: measure it
+      (`megatron-charm-sim calibrate`) and use that profile before trusting this margin
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from collections.abc import Callable
 from megatron_charm.sim.compute import ComputeModel, Enqueue
 from megatron_charm.sim.predict import SIMPLICITY, MethodPrediction, Prediction, margin_range
 from megatron_charm.sim.profile import Profile
+from megatron_charm.sim.topology import Topology
 
 #: Host share of a method's forward+backward (its enqueue time over its time) from which the
 #: enqueue assumption is replayed at 0 and twice the preset's cost.
@@ -36,6 +49,11 @@ HOST_SHARE = 0.25
 
 #: The factors of the assumed enqueue cost that the note replays.
 FACTORS = (0.0, 2.0)
+
+#: Seconds per intra-node transfer that the links note replays besides twice the preset's: about
+#: what NCCL alone takes for a small send/recv between two NVLink GPUs (3-10 us: NVIDIA/nccl
+#: issue 1487, nccl-tests issue 331), and what the presets assume where the paper says nothing.
+NCCL_INTRA_LAT = 5e-6
 
 
 def assumes_enqueue(profile: Profile | None) -> bool:
@@ -77,14 +95,13 @@ def enqueue_note(
     relative error, as ``advise`` quotes it) gives. ``repredict(compute, methods)`` replays
     ``methods`` as ``pred`` was, with another ``compute``."""
     enqueue = compute.enqueue_cost()
-    others = [m for m in pred.methods if m in candidates and m != choice]
+    pair = _pair(pred, choice, candidates)
     settable = dataclasses.is_dataclass(compute) and any(
         f.name == "enqueue" for f in dataclasses.fields(compute)
     )
-    if not enqueue.any or not others or not settable:
+    if not enqueue.any or pair is None or not settable:
         return None
-    runner_up = min(others, key=lambda m: pred.methods[m].total)
-    pair = (choice, runner_up)
+    runner_up = pair[1]
     shares = {m: host_share(pred.methods[m]) for m in pair}
     if max(shares.values()) < HOST_SHARE:
         return None
@@ -107,4 +124,48 @@ def enqueue_note(
         f"and {shares[runner_up]:.0%} of {runner_up}'s at {assumed} (assumed, not measured on a "
         f"GPU); {', '.join(leads)}: measure it (`megatron-charm-sim calibrate --device cuda`) "
         "and use that profile before trusting this margin"
+    )
+
+
+def _pair(pred: Prediction, choice: str, candidates: tuple[str, ...]) -> tuple[str, str] | None:
+    """``choice`` and the fastest other method of ``candidates`` in ``pred``; ``None`` if none."""
+    others = [m for m in pred.methods if m in candidates and m != choice]
+    if not others:
+        return None
+    return choice, min(others, key=lambda m: pred.methods[m].total)
+
+
+def intra_lat_note(
+    pred: Prediction,
+    choice: str,
+    topo: Topology,
+    repredict: Callable[[Topology, tuple[str, ...]], Prediction],
+    candidates: tuple[str, ...] = SIMPLICITY,
+    error: float = 0.0,
+) -> str | None:
+    """The links sentence of Note [Enqueue sensitivity] for ``choice`` and the fastest other
+    method of ``candidates`` in ``pred``, replayed on ``topo`` (whose fixed cost per intra-node
+    transfer is a preset's), or ``None`` where that cost is at most :data:`NCCL_INTRA_LAT` or
+    where neither replay (at :data:`NCCL_INTRA_LAT` and at twice the preset's) moves the margin
+    out of the range that ``error`` gives. ``repredict(topo, methods)`` replays ``methods`` as
+    ``pred`` was, on another ``topo``."""
+    pair = _pair(pred, choice, candidates)
+    if pair is None or topo.intra_lat <= NCCL_INTRA_LAT:
+        return None
+
+    def margin(p: Prediction) -> float:
+        return p.methods[pair[1]].total / p.methods[choice].total
+
+    lo, hi = margin_range(margin(pred), error)
+    leads, moved = [], False
+    for lat in (NCCL_INTRA_LAT, 2 * topo.intra_lat):
+        alt = repredict(dataclasses.replace(topo, intra_lat=lat), pair)
+        moved = moved or not lo <= margin(alt) <= hi
+        leads.append(f"at {lat * 1e6:g} us {_lead(alt, pair)}")
+    if not moved:
+        return None
+    return (
+        f"links: the preset's {topo.intra_lat * 1e6:g} us per intra-node transfer is the paper's "
+        f"runs', not measured on this cluster; {', '.join(leads)}: measure it (`megatron-charm-sim "
+        "calibrate`) and use that profile before trusting this margin"
     )

@@ -11,7 +11,12 @@ import pytest
 from megatron_charm.sim import FlopsCompute, Problem, Topology, predict
 from megatron_charm.sim.cli import main
 from megatron_charm.sim.compute import Enqueue
-from megatron_charm.sim.sensitivity import enqueue_note, host_share
+from megatron_charm.sim.sensitivity import (
+    NCCL_INTRA_LAT,
+    enqueue_note,
+    host_share,
+    intra_lat_note,
+)
 
 TOPO = Topology(1, 2, 100.0, 10.0)
 # call, exchange, kernel, merge: distinct powers of ten, so a count of each shows in the sum
@@ -100,10 +105,12 @@ def test_auto_logs_where_a_presets_assumed_host_cost_decides(
     layout = Layout(2, 8)  # the Note's example: 3,360 tokens over 16 ranks
     with caplog.at_level("WARNING", logger="megatron_charm"):
         small = choose_method("H100", layout, AttnShape(1, 210, 12, 12, 192, 2), causal=False)
-    assert small.reasons[-1].startswith("host: enqueueing takes the host ")
-    assert any("cp method auto -> " in r.message and "host: " in r.message for r in caplog.records)
+    assert small.reasons[-2].startswith("host: enqueueing takes the host ")
+    assert small.reasons[-1].startswith("links: the preset's 40 us per intra-node transfer")
+    for kind in ("host: ", "links: "):
+        assert any("cp method auto -> " in r.message and kind in r.message for r in caplog.records)
     large = choose_method("H100", layout, AttnShape(16, 1680, 12, 12, 192, 2), causal=False)
-    assert not any(r.startswith("host: ") for r in large.reasons)
+    assert not any(r.startswith(("host: ", "links: ")) for r in large.reasons)
 
 
 def test_only_a_presets_enqueue_cost_counts_as_assumed() -> None:
@@ -135,3 +142,53 @@ def test_the_note_needs_a_margin_moved_out_of_the_quoted_error() -> None:
     assert note is not None and note.startswith("host: ")
     # an unmoved margin never calls for a note
     assert enqueue_note(small, choice, compute, lambda *a: small, error=0.0) is None
+
+
+def test_advise_adds_the_links_note_only_to_a_presets_intra_node_cost(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # H100's 40 us per NVLink transfer (Note [H100's NVLink fixed cost]) decides charm's margin
+    # over ring at batch 1 and 3,360 tokens: 1.74x, 1.28x at 80 us, out of the +-9% range
+    base = "advise --preset H100 --gpus 2x8 --heads 12 --head-dim 192 --json".split()
+
+    def links_reasons(extra: str) -> list[str]:
+        assert main([*base, *extra.split()]) == 0
+        reasons = json.loads(capsys.readouterr().out)["reasons"]
+        return [r for r in reasons if r.startswith("links: ")]
+
+    small = links_reasons("--batch 1 --seq 3360")
+    assert len(small) == 1 and "the preset's 40 us per intra-node transfer" in small[0]
+    assert "at 5 us charm leads ring" in small[0] and "at 80 us " in small[0]
+    assert links_reasons("--batch 1 --seq 3360 --intra-lat-us 40") == []  # the user's own
+    assert links_reasons("--batch 16 --seq 26880") == []
+    # predict's JSON carries it too
+    assert main(["predict", *base[1:], "--batch", "1", "--seq", "3360"]) == 0
+    assert json.loads(capsys.readouterr().out)["links_note"].startswith("links: ")
+
+
+def test_the_links_note_replays_at_nccls_cost_and_twice_the_presets() -> None:
+    e = 20e-6
+    _, compute, small, _ = _small_and_large(Enqueue(e, e, e, e))
+    topo = Topology(2, 2, 100.0, 10.0, intra_lat=40e-6)
+    choice = min(small.methods, key=lambda m: small.methods[m].total)
+    other = next(m for m in small.methods if m != choice)
+    moved = dataclasses.replace(small, methods=dict(small.methods))
+    mp = small.methods[other]
+    slower = [dataclasses.replace(p, makespan=p.makespan * 1.05) for p in (mp.forward, mp.backward)]
+    moved.methods[other] = dataclasses.replace(mp, forward=slower[0], backward=slower[1])
+    seen: list[tuple[float, tuple[str, ...]]] = []
+
+    def replay(links, names):
+        seen.append((links.intra_lat, names))
+        return moved
+
+    note = intra_lat_note(small, choice, topo, replay, error=0.01)
+    assert note is not None and note.startswith("links: the preset's 40 us per intra-node")
+    assert [lat for lat, _ in seen] == pytest.approx([NCCL_INTRA_LAT, 80e-6])
+    assert all(sorted(names) == sorted((choice, other)) for _, names in seen)
+    # within the quoted error, or an unmoved margin: no note
+    assert intra_lat_note(small, choice, topo, lambda *a: moved, error=0.1) is None
+    assert intra_lat_note(small, choice, topo, lambda *a: small) is None
+    # at NCCL's own cost there is nothing to replay
+    nccl = dataclasses.replace(topo, intra_lat=NCCL_INTRA_LAT)
+    assert intra_lat_note(small, choice, nccl, lambda *a: pytest.fail("replayed")) is None
