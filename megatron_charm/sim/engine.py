@@ -82,10 +82,12 @@ _HOST, _COMPUTE, _HOST_WORK = ("host", 0), -1, -2
 #
 # While the device's operations take longer than their enqueue, the host runs ahead and costs
 # nothing. On small problems they take less, the pass becomes host-bound, and a schedule with
-# more operations loses what its overlap won: the paper's speedups fall at small batches. A
-# coalesced run of blocks (Note [Coalesced blocks]) is one kernel call. Profiles of one CPU host
-# have no such costs: there the host *is* the device, and its work is charged as host work
-# (Note [Host work of a call] in megatron_charm/sim/profile.py).
+# more operations loses what its overlap won (on the presets, the smallest of the paper's
+# appendix shapes; its gradual rise of the speedup with batch comes from the NVLink fixed cost,
+# Note [H100's NVLink fixed cost] in megatron_charm/sim/topology.py). A coalesced run of
+# blocks (Note [Coalesced blocks]) is one kernel call. Profiles of one CPU host have no such
+# costs: there the host *is* the device, and its work is charged as host work (Note [Host work
+# of a call] in megatron_charm/sim/profile.py).
 
 
 class Transfer(NamedTuple):
