@@ -24,11 +24,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_charm.plan.options import BASELINES, PlanOptions
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Layout
 from megatron_charm.sim.profile import Profile, load_profile
+
+if TYPE_CHECKING:
+    from megatron_charm.sim.compute import ComputeModel
+    from megatron_charm.sim.predict import Prediction
+    from megatron_charm.sim.topology import Topology
 
 log = logging.getLogger("megatron_charm")
 
@@ -128,27 +134,16 @@ def choose_method(
     # are the paper's runs', not this cluster's; say where they decide
     notes: list[str] = []
     if assumes_enqueue(prof):
+
+        def replay(model: ComputeModel, links: Topology, names: tuple[str, ...]) -> Prediction:
+            return predict(links, problem, model, names, options=options)
+
         error = prof.preset_error or 0.0
-        notes = [
-            n
-            for n in (
-                enqueue_note(
-                    pred,
-                    adv.method,
-                    compute,
-                    lambda model, names: predict(topo, problem, model, names, options=options),
-                    error=error,
-                ),
-                intra_lat_note(
-                    pred,
-                    adv.method,
-                    topo,
-                    lambda links, names: predict(links, problem, compute, names, options=options),
-                    error=error,
-                ),
-            )
-            if n
-        ]
+        found = (
+            enqueue_note(pred, adv.method, compute, lambda c, n: replay(c, topo, n), error=error),
+            intra_lat_note(pred, adv.method, topo, lambda t, n: replay(compute, t, n), error=error),
+        )
+        notes = [n for n in found if n]
     totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
     choice = AutoChoice(adv.method, totals, prof.name, (*adv.reasons, *notes))
     _CACHE[key] = (profile, choice)

@@ -105,26 +105,40 @@ def enqueue_note(
     shares = {m: host_share(pred.methods[m]) for m in pair}
     if max(shares.values()) < HOST_SHARE:
         return None
-
-    def margin(p: Prediction) -> float:
-        return p.methods[runner_up].total / p.methods[choice].total
-
-    lo, hi = margin_range(margin(pred), error)
-    leads, moved = [], False
+    replays = []
     for factor in FACTORS:
         other = enqueue.times(factor)
         alt = repredict(dataclasses.replace(compute, enqueue=other), pair)  # type: ignore[type-var]
-        moved = moved or not lo <= margin(alt) <= hi
-        leads.append(f"at {_amount(other)} {_lead(alt, pair)}")
-    if not moved:
+        replays.append((_amount(other), alt))
+    leads = _leads_if_moved(pred, pair, error, replays)
+    if leads is None:
         return None
     assumed = _amount(enqueue, per_operation=True)
     return (
         f"host: enqueueing takes the host {shares[choice]:.0%} of {choice}'s forward+backward "
         f"and {shares[runner_up]:.0%} of {runner_up}'s at {assumed} (assumed, not measured on a "
-        f"GPU); {', '.join(leads)}: measure it (`megatron-charm-sim calibrate --device cuda`) "
+        f"GPU); {leads}: measure it (`megatron-charm-sim calibrate --device cuda`) "
         "and use that profile before trusting this margin"
     )
+
+
+def _leads_if_moved(
+    pred: Prediction,
+    pair: tuple[str, str],
+    error: float,
+    replays: list[tuple[str, Prediction]],
+) -> str | None:
+    """``"at LABEL a leads b Nx, ..."`` for each ``(label, replayed prediction)``, or ``None``
+    where no replay moves the margin of ``pair`` (the choice, then its runner-up) out of the
+    range that ``error`` gives around ``pred``'s."""
+
+    def margin(p: Prediction) -> float:
+        return p.methods[pair[1]].total / p.methods[pair[0]].total
+
+    lo, hi = margin_range(margin(pred), error)
+    if all(lo <= margin(alt) <= hi for _, alt in replays):
+        return None
+    return ", ".join(f"at {label} {_lead(alt, pair)}" for label, alt in replays)
 
 
 def _pair(pred: Prediction, choice: str, candidates: tuple[str, ...]) -> tuple[str, str] | None:
@@ -152,20 +166,20 @@ def intra_lat_note(
     pair = _pair(pred, choice, candidates)
     if pair is None or topo.intra_lat <= NCCL_INTRA_LAT:
         return None
-
-    def margin(p: Prediction) -> float:
-        return p.methods[pair[1]].total / p.methods[choice].total
-
-    lo, hi = margin_range(margin(pred), error)
-    leads, moved = [], False
-    for lat in (NCCL_INTRA_LAT, 2 * topo.intra_lat):
-        alt = repredict(dataclasses.replace(topo, intra_lat=lat), pair)
-        moved = moved or not lo <= margin(alt) <= hi
-        leads.append(f"at {lat * 1e6:g} us {_lead(alt, pair)}")
-    if not moved:
+    lats = (NCCL_INTRA_LAT, 2 * topo.intra_lat)
+    leads = _leads_if_moved(
+        pred,
+        pair,
+        error,
+        [
+            (f"{x * 1e6:g} us", repredict(dataclasses.replace(topo, intra_lat=x), pair))
+            for x in lats
+        ],
+    )
+    if leads is None:
         return None
     return (
         f"links: the preset's {topo.intra_lat * 1e6:g} us per intra-node transfer is the paper's "
-        f"runs', not measured on this cluster; {', '.join(leads)}: measure it (`megatron-charm-sim "
+        f"runs', not measured on this cluster; {leads}: measure it (`megatron-charm-sim "
         "calibrate`) and use that profile before trusting this margin"
     )
