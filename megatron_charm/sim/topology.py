@@ -90,16 +90,16 @@ H100_INTRA_LAT = 40e-6
 # 3,360 row is 2.28x). A fixed cost per transfer is what gives that shape: ring's steps are
 # gated by their cross-node transfer, CHARM+'s merge levels by their NVLink transfers, so the
 # cost lands on CHARM+'s critical path and not on ring's, and weighs least where the bytes
-# are many. 2 x 8 forward at 3,360 tokens, batch 1 / 2 / 4 / 16 / 64
+# are many. 2 x 8 forward at 3,360 tokens, batch 1 / 2 / 4 / 16
 # (scripts/bench/paper_structure.py with --set H100.intra_lat=...):
 #
 #     intra fixed cost    speedups
-#        5 us             2.23  2.26  2.27  2.28  2.29     (the preset until 2026-12-05)
-#       10 us             2.11  2.19  2.23  2.27  2.28     (NCCL's own)
-#       25 us             1.81  2.00  2.13  2.24  2.28
-#       40 us             1.59  1.84  2.03  2.21  2.27     (the preset)
-#       50 us             1.47  1.75  1.97  2.20  2.26
-#      196 us             1.61  1.32  1.38  1.95  2.19     (the paper's H20 runs)
+#        5 us             2.23  2.26  2.27  2.28           (the preset until 2026-12-05)
+#       10 us             2.11  2.19  2.23  2.27           (NCCL's own)
+#       25 us             1.81  2.00  2.13  2.24
+#       40 us             1.59  1.84  2.03  2.21           (the preset)
+#       50 us             1.47  1.75  1.97  2.20
+#      196 us             1.61  1.32  1.38  1.95           (the paper's H20 runs)
 #
 # A larger host cost per operation (Note [Enqueue ahead] in megatron_charm/sim/engine.py) does
 # not give it: at 40-60 us per operation the speedup falls off a cliff where the host bounds
