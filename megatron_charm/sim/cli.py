@@ -395,10 +395,13 @@ def main(argv: list[str] | None = None) -> int:
         def replay(
             model: ComputeModel, names: tuple[str, ...] | None, links: Topology = topo
         ) -> Prediction:
+            all_to_all = a2a
+            if a2a is not None and links is not topo:  # a replay at another intra-node cost
+                all_to_all = replace(a2a, intra_lat=links.intra_lat)
             if args.replay == "paper":
                 picked = None if names is None else list(names)
-                return _paper_prediction(args, command, links, problem, model, picked, a2a)
-            return predict(links, problem, model, names, args.mode, options, a2a_topo=a2a)
+                return _paper_prediction(args, command, links, problem, model, picked, all_to_all)
+            return predict(links, problem, model, names, args.mode, options, a2a_topo=all_to_all)
 
         pred = replay(compute, None if methods is None else tuple(methods))
         _table2_ccr(args, pred)
