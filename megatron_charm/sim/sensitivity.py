@@ -1,4 +1,4 @@
-"""How much an assumed host cost moves a recommendation.
+"""How much a preset's assumed host and intra-node link costs move a recommendation.
 
 Note [Enqueue sensitivity]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,8 +29,10 @@ alone takes) and with twice the preset's, and where either moves the margin out 
 range, ``advise`` says what each gives::
 
     links: the preset's 40 us per intra-node transfer is the paper's runs', not measured on
-      this cluster; at 5 us charm leads ring 5.05x, at 80 us charm leads ring 2.87x: measure it
+      this cluster; at 5 us charm leads ring 1.75x, at 80 us charm leads ring 1.28x: measure it
       (`megatron-charm-sim calibrate`) and use that profile before trusting this margin
+
+(the same example: the margin of 1.74x leaves its range at 80 us.)
 """
 
 from __future__ import annotations
