@@ -111,7 +111,7 @@ def choose_method(
         options: the other plan options (their method is replaced per candidate).
     """
     from megatron_charm.sim.predict import Problem, advise, predict
-    from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note, intra_lat_note
+    from megatron_charm.sim.sensitivity import assumes_preset_costs, enqueue_note, intra_lat_note
 
     options = options or PlanOptions()
     # A path or preset is its own key; a Profile object is keyed by identity (the cache holds
@@ -133,7 +133,7 @@ def choose_method(
     # Note [Enqueue sensitivity]: a preset's host cost and fixed cost per intra-node transfer
     # are the paper's runs', not this cluster's; say where they decide
     notes: list[str] = []
-    if assumes_enqueue(prof):
+    if assumes_preset_costs(prof):
 
         def replay(model: ComputeModel, links: Topology, names: tuple[str, ...]) -> Prediction:
             return predict(links, problem, model, names, options=options)

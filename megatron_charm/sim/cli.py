@@ -35,7 +35,7 @@ from megatron_charm.sim.predict import (
 )
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
-from megatron_charm.sim.sensitivity import assumes_enqueue, enqueue_note, intra_lat_note
+from megatron_charm.sim.sensitivity import assumes_preset_costs, enqueue_note, intra_lat_note
 from megatron_charm.sim.topology import (
     CROSS_LINKS,
     FABRICS,
@@ -405,24 +405,25 @@ def main(argv: list[str] | None = None) -> int:
 
         pred = replay(compute, None if methods is None else tuple(methods))
         _table2_ccr(args, pred)
-        # Note [Enqueue sensitivity]: only a preset's enqueue cost is an assumption of ours
-        assumed = assumes_enqueue(profile) and args.enqueue_us is None
-        known = (profile.preset_error if assumed and profile is not None else None) or 0.0
+        # Note [Enqueue sensitivity]: a preset's enqueue and intra-node costs are not this
+        # cluster's, unless --enqueue-us / --intra-lat-us give the user's own
+        preset = profile if assumes_preset_costs(profile) else None
+        known = (preset.preset_error or 0.0) if preset is not None else 0.0
         adv = advise(pred) if command == "advise" else None
         compared = tuple(m for m in pred.methods if m not in BASELINES)
         lead = adv.method if adv is not None else min(compared, key=lambda m: pred.methods[m].total)
         candidates = SIMPLICITY if adv is not None else compared
-        note = enqueue_note(pred, lead, compute, replay, candidates, known) if assumed else None
-        # the same for a preset's fixed cost per intra-node transfer, unless --intra-lat-us
-        links_note = None
-        if assumes_enqueue(profile) and args.intra_lat_us is None:
+        note = links_note = None
+        if preset is not None and args.enqueue_us is None:
+            note = enqueue_note(pred, lead, compute, replay, candidates, known)
+        if preset is not None and args.intra_lat_us is None:
             links_note = intra_lat_note(
                 pred,
                 lead,
                 topo,
                 lambda links, names: replay(compute, names, links),
                 candidates,
-                (profile.preset_error or 0.0) if profile is not None else 0.0,
+                known,
             )
         if a2a is not None and "tasp" in pred.methods:
             tasp_note = (

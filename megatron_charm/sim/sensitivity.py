@@ -58,9 +58,10 @@ FACTORS = (0.0, 2.0)
 NCCL_INTRA_LAT = 5e-6
 
 
-def assumes_enqueue(profile: Profile | None) -> bool:
-    """Whether ``profile``'s host enqueue cost is this package's assumption (a preset's) rather
-    than a measurement (a calibrated profile's) or the user's own number."""
+def assumes_preset_costs(profile: Profile | None) -> bool:
+    """Whether ``profile``'s host enqueue cost and fixed cost per intra-node transfer are a
+    preset's (this package's assumption or the paper's runs') rather than a measurement (a
+    calibrated profile's) or the user's own numbers."""
     return profile is not None and profile.preset_error is not None
 
 

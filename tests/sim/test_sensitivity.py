@@ -115,13 +115,13 @@ def test_auto_logs_where_a_presets_assumed_host_cost_decides(
 
 def test_only_a_presets_enqueue_cost_counts_as_assumed() -> None:
     from megatron_charm.sim.profile import preset_profile
-    from megatron_charm.sim.sensitivity import assumes_enqueue
+    from megatron_charm.sim.sensitivity import assumes_preset_costs
 
     preset = preset_profile("H100")
-    assert assumes_enqueue(preset)
-    assert not assumes_enqueue(dataclasses.replace(preset, measured=True))
-    assert not assumes_enqueue(dataclasses.replace(preset, preset=""))
-    assert not assumes_enqueue(None)
+    assert assumes_preset_costs(preset)
+    assert not assumes_preset_costs(dataclasses.replace(preset, measured=True))
+    assert not assumes_preset_costs(dataclasses.replace(preset, preset=""))
+    assert not assumes_preset_costs(None)
 
 
 def test_the_note_needs_a_margin_moved_out_of_the_quoted_error() -> None:
