@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         compared = tuple(m for m in pred.methods if m not in BASELINES)
         lead = adv.method if adv is not None else min(compared, key=lambda m: pred.methods[m].total)
         candidates = SIMPLICITY if adv is not None else compared
-        note = links_note = None
+        note: str | None = None
+        links_note: str | None = None
         if preset is not None and args.enqueue_us is None:
             note = enqueue_note(pred, lead, compute, replay, candidates, known)
         if preset is not None and args.intra_lat_us is None:
