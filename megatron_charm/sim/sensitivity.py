@@ -43,7 +43,7 @@ from collections.abc import Callable
 from megatron_charm.sim.compute import ComputeModel, Enqueue
 from megatron_charm.sim.predict import SIMPLICITY, MethodPrediction, Prediction, margin_range
 from megatron_charm.sim.profile import Profile
-from megatron_charm.sim.topology import Topology
+from megatron_charm.sim.topology import ASSUMED_INTRA_LAT, Topology
 
 #: Host share of a method's forward+backward (its enqueue time over its time) from which the
 #: enqueue assumption is replayed at 0 and twice the preset's cost.
@@ -52,10 +52,9 @@ HOST_SHARE = 0.25
 #: The factors of the assumed enqueue cost that the note replays.
 FACTORS = (0.0, 2.0)
 
-#: Seconds per intra-node transfer that the links note replays besides twice the preset's: about
-#: what NCCL alone takes for a small send/recv between two NVLink GPUs (3-10 us: NVIDIA/nccl
-#: issue 1487, nccl-tests issue 331), and what the presets assume where the paper says nothing.
-NCCL_INTRA_LAT = 5e-6
+#: Seconds per intra-node transfer that the links note replays besides twice the preset's: what
+#: the presets assume where the paper says nothing, about NCCL's own cost.
+NCCL_INTRA_LAT = ASSUMED_INTRA_LAT
 
 
 def assumes_preset_costs(profile: Profile | None) -> bool:

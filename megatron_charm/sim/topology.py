@@ -73,6 +73,10 @@ H100_CROSS_RATE = 0.62
 #: ``n - 1`` kv chunks across nodes per step, at 0.48 of it on 2 x 8 (0.45 on 4 x 8, which is
 #: predicted; Note [The paper's baselines] in megatron_charm/sim/baselines.py).
 H100_A2A_RATE = 0.48
+#: Seconds of fixed cost per intra-node transfer where nothing gives one (the default of
+#: Topology and Hardware, L20's): about what NCCL alone takes for a small send/recv between two
+#: NVLink GPUs (3-10 us: NVIDIA/nccl issue 1487, nccl-tests issue 331).
+ASSUMED_INTRA_LAT = 5e-6
 #: Seconds of fixed cost per intra-node (NVLink) transfer in the paper's H100 runs: fitted on the
 #: appendix's rise of the speedup with batch (Note [H100's NVLink fixed cost]).
 H100_INTRA_LAT = 40e-6
@@ -154,7 +158,7 @@ class Topology:
     """Point-to-point bandwidth between two ranks of one node, GB/s (1e9 bytes/s), one direction."""
     cross_bw: float
     """Bandwidth of one cross-node link, GB/s, one direction."""
-    intra_lat: float = 5e-6
+    intra_lat: float = ASSUMED_INTRA_LAT
     """Latency of an intra-node transfer, seconds (fixed cost before the bytes flow)."""
     cross_lat: float = 10e-6
     """Latency of a cross-node transfer, seconds."""
@@ -369,7 +373,7 @@ class Hardware:
     times give it (H100: Table 5's TASP rows, Note [The paper's baselines] in
     :mod:`megatron_charm.sim.baselines`); 0 where they do not: the all-to-all then takes the
     preset's cross links like any transfer."""
-    intra_lat: float = 5e-6
+    intra_lat: float = ASSUMED_INTRA_LAT
     """Seconds before an intra-node transfer's bytes flow. L20: an assumption; NCCL's own tests
     report about 10 us for their smallest send/recv between two NVLink GPUs (A100), the whole
     operation with its kernel launch (NVIDIA/nccl-tests issue 331). H20: its ring rows; H100:
