@@ -69,17 +69,24 @@ def test_no_note_without_an_enqueue_cost() -> None:
     assert enqueue_note(small, "charm", compute, lambda *a: pytest.fail("replayed")) is None
 
 
+#: ``advise`` on the Notes' example: 2 x 8 H100, 12 heads of 192.
+H100_2X8 = "advise --preset H100 --gpus 2x8 --heads 12 --head-dim 192 --json".split()
+
+
+def _h100_advice(capsys: pytest.CaptureFixture[str], extra: str, prefix: str) -> list[str]:
+    """The reasons of ``advise`` on :data:`H100_2X8` plus ``extra`` that start with ``prefix``."""
+    assert main([*H100_2X8, *extra.split()]) == 0
+    reasons = json.loads(capsys.readouterr().out)["reasons"]
+    return [r for r in reasons if r.startswith(prefix)]
+
+
 def test_advise_adds_the_note_only_to_a_presets_assumed_cost(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # the Note's example: 2 x 8 H100, 12 heads of 192; at batch 1 and 3,360 tokens the enqueue
     # cost decides between charm and ring
-    base = "advise --preset H100 --gpus 2x8 --heads 12 --head-dim 192 --json".split()
-
     def host_reasons(extra: str) -> list[str]:
-        assert main([*base, *extra.split()]) == 0
-        reasons = json.loads(capsys.readouterr().out)["reasons"]
-        return [r for r in reasons if r.startswith("host: ")]
+        return _h100_advice(capsys, extra, "host: ")
 
     small = host_reasons("--batch 1 --seq 3360")
     assert len(small) == 1 and "20 us per operation (assumed" in small[0]
@@ -149,12 +156,8 @@ def test_advise_adds_the_links_note_only_to_a_presets_intra_node_cost(
 ) -> None:
     # H100's 40 us per NVLink transfer (Note [H100's NVLink fixed cost]) decides charm's margin
     # over ring at batch 1 and 3,360 tokens: 1.74x, 1.28x at 80 us, out of the +-9% range
-    base = "advise --preset H100 --gpus 2x8 --heads 12 --head-dim 192 --json".split()
-
     def links_reasons(extra: str) -> list[str]:
-        assert main([*base, *extra.split()]) == 0
-        reasons = json.loads(capsys.readouterr().out)["reasons"]
-        return [r for r in reasons if r.startswith("links: ")]
+        return _h100_advice(capsys, extra, "links: ")
 
     small = links_reasons("--batch 1 --seq 3360")
     assert len(small) == 1 and "the preset's 40 us per intra-node transfer" in small[0]
@@ -162,7 +165,7 @@ def test_advise_adds_the_links_note_only_to_a_presets_intra_node_cost(
     assert links_reasons("--batch 1 --seq 3360 --intra-lat-us 40") == []  # the user's own
     assert links_reasons("--batch 16 --seq 26880") == []
     # predict's JSON carries it too
-    assert main(["predict", *base[1:], "--batch", "1", "--seq", "3360"]) == 0
+    assert main(["predict", *H100_2X8[1:], "--batch", "1", "--seq", "3360"]) == 0
     assert json.loads(capsys.readouterr().out)["links_note"].startswith("links: ")
 
 
