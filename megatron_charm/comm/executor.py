@@ -150,6 +150,10 @@ class ProgramRunner:
         # handle -> (works, received (payload, buffers), sent tensors, bytes of the sent tensors
         # that this pass allocated): all kept until the Wait
         self.pending: dict[int, tuple[list, list, list[Tensor], int]] = {}
+        # exchanges built but not yet posted: (exchange, receives, sends), posted together at
+        # the end of their run (Note [Receives of a run first])
+        self.staged: list[tuple[Exchange, list, list]] = []
+        self.runs_receives_first = topo.receives_first_in_runs
         self.partials: dict[tuple[int, Kind, int, Heads | None], tuple[Part, list[Tensor]]] = {}
         self.exchanges: dict[int, Exchange] = {}
         self.stats = RunStats()
@@ -183,7 +187,8 @@ class ProgramRunner:
         return acc
 
     def _exchange(self, ex: Exchange) -> None:
-        """Post ``ex``'s receives, then its sends (Note [Receives first])."""
+        """Build ``ex``'s receive buffers and send tensors and stage them for :meth:`_post`
+        (Note [Receives first], Note [Receives of a run first])."""
         group = self.topo.channel(ex.channel)
         sends, recvs, received, sent = [], [], [], []
         allocated = 0  # bytes of sent tensors that exist only for this exchange
@@ -215,11 +220,26 @@ class ProgramRunner:
                 received.append((p, bufs))
         if self.trace is not None:
             self.stats.bytes_sent[ex.channel] += _nbytes(sent)
-        try:
-            works = dist.batch_isend_irecv(recvs + sends)
-        except RuntimeError as exc:
-            raise self._failure(ex, exc) from exc
-        self.pending[ex.handle] = (works, received, sent, allocated)
+        self.pending[ex.handle] = ([], received, sent, allocated)
+        self.staged.append((ex, recvs, sends))
+
+    def _post(self) -> None:
+        """Post the staged exchanges: one alone as one batch, its receives first (Note
+        [Receives first]); a run of several, every receive of the run before any of its sends
+        (Note [Receives of a run first])."""
+        staged, self.staged = self.staged, []
+        if len(staged) == 1:
+            batches = [(ex, recvs + sends) for ex, recvs, sends in staged]
+        else:
+            batches = [(ex, recvs) for ex, recvs, _ in staged]
+            batches += [(ex, sends) for ex, _, sends in staged]
+        for ex, ops in batches:
+            if not ops:
+                continue
+            try:
+                self.pending[ex.handle][0].extend(dist.batch_isend_irecv(ops))
+            except RuntimeError as exc:
+                raise self._failure(ex, exc) from exc
 
     # Note [Receives first]
     # ~~~~~~~~~~~~~~~~~~~~~
@@ -229,6 +249,26 @@ class ProgramRunner:
     # way took twice the one-way time in 7 of 8 tries (the two directions ran one after the
     # other), and at most 1.35x with the receives posted first (scripts/bench/gloo_swap.py).
     # NCCL runs a batch as one group, so the order changes nothing there.
+
+    # Note [Receives of a run first]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The same holds across exchanges. A run of exchanges posted back to back (all_gather's
+    # offsets, an all-to-all's peers) sends to x + o at offset o and receives from x + o only at
+    # offset n - o: on gloo that send goes out before the receive of the opposite direction of
+    # its connection is posted, and the two directions then often run one after the other. On
+    # the 2 x 4 rails testbed at 100 Mbit/s, all_gather's seven exchanges of 0.5 MiB each took
+    # 200-327 ms (medians 245, 231) posted one by one and 171-192 ms (medians 177, 174; the
+    # link time is 169) with every receive of the run posted first (scripts/bench/gloo_swap.py
+    # --run, docs/results/executor/gloo-run-2x4-rails-100mbit.txt). So on gloo
+    # (CPTopology.receives_first_in_runs) the runner stages the exchanges of a run and posts
+    # all their receives, then all their sends, each exchange still on its own channel:
+    #
+    #     program        post A | post B | post C | compute ...
+    #     gloo           recv A, recv B, recv C, send A, send B, send C | compute ...
+    #     NCCL           [recv A, send A] [recv B, send B] [recv C, send C] | compute ...
+    #
+    # NCCL keeps one group per exchange: a group of receives alone would hold its stream until
+    # the peer's matching sends, which that peer posts only in a later group.
 
     def _failure(self, ex: Exchange, exc: BaseException) -> DistributedError:
         peers = sorted({op.peer for op in ex.ops})
@@ -391,6 +431,10 @@ class ProgramRunner:
                 self._compute(list(instrs[i:end]))
             else:
                 self._step(ins)
+            if self.staged and not (
+                self.runs_receives_first and end < len(instrs) and isinstance(instrs[end], Exchange)
+            ):
+                self._post()
             if events is not None:
                 channel = getattr(ins, "channel", "")
                 if isinstance(ins, Wait):
@@ -403,7 +447,7 @@ class ProgramRunner:
                     self.inputs.pop(key, None)
                 for owner in drops.get(j, ()):
                     self.expanded.pop(owner, None)
-        assert not self.pending and not self.partials and not self.expanded
+        assert not self.pending and not self.partials and not self.expanded and not self.staged
         assert not (self.backward and self.kept), "kept q pieces the backward never used"
         if self.trace is not None:
             self.trace.append(RunTrace(self.prog.cp_rank, self.backward, self.stats, events or []))

@@ -93,6 +93,13 @@ class CPTopology:
         return self.layout.num_nodes
 
     @property
+    def receives_first_in_runs(self) -> bool:
+        """Whether the executor posts every receive of a run of exchanges before any of their
+        sends: on gloo, which issues ops in posting order (Note [Receives of a run first] in
+        :mod:`megatron_charm.comm.executor`); elsewhere each exchange is one group."""
+        return self.backend == "gloo"
+
+    @property
     def ranks_per_node(self) -> int:
         return self.layout.ranks_per_node
 

@@ -10,6 +10,15 @@ For each order of posting (sends first, receives first) and each delay of rank 1
 computing when its peer's message arrives), rank 0 prints per try when each rank's swap (its
 send and its receive) completed, in ms from a barrier (rank 0 / rank 1), beside the one-way
 time at the configured rate.
+
+``--run`` times a run of exchanges instead, on any number of ranks (Note [Receives of a run
+first] in megatron_charm/comm/executor.py): every rank posts one exchange per offset ``o``
+(send to ``rank + o``, receive from ``rank - o``), as all_gather's forward does, either one
+batch per exchange with its receive first or every receive of the run before every send. Rank
+0 prints the slowest rank's time per try::
+
+    python -m megatron_charm.testbed run --nodes 2 --ranks-per-node 4 --topology rails \
+        --cross-rate 100mbit -- python scripts/bench/gloo_swap.py --run --mib 0.5 --tries 8
 """
 
 from __future__ import annotations
@@ -31,14 +40,55 @@ def swap(peer: int, out: torch.Tensor, into: torch.Tensor, receives_first: bool)
         work.wait()
 
 
+def post_run(out: torch.Tensor, into: list[torch.Tensor], whole_run: bool) -> None:
+    """One exchange per offset: the run's receives first (``whole_run``) or exchange by
+    exchange, each with its receive first."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    recvs = [dist.P2POp(dist.irecv, into[o - 1], (rank - o) % size) for o in range(1, size)]
+    sends = [dist.P2POp(dist.isend, out, (rank + o) % size) for o in range(1, size)]
+    if whole_run:
+        batches = [[r] for r in recvs] + [[s] for s in sends]
+    else:
+        batches = [[r, s] for r, s in zip(recvs, sends, strict=True)]
+    works = [w for batch in batches for w in dist.batch_isend_irecv(batch)]
+    for work in works:
+        work.wait()
+
+
+def time_runs(n: int, tries: int) -> None:
+    size = dist.get_world_size()
+    out, into = torch.ones(n), [torch.empty(n) for _ in range(size - 1)]
+    for whole_run in (False, True):
+        times = []
+        for _ in range(tries):
+            dist.barrier()
+            t0 = time.perf_counter()
+            post_run(out, into, whole_run)
+            slowest = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times.append(slowest.item() * 1e3)
+        if dist.get_rank() == 0:
+            order = "every receive of the run first" if whole_run else "exchange by exchange"
+            ms = sorted(times)
+            print(
+                f"{order}: median {ms[len(ms) // 2]:.0f} ms, tries "
+                + " ".join(f"{t:.0f}" for t in times)
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=float, default=1.0, help="MiB sent each way")
     ap.add_argument("--tries", type=int, default=8)
     ap.add_argument("--late-ms", default="0,50", help="comma list: rank 1's delay before posting")
+    ap.add_argument("--run", action="store_true", help="time a run of exchanges (see above)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     cp_rank, size = dist.get_rank(), dist.get_world_size()
+    if args.run:
+        time_runs(int(args.mib * (1 << 20)) // 4, args.tries)
+        dist.destroy_process_group()
+        return
     if size != 2:
         raise ValueError(f"gloo_swap runs on 2 ranks, got {size}; launch with --nodes 2")
     peer = 1 - cp_rank

@@ -173,3 +173,54 @@ def exchange_post_order(ctx, method: str, ranks_per_node: int):
         out, lse, kept = forward_pass(topo, fwd, q, k, v, kern, d**-0.5, [], keep=kept_pieces(bwd))
         backward_pass(topo, bwd, q, k, v, out, lse, dout, kern, d**-0.5, [], kept=kept)
     return [[op.op is dist.isend for op in batch] for batch in batches]
+
+
+def _exchange_runs(program) -> list[int]:
+    """Lengths of the runs of exchanges that ``program`` posts back to back, in order."""
+    from megatron_charm.plan.types import Exchange
+
+    runs: list[int] = []
+    previous = False
+    for ins in program.instrs:
+        is_exchange = isinstance(ins, Exchange)
+        if is_exchange and previous:
+            runs[-1] += 1
+        elif is_exchange:
+            runs.append(1)
+        previous = is_exchange
+    return runs
+
+
+def run_post_orders(ctx, method: str, ranks_per_node: int):
+    """One forward and backward pass of ``method`` posted in gloo's order (every receive of a
+    run first) and in NCCL's (one batch per exchange), on the same gloo groups.
+
+    Returns, per order, the posted batches (each op as ``(send, peer global rank, numel)``) and
+    the pass's results, and the lengths of the runs of exchanges of both passes' programs."""
+    import dataclasses
+
+    from megatron_charm.function import backward_pass, forward_pass, validated_plan
+    from megatron_charm.kernels import select_kernel
+    from megatron_charm.plan import AttnShape, PlanOptions
+    from megatron_charm.plan.keep import kept_pieces
+
+    topo = ctx.topology(ranks_per_node)
+    g = torch.Generator().manual_seed(29 + topo.cp_rank)
+    s, b, h, d = 8, 1, 4, 4
+    q, k, v, dout = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(4))
+    plan = validated_plan(
+        PlanOptions(method=method), topo.layout, True, AttnShape(b, s, h, h, d, 8)
+    )
+    fwd, bwd = plan.forward[topo.cp_rank], plan.backward[topo.cp_rank]
+    kern = select_kernel(torch.device("cpu"), torch.float64, "math")
+    answers = {}
+    # NCCL's order on gloo groups: the backend name is all that chooses it
+    for name, t in (("gloo", topo), ("nccl", dataclasses.replace(topo, backend="nccl"))):
+        assert t.receives_first_in_runs == (name == "gloo")
+        with recorded_batches() as batches:
+            out, lse, kept = forward_pass(t, fwd, q, k, v, kern, d**-0.5, keep=kept_pieces(bwd))
+            grads = backward_pass(t, bwd, q, k, v, out, lse, dout, kern, d**-0.5, kept=kept)
+        posted = [[(op.op is dist.isend, op.peer, op.tensor.numel()) for op in b] for b in batches]
+        answers[name] = {"batches": posted, "results": [out, lse, *grads]}
+    answers["runs"] = _exchange_runs(fwd) + _exchange_runs(bwd)
+    return answers

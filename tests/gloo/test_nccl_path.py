@@ -64,3 +64,36 @@ def test_every_exchange_posts_its_receives_before_its_sends(pools, method, p):
         assert batches and any(False in b and True in b for b in batches), cp_rank
         for sends in batches:
             assert sends == sorted(sends), (cp_rank, sends)  # every False before every True
+
+
+def _run_receives_first(exchange_batches: list[list], runs: list[int]) -> list[list]:
+    """The batches gloo's order posts for exchanges posted one batch each (NCCL's order): a
+    run of several exchanges as the receive parts of its batches, then their send parts."""
+    out, it = [], iter(exchange_batches)
+    for n in runs:
+        batches = [next(it) for _ in range(n)]
+        if n == 1:
+            out += batches
+            continue
+        for send in (False, True):
+            out += [part for b in batches if (part := [op for op in b if op[0] is send])]
+    assert next(it, None) is None
+    return out
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("method,p", [("all_gather", 2), ("charm", 2), ("a2a", 4)])
+def test_gloo_posts_every_receive_of_a_run_before_its_sends(pools, method, p):
+    # Note [Receives of a run first] in megatron_charm/comm/executor.py
+    got = pools(4).run(nccl_path_tasks.run_post_orders, method=method, ranks_per_node=p)
+    for cp_rank, answers in enumerate(got):
+        gloo, nccl, runs = answers["gloo"], answers["nccl"], answers["runs"]
+        # NCCL's order: one batch per exchange, its receives first
+        assert len(nccl["batches"]) == sum(runs), cp_rank
+        assert all(b == sorted(b, key=lambda op: op[0]) for b in nccl["batches"]), cp_rank
+        assert gloo["batches"] == _run_receives_first(nccl["batches"], runs), cp_rank
+        # the posting order moves no number
+        for a, b in zip(gloo["results"], nccl["results"], strict=True):
+            assert torch.equal(a, b), cp_rank
+    # every case has a run of several exchanges, so the two orders differ
+    assert all(max(a["runs"]) > 1 and a["gloo"]["batches"] != a["nccl"]["batches"] for a in got)
