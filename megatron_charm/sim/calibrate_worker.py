@@ -342,6 +342,22 @@ def _attention_calls(cfg: dict, device, topo, method: str, tokens: int, gen, ker
     return kept
 
 
+def _per_exchange(events: list[tuple[str, str, float, float]]) -> list[float]:
+    """Host seconds of each traced ``Exchange``, a run of exchanges posted back to back sharing
+    the run's time equally: on gloo the executor posts a whole run with its last exchange (Note
+    [Receives of a run first] in :mod:`megatron_charm.comm.executor`), whose event then holds
+    the run's posting and the others only their staging."""
+    out: list[float] = []
+    run: list[float] = []
+    for kind, _, start, end in [*events, ("", "", 0.0, 0.0)]:
+        if kind == "Exchange":
+            run.append(end - start)
+        elif run:
+            out += [sum(run) / len(run)] * len(run)
+            run = []
+    return out
+
+
 def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
     """Host seconds of the real attention's calls outside kernels and transfers, from its own
     trace (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): per pass, from the
@@ -364,8 +380,9 @@ def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
                 events = run.events
                 calls.append(events[0][2] - starts[run.backward])
                 for kind, _, start, end in events:
-                    if kind in per_kind:
+                    if kind in ("Compute", "Merge"):
                         per_kind[kind].append(end - start)
+                per_kind["Exchange"] += _per_exchange(events)
     return {
         "s_local": 512,
         "call_s": _slowest(statistics.median(calls)),

@@ -110,3 +110,21 @@ def test_calibrate_refuses_bad_sizes(capsys):
     )
     assert main(["calibrate", "--out", "x.json", "--repeat", "0"]) == 2
     assert "--repeat 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_a_run_of_exchanges_shares_its_host_time_equally():
+    # Note [Receives of a run first]: gloo posts a run with its last exchange, so that event
+    # holds the run's posting and the others only their staging
+    from megatron_charm.sim.calibrate_worker import _per_exchange
+
+    events = [
+        ("Exchange", "intra", 0.0, 0.001),
+        ("Exchange", "cross", 0.001, 0.0011),
+        ("Exchange", "intra", 0.0011, 0.004),
+        ("Compute", "", 0.004, 0.009),
+        ("Exchange", "cross", 0.009, 0.011),
+        ("Wait", "cross", 0.011, 0.012),
+        ("Exchange", "intra", 0.012, 0.016),
+    ]
+    got = _per_exchange(events)
+    assert got == pytest.approx([0.004 / 3] * 3 + [0.002, 0.004])
