@@ -152,16 +152,14 @@ def gqa_expansions(ctx, method: str, ranks_per_node: int, h: int, h_kv: int):
     return answers
 
 
-def exchange_post_order(ctx, method: str, ranks_per_node: int):
-    """Run one forward and backward pass of ``method`` while recording, for every
-    ``batch_isend_irecv`` the executor posts, whether each of its ops is a send, in order."""
-    from megatron_charm.function import backward_pass, forward_pass, validated_plan
+def _small_causal_pass(topo, method: str, seed: int) -> tuple:
+    """``(q, k, v, dout, forward program, backward program, kernel, d)`` of a small causal
+    float64 problem of ``method`` on ``topo``'s rank."""
+    from megatron_charm.function import validated_plan
     from megatron_charm.kernels import select_kernel
     from megatron_charm.plan import AttnShape, PlanOptions
-    from megatron_charm.plan.keep import kept_pieces
 
-    topo = ctx.topology(ranks_per_node)
-    g = torch.Generator().manual_seed(11 + topo.cp_rank)
+    g = torch.Generator().manual_seed(seed + topo.cp_rank)
     s, b, h, d = 8, 1, 4, 4
     q, k, v, dout = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(4))
     plan = validated_plan(
@@ -169,6 +167,17 @@ def exchange_post_order(ctx, method: str, ranks_per_node: int):
     )
     fwd, bwd = plan.forward[topo.cp_rank], plan.backward[topo.cp_rank]
     kern = select_kernel(torch.device("cpu"), torch.float64, "math")
+    return q, k, v, dout, fwd, bwd, kern, d
+
+
+def exchange_post_order(ctx, method: str, ranks_per_node: int):
+    """Run one forward and backward pass of ``method`` while recording, for every
+    ``batch_isend_irecv`` the executor posts, whether each of its ops is a send, in order."""
+    from megatron_charm.function import backward_pass, forward_pass
+    from megatron_charm.plan.keep import kept_pieces
+
+    topo = ctx.topology(ranks_per_node)
+    q, k, v, dout, fwd, bwd, kern, d = _small_causal_pass(topo, method, 11)
     with recorded_batches() as batches:
         out, lse, kept = forward_pass(topo, fwd, q, k, v, kern, d**-0.5, [], keep=kept_pieces(bwd))
         backward_pass(topo, bwd, q, k, v, out, lse, dout, kern, d**-0.5, [], kept=kept)
@@ -199,20 +208,11 @@ def run_post_orders(ctx, method: str, ranks_per_node: int):
     the pass's results, and the lengths of the runs of exchanges of both passes' programs."""
     import dataclasses
 
-    from megatron_charm.function import backward_pass, forward_pass, validated_plan
-    from megatron_charm.kernels import select_kernel
-    from megatron_charm.plan import AttnShape, PlanOptions
+    from megatron_charm.function import backward_pass, forward_pass
     from megatron_charm.plan.keep import kept_pieces
 
     topo = ctx.topology(ranks_per_node)
-    g = torch.Generator().manual_seed(29 + topo.cp_rank)
-    s, b, h, d = 8, 1, 4, 4
-    q, k, v, dout = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(4))
-    plan = validated_plan(
-        PlanOptions(method=method), topo.layout, True, AttnShape(b, s, h, h, d, 8)
-    )
-    fwd, bwd = plan.forward[topo.cp_rank], plan.backward[topo.cp_rank]
-    kern = select_kernel(torch.device("cpu"), torch.float64, "math")
+    q, k, v, dout, fwd, bwd, kern, d = _small_causal_pass(topo, method, 29)
     answers = {}
     # NCCL's order on gloo groups: the backend name is all that chooses it
     for name, t in (("gloo", topo), ("nccl", dataclasses.replace(topo, backend="nccl"))):
