@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,7 @@ from megatron_charm.plan.types import (
 )
 
 Tensor = torch.Tensor
+E = TypeVar("E")  # what names an exchange in run_batches: the plan's Exchange, or a label
 
 
 @dataclass
@@ -87,6 +90,26 @@ def _split(t: Tensor, sizes: list[int], kept: bool) -> list[Tensor]:
     if len(sizes) == 1:
         return [t]
     return [p.clone() if kept else p for p in t.split(sizes)]
+
+
+def run_batches(staged: Sequence[tuple[E, list, list]]) -> list[tuple[E, list]]:
+    """``(exchange, ops)`` batches that post ``staged`` (a run of exchanges posted back to back,
+    each as ``(exchange, receives, sends)``: ops with a ``peer``) in order, each exchange's
+    receives before its sends, and the receives of a later exchange from a peer before the
+    first send to that peer (Note [Receives of a run first]). One exchange: one batch."""
+    out: list[tuple[E, list]] = []
+    early: set[int] = set()
+    for i, (ex, recvs, sends) in enumerate(staged):
+        peers = {op.peer for op in sends}
+        for j in range(i + 1, len(staged)):
+            later, later_recvs, _ = staged[j]
+            if j not in early and any(op.peer in peers for op in later_recvs):
+                early.add(j)
+                out.append((later, later_recvs))
+        ops = sends if i in early else recvs + sends
+        if ops:
+            out.append((ex, ops))
+    return out
 
 
 class DistributedError(RuntimeError):
@@ -224,18 +247,10 @@ class ProgramRunner:
         self.staged.append((ex, recvs, sends))
 
     def _post(self) -> None:
-        """Post the staged exchanges: one alone as one batch, its receives first (Note
-        [Receives first]); a run of several, every receive of the run before any of its sends
-        (Note [Receives of a run first])."""
+        """Post the staged exchanges in :func:`run_batches` order (Note [Receives first], Note
+        [Receives of a run first])."""
         staged, self.staged = self.staged, []
-        if len(staged) == 1:
-            batches = [(ex, recvs + sends) for ex, recvs, sends in staged]
-        else:
-            batches = [(ex, recvs) for ex, recvs, _ in staged]
-            batches += [(ex, sends) for ex, _, sends in staged]
-        for ex, ops in batches:
-            if not ops:
-                continue
+        for ex, ops in run_batches(staged):
             try:
                 self.pending[ex.handle][0].extend(dist.batch_isend_irecv(ops))
             except RuntimeError as exc:
@@ -259,13 +274,18 @@ class ProgramRunner:
     # the 2 x 4 rails testbed at 100 Mbit/s, all_gather's seven exchanges of 0.5 MiB each took
     # 200-327 ms (medians 245, 231) posted one by one and 171-192 ms (medians 177, 174; the
     # link time is 169) with every receive of the run posted first (scripts/bench/gloo_swap.py
-    # --run, docs/results/executor/gloo-run-2x4-rails-100mbit.txt). So on gloo
+    # --run, docs/results/executor/gloo-run-2x4-rails-100mbit.txt). Every receive first is not
+    # the rule, though: gloo moves a connection's bytes once their receive is posted, so the
+    # order of the receives is the order in which the transfers get the link, and a2a, whose
+    # blocks wait for its peers' pieces one peer after another, lost 8% when all of them
+    # competed at once (docs/results/calibrated-2x2.md). So on gloo
     # (CPTopology.receives_first_in_runs) the runner stages the exchanges of a run and posts
-    # all their receives, then all their sends, each exchange still on its own channel:
+    # them in order, each with its receives first, but before an exchange that sends to a peer
+    # it posts the receives from that peer of later exchanges of the run (run_batches):
     #
-    #     program        post A | post B | post C | compute ...
-    #     gloo           recv A, recv B, recv C, send A, send B, send C | compute ...
-    #     NCCL           [recv A, send A] [recv B, send B] [recv C, send C] | compute ...
+    #     program    post A (->1, <-3) | post B (->3, <-1) | compute ...
+    #     gloo       [<-1 of B] [<-3, ->1 of A] [->3 of B] | compute ...
+    #     NCCL       [<-3, ->1 of A] [<-1, ->3 of B]       | compute ...
     #
     # NCCL keeps one group per exchange: a group of receives alone would hold its stream until
     # the peer's matching sends, which that peer posts only in a later group.

@@ -13,9 +13,8 @@ time at the configured rate.
 
 ``--run`` times a run of exchanges instead, on any number of ranks (Note [Receives of a run
 first] in megatron_charm/comm/executor.py): every rank posts one exchange per offset ``o``
-(send to ``rank + o``, receive from ``rank - o``), as all_gather's forward does, either one
-batch per exchange with its receive first or every receive of the run before every send. Rank
-0 prints the slowest rank's time per try::
+(send to ``rank + o``, receive from ``rank - o``), as all_gather's forward does, in each of
+``RUN_ORDERS``. Rank 0 prints the slowest rank's time per try::
 
     python -m megatron_charm.testbed run --nodes 2 --ranks-per-node 4 --topology rails \
         --cross-rate 100mbit -- python scripts/bench/gloo_swap.py --run --mib 0.5 --tries 8
@@ -30,6 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_charm.comm.executor import run_batches
+
 
 def swap(peer: int, out: torch.Tensor, into: torch.Tensor, receives_first: bool) -> None:
     if receives_first:
@@ -40,14 +41,21 @@ def swap(peer: int, out: torch.Tensor, into: torch.Tensor, receives_first: bool)
         work.wait()
 
 
-def post_run(out: torch.Tensor, into: list[torch.Tensor], whole_run: bool) -> None:
-    """One exchange per offset: the run's receives first (``whole_run``) or exchange by
-    exchange, each with its receive first."""
+#: How ``--run`` posts a run: exchange by exchange (each with its receive first), every
+#: receive of the run before every send, or as the executor does on gloo (``run_batches``).
+RUN_ORDERS = ("exchange by exchange", "every receive of the run first", "the executor's order")
+
+
+def post_run(out: torch.Tensor, into: list[torch.Tensor], order: str) -> None:
+    """One exchange per offset ``o``: send to ``rank + o``, receive from ``rank - o``."""
     rank, size = dist.get_rank(), dist.get_world_size()
     recvs = [dist.P2POp(dist.irecv, into[o - 1], (rank - o) % size) for o in range(1, size)]
     sends = [dist.P2POp(dist.isend, out, (rank + o) % size) for o in range(1, size)]
-    if whole_run:
+    if order == RUN_ORDERS[1]:
         batches = [[r] for r in recvs] + [[s] for s in sends]
+    elif order == RUN_ORDERS[2]:
+        staged = [(o, [r], [s]) for o, (r, s) in enumerate(zip(recvs, sends, strict=True))]
+        batches = [ops for _, ops in run_batches(staged)]
     else:
         batches = [[r, s] for r, s in zip(recvs, sends, strict=True)]
     works = [w for batch in batches for w in dist.batch_isend_irecv(batch)]
@@ -58,17 +66,16 @@ def post_run(out: torch.Tensor, into: list[torch.Tensor], whole_run: bool) -> No
 def time_runs(n: int, tries: int) -> None:
     size = dist.get_world_size()
     out, into = torch.ones(n), [torch.empty(n) for _ in range(size - 1)]
-    for whole_run in (False, True):
+    for order in RUN_ORDERS:
         times = []
         for _ in range(tries):
             dist.barrier()
             t0 = time.perf_counter()
-            post_run(out, into, whole_run)
+            post_run(out, into, order)
             slowest = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             times.append(slowest.item() * 1e3)
         if dist.get_rank() == 0:
-            order = "every receive of the run first" if whole_run else "exchange by exchange"
             ms = sorted(times)
             print(
                 f"{order}: median {ms[len(ms) // 2]:.0f} ms, tries "

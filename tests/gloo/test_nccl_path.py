@@ -66,24 +66,17 @@ def test_every_exchange_posts_its_receives_before_its_sends(pools, method, p):
             assert sends == sorted(sends), (cp_rank, sends)  # every False before every True
 
 
-def _run_receives_first(exchange_batches: list[list], runs: list[int]) -> list[list]:
-    """The batches gloo's order posts for exchanges posted one batch each (NCCL's order): a
-    run of several exchanges as the receive parts of its batches, then their send parts."""
-    out, it = [], iter(exchange_batches)
-    for n in runs:
-        batches = [next(it) for _ in range(n)]
-        if n == 1:
-            out += batches
-            continue
-        for send in (False, True):
-            out += [part for b in batches if (part := [op for op in b if op[0] is send])]
+def _runs(exchange_batches: list[list], runs: list[int]) -> list[list[list]]:
+    """The batches of exchanges posted one batch each (NCCL's order), grouped by run."""
+    it = iter(exchange_batches)
+    grouped = [[next(it) for _ in range(n)] for n in runs]
     assert next(it, None) is None
-    return out
+    return grouped
 
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("method,p", [("all_gather", 2), ("charm", 2), ("a2a", 4)])
-def test_gloo_posts_every_receive_of_a_run_before_its_sends(pools, method, p):
+def test_gloo_receives_from_a_peer_before_sending_to_it(pools, method, p):
     # Note [Receives of a run first] in megatron_charm/comm/executor.py
     got = pools(4).run(nccl_path_tasks.run_post_orders, method=method, ranks_per_node=p)
     for cp_rank, answers in enumerate(got):
@@ -91,9 +84,22 @@ def test_gloo_posts_every_receive_of_a_run_before_its_sends(pools, method, p):
         # NCCL's order: one batch per exchange, its receives first
         assert len(nccl["batches"]) == sum(runs), cp_rank
         assert all(b == sorted(b, key=lambda op: op[0]) for b in nccl["batches"]), cp_rank
-        assert gloo["batches"] == _run_receives_first(nccl["batches"], runs), cp_rank
+        posted = [op for b in gloo["batches"] for op in b]
+        start = 0
+        for run in _runs(nccl["batches"], runs):
+            want = [op for b in run for op in b]
+            mine = posted[start : start + len(want)]
+            start += len(want)
+            assert sorted(mine) == sorted(want), cp_rank  # the run's ops, all of them
+            sends = [op for op in want if op[0]]
+            assert [op for op in mine if op[0]] == sends, cp_rank  # sends in program order
+            for i, (send, peer, _) in enumerate(mine):
+                if send:  # every receive from that peer in the run went before
+                    recvs = [op for op in want if not op[0] and op[1] == peer]
+                    assert all(r in mine[:i] for r in recvs), (cp_rank, peer)
+        assert start == len(posted), cp_rank
         # the posting order moves no number
         for a, b in zip(gloo["results"], nccl["results"], strict=True):
             assert torch.equal(a, b), cp_rank
-    # every case has a run of several exchanges, so the two orders differ
-    assert all(max(a["runs"]) > 1 and a["gloo"]["batches"] != a["nccl"]["batches"] for a in got)
+    # in every case some receive moves ahead of its exchange, so the two orders differ
+    assert all(a["gloo"]["batches"] != a["nccl"]["batches"] for a in got)
