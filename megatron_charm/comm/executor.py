@@ -94,22 +94,14 @@ def _split(t: Tensor, sizes: list[int], kept: bool) -> list[Tensor]:
 
 def run_batches(staged: Sequence[tuple[E, list, list]]) -> list[tuple[E, list]]:
     """``(exchange, ops)`` batches that post ``staged`` (a run of exchanges posted back to back,
-    each as ``(exchange, receives, sends)``: ops with a ``peer``) in order, each exchange's
-    receives before its sends, and the receives of a later exchange from a peer before the
-    first send to that peer (Note [Receives of a run first]). One exchange: one batch."""
-    out: list[tuple[E, list]] = []
-    early: set[int] = set()
-    for i, (ex, recvs, sends) in enumerate(staged):
-        peers = {op.peer for op in sends}
-        for j in range(i + 1, len(staged)):
-            later, later_recvs, _ = staged[j]
-            if j not in early and any(op.peer in peers for op in later_recvs):
-                early.add(j)
-                out.append((later, later_recvs))
-        ops = sends if i in early else recvs + sends
-        if ops:
-            out.append((ex, ops))
-    return out
+    each as ``(exchange, receives, sends)``): one exchange as one batch, its receives first;
+    several, every receive of the run, then every send, each in program order (Note [Receives
+    of a run first]). Receives from one peer on one channel must keep their order: gloo
+    matches them to the peer's sends in posting order."""
+    if len(staged) == 1:
+        return [(ex, recvs + sends) for ex, recvs, sends in staged if recvs + sends]
+    out = [(ex, recvs) for ex, recvs, _ in staged if recvs]
+    return out + [(ex, sends) for ex, _, sends in staged if sends]
 
 
 class DistributedError(RuntimeError):
@@ -274,18 +266,23 @@ class ProgramRunner:
     # the 2 x 4 rails testbed at 100 Mbit/s, all_gather's seven exchanges of 0.5 MiB each took
     # 200-327 ms (medians 245, 231) posted one by one and 171-192 ms (medians 177, 174; the
     # link time is 169) with every receive of the run posted first (scripts/bench/gloo_swap.py
-    # --run, docs/results/executor/gloo-run-2x4-rails-100mbit.txt). Every receive first is not
-    # the rule, though: gloo moves a connection's bytes once their receive is posted, so the
-    # order of the receives is the order in which the transfers get the link, and a2a, whose
-    # blocks wait for its peers' pieces one peer after another, lost 8% when all of them
-    # competed at once (docs/results/calibrated-2x2.md). So on gloo
+    # --run, docs/results/executor/gloo-run-2x4-rails-100mbit.txt). So on gloo
     # (CPTopology.receives_first_in_runs) the runner stages the exchanges of a run and posts
-    # them in order, each with its receives first, but before an exchange that sends to a peer
-    # it posts the receives from that peer of later exchanges of the run (run_batches):
+    # every receive of the run, then every send, each in program order (run_batches):
     #
     #     program    post A (->1, <-3) | post B (->3, <-1) | compute ...
-    #     gloo       [<-1 of B] [<-3, ->1 of A] [->3 of B] | compute ...
-    #     NCCL       [<-3, ->1 of A] [<-1, ->3 of B]       | compute ...
+    #     gloo       [<-3 of A] [<-1 of B] [->1 of A] [->3 of B] | compute ...
+    #     NCCL       [<-3, ->1 of A] [<-1, ->3 of B]             | compute ...
+    #
+    # The receives must keep their program order: gloo matches a pair's receives on one
+    # channel to the peer's sends in posting order, so moving one receive ahead of an earlier
+    # one from the same peer mismatches them. A rule that posted only the receives from a
+    # send's peer ahead of it did that on grouped-query a2a+p2p (gloo aborted: "Received data
+    # size doesn't match expected size"; with equal sizes the data would have been swapped);
+    # tests/gloo/test_nccl_path.py checks the order on such plans. Measured on the attention,
+    # back to back on 2 x 2 at 50 Mbit/s: charm's forward 214-218 -> 177-180 ms, all_gather's
+    # 428 -> 358 (its slow mode gone), ring's unchanged (no runs), a2a's 181-194 -> 193-201,
+    # not understood (docs/results/calibrated-2x2.md).
     #
     # NCCL keeps one group per exchange: a group of receives alone would hold its stream until
     # the peer's matching sends, which that peer posts only in a later group.

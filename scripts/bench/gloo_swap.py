@@ -41,9 +41,10 @@ def swap(peer: int, out: torch.Tensor, into: torch.Tensor, receives_first: bool)
         work.wait()
 
 
-#: How ``--run`` posts a run: exchange by exchange (each with its receive first), every
-#: receive of the run before every send, or as the executor does on gloo (``run_batches``).
-RUN_ORDERS = ("exchange by exchange", "every receive of the run first", "the executor's order")
+#: How ``--run`` posts a run: exchange by exchange (each with its receive first, the executor
+#: before 2026-12-05 18:05 UTC), or as the executor does on gloo now (``run_batches``: every
+#: receive of the run, then every send).
+RUN_ORDERS = ("exchange by exchange", "every receive of the run first")
 
 
 def post_run(out: torch.Tensor, into: list[torch.Tensor], order: str) -> None:
@@ -52,8 +53,6 @@ def post_run(out: torch.Tensor, into: list[torch.Tensor], order: str) -> None:
     recvs = [dist.P2POp(dist.irecv, into[o - 1], (rank - o) % size) for o in range(1, size)]
     sends = [dist.P2POp(dist.isend, out, (rank + o) % size) for o in range(1, size)]
     if order == RUN_ORDERS[1]:
-        batches = [[r] for r in recvs] + [[s] for s in sends]
-    elif order == RUN_ORDERS[2]:
         staged = [(o, [r], [s]) for o, (r, s) in enumerate(zip(recvs, sends, strict=True))]
         batches = [ops for _, ops in run_batches(staged)]
     else:

@@ -152,18 +152,19 @@ def gqa_expansions(ctx, method: str, ranks_per_node: int, h: int, h_kv: int):
     return answers
 
 
-def _small_causal_pass(topo, method: str, seed: int) -> tuple:
+def _small_causal_pass(topo, method: str, seed: int, h_kv: int = 4) -> tuple:
     """``(q, k, v, dout, forward program, backward program, kernel, d)`` of a small causal
-    float64 problem of ``method`` on ``topo``'s rank."""
+    float64 problem of ``method`` on ``topo``'s rank, 4 query heads over ``h_kv`` kv heads."""
     from megatron_charm.function import validated_plan
     from megatron_charm.kernels import select_kernel
     from megatron_charm.plan import AttnShape, PlanOptions
 
     g = torch.Generator().manual_seed(seed + topo.cp_rank)
     s, b, h, d = 8, 1, 4, 4
-    q, k, v, dout = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(4))
+    q, dout = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, b, h_kv, d, generator=g, dtype=torch.float64) for _ in range(2))
     plan = validated_plan(
-        PlanOptions(method=method), topo.layout, True, AttnShape(b, s, h, h, d, 8)
+        PlanOptions(method=method), topo.layout, True, AttnShape(b, s, h, h_kv, d, 8)
     )
     fwd, bwd = plan.forward[topo.cp_rank], plan.backward[topo.cp_rank]
     kern = select_kernel(torch.device("cpu"), torch.float64, "math")
@@ -200,7 +201,7 @@ def _exchange_runs(program) -> list[int]:
     return runs
 
 
-def run_post_orders(ctx, method: str, ranks_per_node: int):
+def run_post_orders(ctx, method: str, ranks_per_node: int, h_kv: int = 4):
     """One forward and backward pass of ``method`` posted in gloo's order (every receive of a
     run first) and in NCCL's (one batch per exchange), on the same gloo groups.
 
@@ -212,7 +213,7 @@ def run_post_orders(ctx, method: str, ranks_per_node: int):
     from megatron_charm.plan.keep import kept_pieces
 
     topo = ctx.topology(ranks_per_node)
-    q, k, v, dout, fwd, bwd, kern, d = _small_causal_pass(topo, method, 29)
+    q, k, v, dout, fwd, bwd, kern, d = _small_causal_pass(topo, method, 29, h_kv)
     answers = {}
     # NCCL's order on gloo groups: the backend name is all that chooses it
     for name, t in (("gloo", topo), ("nccl", dataclasses.replace(topo, backend="nccl"))):

@@ -31,21 +31,33 @@ def test_one_exchange_is_one_batch_receives_first():
     assert _named(run_batches(_run(("A", [3], [1])))) == [("A", ["<-3", "->1"])]
 
 
-def test_receives_from_a_peer_go_before_the_first_send_to_it():
+def test_a_run_posts_every_receive_then_every_send_in_program_order():
     # a2a's forward on 4 ranks, rank 0: q and kv to 1, 2, 3; from 3, 2, 1
     staged = _run(("q1", [3], [1]), ("kv1", [3], [1]), ("q2", [2], [2]), ("kv2", [2], [2]))
     staged += _run(("q3", [1], [3]), ("kv3", [1], [3]))
     assert _named(run_batches(staged)) == [
+        ("q1", ["<-3"]),
+        ("kv1", ["<-3"]),
+        ("q2", ["<-2"]),
+        ("kv2", ["<-2"]),
         ("q3", ["<-1"]),
         ("kv3", ["<-1"]),
-        ("q1", ["<-3", "->1"]),
-        ("kv1", ["<-3", "->1"]),
-        ("kv2", ["<-2"]),  # q2 sends to 2 before kv2 would receive from it
-        ("q2", ["<-2", "->2"]),
+        ("q1", ["->1"]),
+        ("kv1", ["->1"]),
+        ("q2", ["->2"]),
         ("kv2", ["->2"]),
         ("q3", ["->3"]),
         ("kv3", ["->3"]),
     ]
+
+
+def test_receives_from_one_peer_keep_their_order():
+    # gloo matches a pair's receives to the peer's sends in posting order
+    staged = _run(("A", [2, 5], [2]), ("B", [5], [1]), ("C", [2], [5]))
+    posted = [(name, op) for name, ops in run_batches(staged) for op in ops]
+    for peer in (2, 5):
+        got = [name for name, op in posted if not op.send and op.peer == peer]
+        assert got == [name for name, recv, _ in staged for op in recv if op.peer == peer]
 
 
 def test_all_gather_receives_every_peer_before_sending_to_it():
@@ -53,15 +65,9 @@ def test_all_gather_receives_every_peer_before_sending_to_it():
     staged = _run(*((f"o{o}", [8 - o], [o]) for o in range(1, 8)))
     posted = [op for _, ops in run_batches(staged) for op in ops]
     assert sorted(posted) == sorted(op for _, r, s in staged for op in r + s)
-    for i, op in enumerate(posted):
-        if op.send:  # the receive from that peer came before
-            assert Op(False, op.peer) in posted[:i], op
-    # the sends keep the program's order, and nothing is hoisted that need not be
-    assert [op.peer for op in posted if op.send] == list(range(1, 8))
-    assert [n for n, ops in run_batches(staged) if not ops[-1].send] == ["o7", "o6", "o5"]
+    assert posted == [Op(False, 8 - o) for o in range(1, 8)] + [Op(True, o) for o in range(1, 8)]
 
 
-def test_a_run_without_shared_peers_keeps_the_program_order():
-    # ring-like: send to the next rank, receive from the one before, in every exchange
-    staged = _run(("A", [3], [1]), ("B", [3], [1]))
-    assert _named(run_batches(staged)) == [("A", ["<-3", "->1"]), ("B", ["<-3", "->1"])]
+def test_empty_parts_post_nothing():
+    staged = _run(("A", [], [1]), ("B", [3], []))
+    assert _named(run_batches(staged)) == [("B", ["<-3"]), ("A", ["->1"])]
