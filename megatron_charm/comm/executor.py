@@ -98,10 +98,11 @@ def run_batches(staged: Sequence[tuple[E, list, list]]) -> list[tuple[E, list]]:
     several, every receive of the run, then every send, each in program order (Note [Receives
     of a run first]). Receives from one peer on one channel must keep their order: gloo
     matches them to the peer's sends in posting order."""
-    if len(staged) == 1:
-        return [(ex, recvs + sends) for ex, recvs, sends in staged if recvs + sends]
-    out = [(ex, recvs) for ex, recvs, _ in staged if recvs]
-    return out + [(ex, sends) for ex, _, sends in staged if sends]
+    if len(staged) > 1:
+        out = [(ex, recvs) for ex, recvs, _ in staged if recvs]
+        return out + [(ex, sends) for ex, _, sends in staged if sends]
+    ((ex, recvs, sends),) = staged
+    return [(ex, recvs + sends)] if recvs or sends else []
 
 
 class DistributedError(RuntimeError):

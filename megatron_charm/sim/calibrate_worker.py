@@ -19,6 +19,7 @@ others return ``None``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -348,13 +349,10 @@ def _per_exchange(events: list[tuple[str, str, float, float]]) -> list[float]:
     [Receives of a run first] in :mod:`megatron_charm.comm.executor`), whose event then holds
     the run's posting and the others only their staging."""
     out: list[float] = []
-    run: list[float] = []
-    for kind, _, start, end in [*events, ("", "", 0.0, 0.0)]:
-        if kind == "Exchange":
-            run.append(end - start)
-        elif run:
-            out += [sum(run) / len(run)] * len(run)
-            run = []
+    for posted, run in itertools.groupby(events, key=lambda e: e[0] == "Exchange"):
+        if posted:
+            times = [end - start for _, _, start, end in run]
+            out += [sum(times) / len(times)] * len(times)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -189,16 +190,8 @@ def _exchange_runs(program) -> list[int]:
     """Lengths of the runs of exchanges that ``program`` posts back to back, in order."""
     from megatron_charm.plan.types import Exchange
 
-    runs: list[int] = []
-    previous = False
-    for ins in program.instrs:
-        is_exchange = isinstance(ins, Exchange)
-        if is_exchange and previous:
-            runs[-1] += 1
-        elif is_exchange:
-            runs.append(1)
-        previous = is_exchange
-    return runs
+    grouped = itertools.groupby(program.instrs, key=lambda ins: isinstance(ins, Exchange))
+    return [len(list(run)) for posted, run in grouped if posted]
 
 
 def run_post_orders(ctx, method: str, ranks_per_node: int, h_kv: int = 4):
