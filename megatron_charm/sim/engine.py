@@ -22,7 +22,8 @@ Communication follows the rule that :func:`megatron_charm.plan.validate.replay` 
 in posting order (one communicator, one stream), an exchange *starts* when it is posted and its
 predecessor on the channel has completed (``Topology.exchange_order="pair"``, as gloo runs them:
 when it is posted, and only the transfers between one pair on one channel keep their order, each
-starting when the pair's previous one has finished), the ``i``-th send from ``x`` to ``y`` on a
+starting when the pair's previous one has finished; a run of consecutive exchanges is posted at
+its last, Note [Runs posted together]), the ``i``-th send from ``x`` to ``y`` on a
 channel meets the ``i``-th receive of ``y`` from ``x`` on it, and that transfer starts when both
 sides' exchanges have started. An exchange completes when all its transfers have. Channels run
 concurrently and interact only through link resources (:mod:`megatron_charm.sim.topology`). The
@@ -67,6 +68,19 @@ _HOST, _COMPUTE, _HOST_WORK = ("host", 0), -1, -2
 #
 # When only one node's ranks are replayed (Note [Node symmetry]) they get their share of the
 # host. Profiles of GPUs (each rank its own device) have no slots and keep fixed block times.
+
+# Note [Runs posted together]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On gloo (``exchange_order="pair"``) the runner stages a run of consecutive exchanges and
+# posts them all when it reaches the run's last one (Note [Receives of a run first] in
+# megatron_charm/comm/executor.py). The replay does the same: each exchange of a run still
+# costs its host work where it stands, but its transfers start with the run's last exchange.
+# On a first-come link this decides who goes first: an all-to-all's sends to its three peers
+# start together and share the link instead of following each other by their posting costs.
+# Testbed sweep of 2026-12-05 (on the executor that posts runs so, profile r): a2a's forward
+# on 2 x 2 at 200 Mbit/s was predicted 20-22% too fast with each exchange starting where it
+# stands, -3..-13% with the run started together; 190 -> 194 of 196 times within +-20%
+# (docs/results/calibrated-2x2.md). NCCL (``"channel"``) posts one group per exchange.
 
 # Note [Enqueue ahead]
 # ~~~~~~~~~~~~~~~~~~~~
@@ -395,6 +409,8 @@ class Engine:
         self.finished = [False] * n
         self.compute_start = [0.0] * n
         self.paid = [False] * n  # the host work of the exchange at pc is done
+        # exchange_order "pair": a run's exchanges not yet posted (Note [Runs posted together])
+        self.staged: list[list[tuple[Exchange, object]]] = [[] for _ in range(n)]
         for i in range(n):
             if self.host_call > 0:  # the call's own host work, before its first instruction
                 self._host_busy(i, self.host_call, 0.0)
@@ -443,6 +459,15 @@ class Engine:
                     self._host_busy(i, self.host_post + self.host_byte * sent, now)
                     return
                 self.paid[i] = False
+                run_goes_on = pc + 1 < len(instrs) and isinstance(instrs[pc + 1], Exchange)
+                if self.pair_order and run_goes_on:
+                    # Note [Runs posted together]: gloo's runner posts a run at its last exchange
+                    self.staged[i].append((ins, costs[pc]))
+                    pc += 1
+                    continue
+                for ex, transfers in self.staged[i]:
+                    self._post(i, ex, transfers, now)
+                self.staged[i].clear()
                 self._post(i, ins, costs[pc], now)
                 pc += 1
             elif isinstance(ins, Wait):

@@ -192,7 +192,8 @@ class Topology:
     """How a rank's exchanges on one channel proceed (Note [Replay semantics] in
     :mod:`megatron_charm.sim.engine`): ``"channel"`` one after another, as NCCL runs them on
     one stream per communicator; ``"pair"`` at once, keeping only each pair's transfers in
-    order, as gloo runs them."""
+    order, and a run of consecutive exchanges posted at its last, as the runner posts them on
+    gloo (Note [Runs posted together] in :mod:`megatron_charm.sim.engine`)."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.ranks_per_node < 1:

@@ -494,6 +494,56 @@ def test_a_fifo_link_serves_the_earlier_transfer_first(fifo: bool, want_ms: floa
     )
 
 
+@pytest.mark.parametrize(("order", "want_ms"), [("pair", 4.0), ("channel", 3.0)])
+def test_gloo_posts_a_run_of_exchanges_at_its_last(order: str, want_ms: float) -> None:
+    # Note [Runs posted together]: rank 0 posts a run of two exchanges (a, b) to rank 1, which
+    # receives them in a run of its own; posting costs 1 ms each, a transfer alone 1 ms on a
+    # first-come link. NCCL ("channel"): a starts at 1 ms and ends at 2, b at 2 and ends at 3.
+    # gloo ("pair"): the runner posts both at 2 ms, they share the link and end at 4
+    from megatron_charm.plan.builder import ProgramBuilder, recv, send
+    from megatron_charm.plan.types import Kind
+    from megatron_charm.sim.compute import FittedCompute
+    from megatron_charm.sim.programs import ProgramSet
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    x, y = ProgramBuilder(0), ProgramBuilder(1)
+    sent = [x.exchange(c, [send(1, Kind.KV, 0, Part.FULL)]) for c in "ab"]
+    got = [y.exchange(c, [recv(0, Kind.KV, 0, Part.FULL)]) for c in "ab"]
+    for b, handles in ((x, sent), (y, got)):
+        for h in handles:
+            b.wait(h)
+    progs = (x.finish(), y.finish())
+    sets = ProgramSet(PlanOptions(method="ring"), Layout(2, 1), False, progs, progs, "none")
+    bw = 2 * 64 * 64 * 2 / 1e-3 / 1e9  # GB/s: one kv in 1 ms
+    t = Topology(2, 1, 1e3, bw, 0.0, 0.0, cross_fifo=True, exchange_order=order)
+    posting = FittedCompute(1e30, 1e30, mem_bw=1e30, host_post_s=1e-3)
+    res = simulate_pass(sets, t, shape, posting, False, record=True)
+    assert res.makespan == pytest.approx(want_ms * 1e-3, rel=1e-6)
+    starts = sorted(s for r in res.ranks for s, _, _ in r.transfers)
+    assert starts == pytest.approx([2e-3] * 4 if order == "pair" else [1e-3, 1e-3, 2e-3, 2e-3])
+
+
+def test_a_run_of_a_plan_starts_together_on_gloo() -> None:
+    # every exchange of a run (consecutive exchanges, as the runner stages them) starts when
+    # the run's last is posted; a2a's forward posts its six inputs as one run
+    from megatron_charm.plan.types import Exchange
+    from megatron_charm.sim.compute import FittedCompute
+
+    shape = AttnShape(b=1, s_local=64, h=4, h_kv=4, d=64)
+    t = Topology(2, 2, 1.0, 0.1, exchange_order="pair")
+    posting = FittedCompute(1e12, 1e12, mem_bw=1e12, host_post_s=1e-3)
+    for method in ("a2a", "all_gather", "charm"):
+        progs = programs(PlanOptions(method=method), Layout(2, 2), True, mode="full")
+        res = simulate_pass(progs, t, shape, posting, False, record=True)
+        for prog, r in zip(progs.forward, res.ranks, strict=True):
+            # posting costs 1 ms per exchange: one start time per run, not per exchange
+            starts = {s for s, _, _ in r.transfers}
+            kinds = [isinstance(i, Exchange) for i in prog.instrs]
+            runs = sum(1 for i, is_ex in enumerate(kinds) if is_ex and (i == 0 or not kinds[i - 1]))
+            assert runs < len(r.transfers) == len(prog.exchanges()), method
+            assert len(starts) == runs, method
+
+
 def test_an_unknown_exchange_order_is_refused() -> None:
     with pytest.raises(ValueError, match="exchange_order 'fifo' is not one of"):
         Topology(1, 4, 1.0, 1.0, exchange_order="fifo")
