@@ -60,7 +60,9 @@ docs/results/calibrated-2x2.md). One run cannot tell a noisy point from a model 
 same point can: a miss outside the runs' spread is the model's, one inside it may be the host's.
 
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
-[--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``.
+[--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``; ``--timeline METHOD``
+prints the replayed forward of one method per rank instead, to set beside the measured one
+(``megatron-charm-bench timeline RAW.json`` of an ``attention --raw`` run).
 """
 
 from __future__ import annotations
@@ -258,6 +260,36 @@ def compare(
     return rows
 
 
+def replay_timeline(result: dict, cal: Calibration, method: str) -> str:
+    """The replayed forward of ``method`` on ``result``'s point, per rank: each block (``C``),
+    merge (``M``), host work (``H``) and wait (``W``), and each exchange's transfers (``X``, from
+    its start to its completion), in ms from the call's start; the replay's side of
+    ``megatron-charm-bench timeline``."""
+    if method not in result["methods"]:
+        raise ValueError(
+            f"--timeline {method!r}: the result has no such method (it has "
+            f"{', '.join(result['methods'])}); pick one of them"
+        )
+    pred = predict(
+        cal.topo,
+        cal.problem,
+        cal.compute,
+        (method,),
+        options=_plan_options(result),
+        record=True,
+    )
+    fwd = pred.methods[method].forward
+    lines = [f"{method} fwd, replayed: {fwd.makespan * 1e3:.1f} ms"]
+    for r in fwd.ranks:
+        events = [*r.timeline, *((s, e, f"X {ch}") for s, e, ch in r.transfers)]
+        lines.append(f"cp_rank {r.cp_rank}:")
+        lines += [
+            f"  {label:26s} {s * 1e3:8.1f} {e * 1e3:8.1f} {(e - s) * 1e3:7.1f}"
+            for s, e, label in sorted(events, key=lambda x: (x[0], x[1]))
+        ]
+    return "\n".join(lines) + "\n"
+
+
 #: Config keys that may differ between runs of one point (Note [Repeatability]).
 RUN_KEYS = ("methods", "iters", "warmup", "timeout_s")
 
@@ -374,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         "each result's configured rate",
     )
     ap.add_argument("--out", help="write the Markdown here")
+    ap.add_argument(
+        "--timeline",
+        metavar="METHOD",
+        help="print the replayed forward of METHOD per rank, for each result, instead",
+    )
     args = ap.parse_args(argv)
     probe = None
     if args.probe:
@@ -400,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None:
             kw["profile"] = profile_for(base, result, args.profile_rate)
         cal = calibrate(result, probe, **kw)
+        if args.timeline:
+            print(f"### {name}\n{replay_timeline(result, cal, args.timeline)}")
+            continue
         rows = compare(result, cal=cal, repeats=repeats)
         ranks = result["layout"][0] * result["layout"][1]
         every += [dict(r, ranks=ranks) for r in rows]
@@ -429,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"auto's pick against it: {over}."
             )
         parts.append(part)
+    if args.timeline:
+        return 0
     n_ok = sum(abs(r["error"]) <= 0.25 for r in every)
     n_20 = sum(abs(r["error"]) <= 0.20 for r in every)
     spreads = [r["spread"] for r in every if len(r["runs_s"]) > 1]

@@ -79,3 +79,26 @@ def test_the_header_counts_per_cp_size_and_each_methods_median() -> None:
         "Within +-20%: 1 of 2 on 4 ranks; 1 of 2 on 8 ranks. "
         "Median error per method: charm -5%, ring +10%."
     )
+
+
+def test_the_replayed_timeline_lists_every_exchange_and_its_time(tmp_path, capsys) -> None:
+    # --timeline prints the replay's forward per rank: its makespan is the one compare()
+    # predicts, and every exchange of every rank's program shows as one X line
+    from megatron_charm.plan import PlanOptions
+    from megatron_charm.plan.types import Layout
+    from megatron_charm.sim.programs import programs
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_result(1000.0, 800.0)))
+    assert main([str(path), "--intra-gbps", "1", "--timeline", "charm"]) == 0
+    out = capsys.readouterr().out
+    rows = compare(_result(1000.0, 800.0), intra_gbps=1.0)
+    charm = next(r for r in rows if r["method"] == "charm" and r["pass"] == "fwd")
+    assert f"charm fwd, replayed: {charm['predicted_s'] * 1e3:.1f} ms" in out
+    progs = programs(PlanOptions(method="charm"), Layout(2, 2), True, mode="full")
+    per_rank = out.split("cp_rank ")[1:]
+    assert len(per_rank) == 4
+    for prog, text in zip(progs.forward, per_rank, strict=True):
+        assert text.count(" X ") == len(prog.exchanges()) > 0
+    with pytest.raises(ValueError, match="--timeline 'a2a': the result has no such method"):
+        main([str(path), "--intra-gbps", "1", "--timeline", "a2a"])
