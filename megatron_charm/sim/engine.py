@@ -80,7 +80,8 @@ _HOST, _COMPUTE, _HOST_WORK = ("host", 0), -1, -2
 # Testbed sweep of 2026-12-05 (on the executor that posts runs so, profile r): a2a's forward
 # on 2 x 2 at 200 Mbit/s was predicted up to 22% too fast with each exchange starting where
 # it stands, within -2..+6% with the run started together; 190 -> 194 of 196 times within
-# +-20% (docs/results/calibrated-2x2.md). NCCL (``"channel"``) posts one group per exchange.
+# +-20%, and 193-194 on a fresh sweep after the change (docs/results/calibrated-2x2.md). NCCL
+# (``"channel"``) posts one group per exchange.
 
 # Note [Enqueue ahead]
 # ~~~~~~~~~~~~~~~~~~~~
