@@ -494,27 +494,35 @@ def test_a_fifo_link_serves_the_earlier_transfer_first(fifo: bool, want_ms: floa
     )
 
 
-@pytest.mark.parametrize(("order", "want_ms"), [("pair", 4.0), ("channel", 3.0)])
-def test_gloo_posts_a_run_of_exchanges_at_its_last(order: str, want_ms: float) -> None:
-    # Note [Runs posted together]: rank 0 posts a run of two exchanges (a, b) to rank 1, which
-    # receives them in a run of its own; posting costs 1 ms each, a transfer alone 1 ms on a
-    # first-come link. NCCL ("channel"): a starts at 1 ms and ends at 2, b at 2 and ends at 3.
-    # gloo ("pair"): the runner posts both at 2 ms, they share the link and end at 4
+def _kv_sends_to_the_next_node(count: int):
+    """Two ranks on two nodes: rank 0 sends ``count`` kv to rank 1 in a run of exchanges on
+    channels of their own, rank 1 receives them in a run of its own, each waits for all; and the
+    cross rate (GB/s) at which one kv takes 1 ms."""
     from megatron_charm.plan.builder import ProgramBuilder, recv, send
     from megatron_charm.plan.types import Kind
-    from megatron_charm.sim.compute import FittedCompute
     from megatron_charm.sim.programs import ProgramSet
 
-    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
     x, y = ProgramBuilder(0), ProgramBuilder(1)
-    sent = [x.exchange(c, [send(1, Kind.KV, 0, Part.FULL)]) for c in "ab"]
-    got = [y.exchange(c, [recv(0, Kind.KV, 0, Part.FULL)]) for c in "ab"]
-    for b, handles in ((x, sent), (y, got)):
+    sends = [x.exchange(f"c{i}", [send(1, Kind.KV, 0, Part.FULL)]) for i in range(count)]
+    recvs = [y.exchange(f"c{i}", [recv(0, Kind.KV, 0, Part.FULL)]) for i in range(count)]
+    for b, handles in ((x, sends), (y, recvs)):
         for h in handles:
             b.wait(h)
     progs = (x.finish(), y.finish())
     sets = ProgramSet(PlanOptions(method="ring"), Layout(2, 1), False, progs, progs, "none")
-    bw = 2 * 64 * 64 * 2 / 1e-3 / 1e9  # GB/s: one kv in 1 ms
+    return sets, 2 * 64 * 64 * 2 / 1e-3 / 1e9
+
+
+@pytest.mark.parametrize(("order", "want_ms"), [("pair", 4.0), ("channel", 3.0)])
+def test_gloo_posts_a_run_of_exchanges_at_its_last(order: str, want_ms: float) -> None:
+    # Note [Runs posted together]: rank 0 posts a run of two exchanges to rank 1, which
+    # receives them in a run of its own; posting costs 1 ms each, a transfer alone 1 ms on a
+    # first-come link. NCCL ("channel"): the first starts at 1 ms and ends at 2, the second at 2
+    # and ends at 3. gloo ("pair"): the runner posts both at 2 ms, they share the link, end at 4
+    from megatron_charm.sim.compute import FittedCompute
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    sets, bw = _kv_sends_to_the_next_node(2)
     t = Topology(2, 1, 1e3, bw, 0.0, 0.0, cross_fifo=True, exchange_order=order)
     posting = FittedCompute(1e30, 1e30, mem_bw=1e30, host_post_s=1e-3)
     res = simulate_pass(sets, t, shape, posting, False, record=True)
@@ -664,21 +672,10 @@ def test_a_fixed_cost_on_the_link_is_paid_once_per_transfer(on_link, count, want
     # own, to rank 1 on the other node over one link; each alone takes 1 ms of fixed cost and
     # 1 ms of bytes. A delay is waited out side by side (1 ms, then the bytes shared); on the
     # link every transfer's fixed cost is the link's time too (count x 2 ms)
-    from megatron_charm.plan.builder import ProgramBuilder, recv, send
-    from megatron_charm.plan.types import Kind
     from megatron_charm.sim.predict import ccr_parts
-    from megatron_charm.sim.programs import ProgramSet
 
     shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
-    x, y = ProgramBuilder(0), ProgramBuilder(1)
-    sends = [x.exchange(f"c{i}", [send(1, Kind.KV, 0, Part.FULL)]) for i in range(count)]
-    recvs = [y.exchange(f"c{i}", [recv(0, Kind.KV, 0, Part.FULL)]) for i in range(count)]
-    for b, handles in ((x, sends), (y, recvs)):
-        for h in handles:
-            b.wait(h)
-    progs = (x.finish(), y.finish())
-    sets = ProgramSet(PlanOptions(method="ring"), Layout(2, 1), False, progs, progs, "none")
-    bw = 2 * 64 * 64 * 2 / 1e-3 / 1e9  # GB/s: one kv in 1 ms
+    sets, bw = _kv_sends_to_the_next_node(count)
     t = Topology(2, 1, 1e3, bw, intra_lat=0.0, cross_lat=1e-3, cross_lat_on_link=on_link)
     assert simulate_pass(sets, t, shape, COMPUTE, False).makespan == pytest.approx(
         want_ms * 1e-3, rel=1e-9
