@@ -284,7 +284,7 @@ class ProgramRunner:
     # back to back on 2 x 2 at 50 Mbit/s: charm's forward 214-218 -> 177-180 ms, all_gather's
     # 428 -> 358 (its slow mode gone), ring's unchanged (no runs), a2a's 181-194 -> 193-201:
     # its sends to every peer now share the cross link, so no owner's inputs come in ahead of
-    # the others (the replay predicts it, Note [Runs posted together] in
+    # the others (the replay predicts the forward+backward's loss, Note [Runs posted together] in
     # megatron_charm/sim/engine.py; docs/results/calibrated-2x2.md).
     #
     # NCCL keeps one group per exchange: a group of receives alone would hold its stream until
