@@ -35,7 +35,12 @@ from megatron_charm.sim.predict import (
 )
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
-from megatron_charm.sim.sensitivity import assumes_preset_costs, enqueue_note, intra_lat_note
+from megatron_charm.sim.sensitivity import (
+    assumes_preset_costs,
+    enqueue_note,
+    fits_note,
+    intra_lat_note,
+)
 from megatron_charm.sim.topology import (
     CROSS_LINKS,
     FABRICS,
@@ -426,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                 candidates,
                 known,
             )
+        fits: str | None = None
+        if profile is not None and profile.measured and profile.fit_error:
+            # Note [What a fit's error moves]
+            fits = fits_note(pred, lead, compute, topo, replay, profile.fit_error, candidates)
         if a2a is not None and "tasp" in pred.methods:
             tasp_note = (
                 f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "
@@ -436,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if adv is not None:
         adv.reasons.append(uncertainty(pred, adv.method, profile))
-        adv.reasons.extend(n for n in (note, links_note) if n)
+        adv.reasons.extend(n for n in (fits, note, links_note) if n)
         if args.json:
             print(json.dumps({"cp_comm_type": adv.method, "reasons": adv.reasons}, indent=2))
         else:
@@ -454,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         data["replay"] = {"schedules": args.replay, "what": replayed}
         if tasp_note:
             data["tasp_links"] = tasp_note
+        if fits:
+            data["fits_note"] = fits
         if note:
             data["enqueue_note"] = note
         if links_note:
@@ -465,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         if tasp_note:
             print(tasp_note)
         print(uncertainty(pred, lead, profile))
-        for n in (note, links_note):
+        for n in (fits, note, links_note):
             if n:
                 print(n)
     return 0

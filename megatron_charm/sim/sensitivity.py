@@ -1,4 +1,5 @@
-"""How much a preset's assumed host and intra-node link costs move a recommendation.
+"""How much a preset's assumed host and intra-node link costs, and a measured profile's fit
+errors, move a recommendation.
 
 Note [Enqueue sensitivity]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -33,6 +34,29 @@ range, ``advise`` says what each gives::
       (`megatron-charm-sim calibrate`) and use that profile before trusting this margin
 
 (the same example: the margin of 1.74x leaves its range at 80 us.)
+
+Note [What a fit's error moves]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A measured profile quotes its largest fit residual ``e`` and ``advise`` widens the margin by it
+as if each method's time could be off by ``e`` on its own. That bound is safe and often
+useless: on the CPU testbed the loopback fit misses one sample by 64% (its transfers take
+microseconds of passes of hundreds of milliseconds), and a margin of 1.69x became 0.37x-7.75x.
+A fit's error moves every method that uses what it prices, in the same direction. So for a
+measured profile the two leading methods are also replayed with each fit's timings scaled by its
+own worst miss, up and down in turn (blocks' forward or backward costs, one link's fixed cost and
+time per byte, the host's work per pass, exchange and byte), and ``fits_note`` says where their
+margin goes, the most any one fit moves it either way added up over the fits::
+
+    fits: each fit replayed at its own worst miss (cross 8%, host_cpu 29%, intra 64%,
+      kernel_bwd 8%, kernel_fwd 1%), charm's margin over a2a 1.69x stays within 1.65x-1.74x
+      (the most: host_cpu); not covered: the replay's own error (a CPU testbed's sweep:
+      docs/simulator.md (c))
+
+(profile ``epyc-w`` of docs/results/calibrate/, 2 x 2, 2,048 tokens causal, 4 heads of 64:
+the margin that the largest residual alone widens to 0.37x-7.75x.) It costs two replays of the
+two leaders per fit, about three times a plain ``predict`` of a small group.
+
+Residuals it cannot scale (``repeat``, a calibration's spread) are left to the wider range.
 """
 
 from __future__ import annotations
@@ -184,4 +208,93 @@ def intra_lat_note(
         f"links: the preset's {topo.intra_lat * 1e6:g} us per intra-node transfer is the paper's "
         f"runs', not measured on this cluster; {leads}: measure it (`megatron-charm-sim "
         "calibrate`) and use that profile before trusting this margin"
+    )
+
+
+#: What each fit of a measured profile prices (Note [What a fit's error moves]): compute fields
+#: scaled as time (a rate divides), link fields by their class (``intra`` or ``cross``).
+_COMPUTE_FITS = {
+    "kernel_fwd": ("fwd_overhead", "fwd_per_element", "/fwd_flops_per_s"),
+    "kernel_bwd": ("bwd_overhead", "bwd_per_element", "/bwd_flops_per_s"),
+    "host_cpu": (
+        "host_call_s",
+        "host_post_s",
+        "host_byte_s",
+        "host_element_fwd_s",
+        "host_element_bwd_s",
+        "transport_post_s",
+        "transport_byte_s",
+    ),
+}
+
+
+def scaled_fit(
+    key: str, factor: float, compute: ComputeModel, topo: Topology
+) -> tuple[ComputeModel, Topology] | None:
+    """``compute`` and ``topo`` with what fit ``key`` prices taking ``factor`` times as long, or
+    ``None`` where this cannot scale it (an unknown key, or a compute model without those
+    fields)."""
+    if key in ("intra", "cross"):
+        bw, lat = getattr(topo, f"{key}_bw"), getattr(topo, f"{key}_lat")
+        links = dataclasses.replace(topo, **{f"{key}_bw": bw / factor, f"{key}_lat": lat * factor})
+        return compute, links
+    fields = _COMPUTE_FITS.get(key)
+    if fields is None or not dataclasses.is_dataclass(compute):
+        return None
+    have = {f.name for f in dataclasses.fields(compute)}
+    changes = {}
+    for name in fields:
+        rate = name.startswith("/")
+        name = name.lstrip("/")
+        if name not in have:
+            return None
+        value = getattr(compute, name)
+        changes[name] = value / factor if rate else value * factor
+    return dataclasses.replace(compute, **changes), topo  # type: ignore[type-var]
+
+
+def fits_note(
+    pred: Prediction,
+    choice: str,
+    compute: ComputeModel,
+    topo: Topology,
+    repredict: Callable[[ComputeModel, tuple[str, ...], Topology], Prediction],
+    fit_error: dict[str, float],
+    candidates: tuple[str, ...] = SIMPLICITY,
+) -> str | None:
+    """The sentence of Note [What a fit's error moves] for ``choice`` and the fastest other
+    method of ``candidates`` in ``pred`` (replayed with ``compute`` on ``topo`` from a measured
+    profile whose fits miss their samples by ``fit_error``), or ``None`` where there is no other
+    method or no fit this can scale. ``repredict(compute, methods, topo)`` replays ``methods``
+    as ``pred`` was, with another ``compute`` and ``topo``."""
+    pair = _pair(pred, choice, candidates)
+    if pair is None:
+        return None
+
+    def margin(p: Prediction) -> float:
+        return p.methods[pair[1]].total / p.methods[pair[0]].total
+
+    base = margin(pred)
+    down, up, moved = 1.0, 1.0, {}
+    for key, err in sorted(fit_error.items()):
+        ratios = []
+        for factor in (1.0 + err, 1.0 / (1.0 + err)):
+            scaled = scaled_fit(key, factor, compute, topo)
+            if scaled is None or err <= 0:
+                break
+            ratios.append(margin(repredict(scaled[0], pair, scaled[1])) / base)
+        if not ratios:
+            continue
+        down *= min(1.0, *ratios)
+        up *= max(1.0, *ratios)
+        moved[key] = max(abs(r - 1.0) for r in ratios)
+    if not moved:
+        return None
+    errors = ", ".join(f"{k} {fit_error[k]:.0%}" for k in moved)
+    most = max(moved, key=lambda k: moved[k])
+    return (
+        f"fits: each fit replayed at its own worst miss ({errors}), {pair[0]}'s margin over "
+        f"{pair[1]} {base:.2f}x stays within {base * down:.2f}x-{base * up:.2f}x (the most: "
+        f"{most}); not covered: the replay's own error (a CPU testbed's sweep: "
+        "docs/simulator.md (c))"
     )

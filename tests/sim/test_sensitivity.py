@@ -195,3 +195,90 @@ def test_the_links_note_replays_at_nccls_cost_and_twice_the_presets() -> None:
     # at NCCL's own cost there is nothing to replay
     nccl = dataclasses.replace(topo, intra_lat=NCCL_INTRA_LAT)
     assert intra_lat_note(small, choice, nccl, lambda *a: pytest.fail("replayed")) is None
+
+
+def test_a_fit_is_scaled_where_it_prices() -> None:
+    # Note [What a fit's error moves]: a block fit scales its blocks, a link fit its links
+    from megatron_charm.plan.types import Compute, Part
+    from megatron_charm.sim.compute import FittedCompute
+    from megatron_charm.sim.sensitivity import scaled_fit
+
+    fitted = FittedCompute(1e11, 2e11, fwd_overhead=1e-4, fwd_per_element=1e-9, host_post_s=1e-3)
+    topo = Topology(2, 2, 4.0, 0.01, intra_lat=1e-4, cross_lat=2e-4)
+    shape = Problem(1, 4096, 8, 64).shape(4)
+    block = Compute(0, 0, Part.FULL, Part.FULL, False)
+    compute, same = scaled_fit("kernel_fwd", 2.0, fitted, topo)
+    assert same is topo
+    assert compute.block_time(block, shape, False) == pytest.approx(
+        2 * fitted.block_time(block, shape, False), rel=1e-12
+    )
+    assert compute.block_time(block, shape, True) == fitted.block_time(block, shape, True)
+    host, _ = scaled_fit("host_cpu", 2.0, fitted, topo)
+    assert host.host_work() == pytest.approx((0.0, 2e-3))
+    kept, links = scaled_fit("cross", 2.0, fitted, topo)
+    assert kept is fitted
+    assert (links.cross_bw, links.cross_lat) == pytest.approx((0.005, 4e-4))
+    assert (links.intra_bw, links.intra_lat) == (4.0, 1e-4)
+    # what it cannot scale: a calibration's spread, and a compute model without the fields
+    assert scaled_fit("repeat", 2.0, fitted, topo) is None
+    assert scaled_fit("kernel_fwd", 2.0, FlopsCompute(100.0, 0.5), topo) is None
+
+
+def test_the_fits_note_moves_both_leaders_together() -> None:
+    # each fit replayed at its own miss, up and down: a fit that prices both leaders alike
+    # leaves their margin where it is, far inside the range that widens each time by itself
+    from megatron_charm.sim.compute import FittedCompute
+    from megatron_charm.sim.predict import margin_range
+    from megatron_charm.sim.sensitivity import fits_note
+
+    compute = FittedCompute(1e11, 2e11, fwd_overhead=1e-4, host_post_s=1e-4)
+    topo = Topology(2, 2, 4.0, 0.01, intra_lat=1e-4, cross_lat=2e-4)
+    problem = Problem(1, 4096, 4, 64, causal=True)
+    pred = predict(topo, problem, compute, ("ring", "charm", "a2a"))
+    choice = min(("charm", "a2a"), key=lambda m: pred.methods[m].total)
+    seen = []
+
+    def replay(model, names, links):
+        seen.append(names)
+        return predict(links, problem, model, names)
+
+    errors = {"kernel_fwd": 0.5, "cross": 0.5, "repeat": 0.5}
+    note = fits_note(pred, choice, compute, topo, replay, errors, ("charm", "a2a"))
+    assert note is not None and note.startswith("fits: each fit replayed at its own worst miss")
+    assert "kernel_fwd 50%, cross 50%" not in note and "cross 50%, kernel_fwd 50%" in note
+    assert "repeat" not in note  # a spread it cannot scale is left to the wider range
+    assert len(seen) == 4 and all(sorted(n) == ["a2a", "charm"] for n in seen)
+    other = "a2a" if choice == "charm" else "charm"
+    margin = pred.methods[other].total / pred.methods[choice].total
+    lo, hi = (float(x) for x in note.split("stays within ")[1].split(" ")[0][:-1].split("x-"))
+    wide = margin_range(margin, 0.5)
+    assert wide[0] < lo <= round(margin, 2) <= hi < wide[1]
+    assert hi / lo > 1.001  # the cross link prices charm and a2a differently
+    # nothing to compare, or nothing it can scale: no note
+    assert fits_note(pred, choice, compute, topo, replay, errors, (choice,)) is None
+    assert fits_note(pred, choice, compute, topo, replay, {"repeat": 0.5}) is None
+
+
+def test_advise_and_predict_add_the_fits_note_for_a_measured_profile(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_charm.sim.profile import preset_profile
+
+    prof = dataclasses.replace(
+        preset_profile("H100"),
+        measured=True,
+        preset="",
+        name="measured here",
+        fit_error={"kernel_fwd": 0.1, "kernel_bwd": 0.1, "intra": 0.3, "cross": 0.05},
+    )
+    path = tmp_path / "p.json"
+    prof.save(path)
+    problem = ["--gpus", "2x4", "--seq", "16384", "--heads", "8", "--head-dim", "64"]
+    assert main(["advise", "--profile", str(path), *problem, "--json"]) == 0
+    reasons = json.loads(capsys.readouterr().out)["reasons"]
+    assert sum(r.startswith("fits: ") for r in reasons) == 1
+    assert main(["predict", "--profile", str(path), *problem, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits_note"].startswith("fits: ")
+    # a preset's error is its rows' miss, not a fit's: no fits note
+    assert main(["advise", "--preset", "H100", *problem, "--json"]) == 0
+    assert not any(r.startswith("fits: ") for r in json.loads(capsys.readouterr().out)["reasons"])
