@@ -157,14 +157,15 @@ def _leads_if_moved(
     """``"at LABEL a leads b Nx, ..."`` for each ``(label, replayed prediction)``, or ``None``
     where no replay moves the margin of ``pair`` (the choice, then its runner-up) out of the
     range that ``error`` gives around ``pred``'s."""
-
-    def margin(p: Prediction) -> float:
-        return p.methods[pair[1]].total / p.methods[pair[0]].total
-
-    lo, hi = margin_range(margin(pred), error)
-    if all(lo <= margin(alt) <= hi for _, alt in replays):
+    lo, hi = margin_range(_margin(pred, pair), error)
+    if all(lo <= _margin(alt, pair) <= hi for _, alt in replays):
         return None
     return ", ".join(f"at {label} {_lead(alt, pair)}" for label, alt in replays)
+
+
+def _margin(pred: Prediction, pair: tuple[str, str]) -> float:
+    """The runner-up's forward+backward time over the choice's (``pair``: choice, runner-up)."""
+    return pred.methods[pair[1]].total / pred.methods[pair[0]].total
 
 
 def _pair(pred: Prediction, choice: str, candidates: tuple[str, ...]) -> tuple[str, str] | None:
@@ -270,21 +271,13 @@ def fits_note(
     pair = _pair(pred, choice, candidates)
     if pair is None:
         return None
-
-    def margin(p: Prediction) -> float:
-        return p.methods[pair[1]].total / p.methods[pair[0]].total
-
-    base = margin(pred)
+    base = _margin(pred, pair)
     down, up, moved = 1.0, 1.0, {}
     for key, err in sorted(fit_error.items()):
-        ratios = []
-        for factor in (1.0 + err, 1.0 / (1.0 + err)):
-            scaled = scaled_fit(key, factor, compute, topo)
-            if scaled is None or err <= 0:
-                break
-            ratios.append(margin(repredict(scaled[0], pair, scaled[1])) / base)
-        if not ratios:
+        scaled = [scaled_fit(key, f, compute, topo) for f in (1.0 + err, 1.0 / (1.0 + err))]
+        if err <= 0 or None in scaled:
             continue
+        ratios = [_margin(repredict(c, pair, t), pair) / base for c, t in scaled]  # type: ignore[misc]
         down *= min(1.0, *ratios)
         up *= max(1.0, *ratios)
         moved[key] = max(abs(r - 1.0) for r in ratios)
