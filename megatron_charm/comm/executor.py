@@ -25,7 +25,7 @@ from megatron_charm.kernels import BlockKernel
 from megatron_charm.kernels.delta import out_for_delta
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
-from megatron_charm.plan.coalesce import steps
+from megatron_charm.plan.coalesce import run_goes_on, steps
 from megatron_charm.plan.docmask import MaskModel
 from megatron_charm.plan.keep import held_input, q_piece
 from megatron_charm.plan.memory import ExpandKey, Key, expansion_drops, release_points
@@ -451,9 +451,7 @@ class ProgramRunner:
                 self._compute(list(instrs[i:end]))
             else:
                 self._step(ins)
-            if self.staged and not (
-                self.runs_receives_first and end < len(instrs) and isinstance(instrs[end], Exchange)
-            ):
+            if self.staged and not (self.runs_receives_first and run_goes_on(instrs, i)):
                 self._post()
             if events is not None:
                 channel = getattr(ins, "channel", "")

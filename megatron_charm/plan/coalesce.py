@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from megatron_charm.plan.types import Compute, Instr
+from megatron_charm.plan.types import Compute, Exchange, Instr
 
 
 def _is_product(run: Sequence[Compute]) -> bool:
@@ -79,3 +79,15 @@ def steps(instrs: Sequence[Instr], coalesce: bool = True) -> Iterator[tuple[int,
         end = runs.get(i, i + 1)
         yield i, end
         i = end
+
+
+def run_goes_on(instrs: Sequence[Instr], i: int) -> bool:
+    """Whether instruction ``i`` is an exchange that another follows: a run of exchanges posted
+    back to back goes on after it. The runner on gloo posts a run at its last exchange (Note
+    [Receives of a run first] in :mod:`megatron_charm.comm.executor`), and the replay does the
+    same (Note [Runs posted together] in :mod:`megatron_charm.sim.engine`)."""
+    return (
+        isinstance(instrs[i], Exchange)
+        and i + 1 < len(instrs)
+        and isinstance(instrs[i + 1], Exchange)
+    )

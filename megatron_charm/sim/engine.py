@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megatron_charm.plan.bulk import collector_paused
-from megatron_charm.plan.coalesce import coalesced_runs
+from megatron_charm.plan.coalesce import coalesced_runs, run_goes_on
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Merge, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
@@ -460,8 +460,7 @@ class Engine:
                     self._host_busy(i, self.host_post + self.host_byte * sent, now)
                     return
                 self.paid[i] = False
-                run_goes_on = pc + 1 < len(instrs) and isinstance(instrs[pc + 1], Exchange)
-                if self.pair_order and run_goes_on:
+                if self.pair_order and run_goes_on(instrs, pc):
                     # Note [Runs posted together]: gloo's runner posts a run at its last exchange
                     self.staged[i].append((ins, costs[pc]))
                     pc += 1

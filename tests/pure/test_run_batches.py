@@ -71,3 +71,17 @@ def test_all_gather_receives_every_peer_before_sending_to_it():
 def test_empty_parts_post_nothing():
     staged = _run(("A", [], [1]), ("B", [3], []))
     assert _named(run_batches(staged)) == [("B", ["<-3"]), ("A", ["->1"])]
+
+
+def test_a_run_goes_on_while_another_exchange_follows():
+    # the runner and the replay stage an exchange while the run goes on: a2a's forward posts
+    # its six inputs (q and kv to each of three peers) back to back, then computes
+    from megatron_charm.plan.a2a import a2a_forward
+    from megatron_charm.plan.coalesce import run_goes_on
+    from megatron_charm.plan.types import Exchange
+
+    instrs = a2a_forward(0, 4, causal=True).instrs
+    going_on = [i for i in range(len(instrs)) if run_goes_on(instrs, i)]
+    assert going_on == [0, 1, 2, 3, 4]
+    assert isinstance(instrs[5], Exchange) and not isinstance(instrs[6], Exchange)
+    assert not run_goes_on(instrs, len(instrs) - 1)
