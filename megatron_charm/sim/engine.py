@@ -44,12 +44,13 @@ from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Merge, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.programs import ProgramSet
+from megatron_charm.sim.shared_host import SharedHost
 from megatron_charm.sim.topology import Topology
 
-_RESUME, _ACTIVATE, _FINISH, _HOSTED = 0, 1, 2, 3
-#: The shared host's cores as a resource, and the handles that mark a block's "transfer" on it
-#: and host work's (Note [Host work of a call] in megatron_charm/sim/profile.py).
-_HOST, _COMPUTE, _HOST_WORK = ("host", 0), -1, -2
+_RESUME, _ACTIVATE, _FINISH, _HOSTED, _HOST_END = 0, 1, 2, 3, 4
+#: The handles that mark a block's end on the shared host and host work's (Note [Host work of
+#: a call] in megatron_charm/sim/profile.py).
+_COMPUTE, _HOST_WORK = -1, -2
 
 # Note [Ranks sharing a host]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -248,11 +249,10 @@ class Engine:
         self.pair_order = topo.exchange_order == "pair"
         programs = progs.backward if backward else progs.forward
         self._capacity: dict[tuple[str, int], float] = {}
-        self.host: tuple | None = None
+        self.host: SharedHost | None = None
         slots = compute.host_slots()
         if slots > 0:  # Note [Ranks sharing a host]
-            self._capacity[_HOST] = slots * len(programs) / layout.cp_size
-            self.host = (_HOST,)
+            self.host = SharedHost(slots * len(programs) / layout.cp_size)
         self.cp_ranks = [p.cp_rank for p in programs]
         self.index = {r: i for i, r in enumerate(self.cp_ranks)}
         self.results = [RankResult(r, 0.0, 0.0, 0.0) for r in self.cp_ranks]
@@ -427,6 +427,9 @@ class Engine:
                 self._run_rank(obj, t)
             elif kind == _ACTIVATE:
                 self._activate(obj, t)
+            elif kind == _HOST_END:
+                if ver == self.host.version:
+                    self._host_end(t)
             elif ver == obj.version:
                 self._finish(obj, t)
         stuck = [self.cp_ranks[i] for i in range(n) if not self.finished[i]]
@@ -490,7 +493,7 @@ class Engine:
                 self.pc[i] = pc
                 if self.host is not None:  # Note [Ranks sharing a host]
                     self.compute_start[i] = now
-                    self._activate(_Flow(dur, self.host, 1.0, [(i, _COMPUTE)]), now)
+                    self._host_add(dur, ((i, _COMPUTE),), now)
                     return
                 rr.busy += dur
                 if self.record:
@@ -520,7 +523,7 @@ class Engine:
             # the exchange is in flight; nothing waits for them
             sent = sum(t.nbytes for t in self.ops_of[i][handle] if t.send)
             work = self.transport_post + self.transport_byte * sent
-            self._activate(_Flow(work, self.host, 1.0, []), now)
+            self._host_add(work, (), now)
         pending = self.pending
         for key, _, nbytes, res, bw, lat, held in self.ops_of[i][handle]:  # Transfer fields
             if key is None:  # unmatched (see _compile)
@@ -587,6 +590,8 @@ class Engine:
                 share = cap / len(self.res_flows[r])
             if share < rate:
                 rate = share
+        if rate == f.rate and f.version:
+            return  # its end stays where its event has it: no new event, no stale one
         f.rate = rate
         f.version += 1
         if rate > 0:
@@ -610,9 +615,6 @@ class Engine:
             for f in touched:
                 self._rerate(f, now, fifo)
         for i, handle in flow.ends:
-            if handle in (_COMPUTE, _HOST_WORK):
-                self._host_done(i, now, block=handle == _COMPUTE)
-                continue
             left = self.remaining_ops[i][handle] - 1
             self.remaining_ops[i][handle] = left
             if left == 0:
@@ -622,12 +624,29 @@ class Engine:
         """Rank ``i``'s stream does ``seconds`` of host work, then resumes at its ``pc``."""
         if self.host is not None:  # Note [Ranks sharing a host]
             self.compute_start[i] = now
-            self._activate(_Flow(seconds, self.host, 1.0, [(i, _HOST_WORK)]), now)
+            self._host_add(seconds, ((i, _HOST_WORK),), now)
             return
         self.results[i].busy += seconds
         if self.record:
             self.results[i].timeline.append((now, now + seconds, "H"))
         self._push(now + seconds, _HOSTED, i)
+
+    def _host_add(self, seconds: float, ends: tuple, now: float) -> None:
+        """Start ``seconds`` alone of work on the shared host; ``ends``: ``(i, handle)`` to tell
+        when it ends (Note [Virtual time on the host] in megatron_charm/sim/shared_host.py)."""
+        host = self.host
+        assert host is not None
+        host.add(seconds, ends, now)
+        self._push(host.next_end(now), _HOST_END, None, host.version)
+
+    def _host_end(self, now: float) -> None:
+        host = self.host
+        assert host is not None
+        ends = host.pop(now)
+        if len(host):
+            self._push(host.next_end(now), _HOST_END, None, host.version)
+        for i, handle in ends:
+            self._host_done(i, now, block=handle == _COMPUTE)
 
     def _host_done(self, i: int, now: float, block: bool) -> None:
         """Rank ``i``'s flow on the shared host has finished: a block or merge (``block``; the
