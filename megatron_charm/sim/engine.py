@@ -62,7 +62,7 @@ _COMPUTE, _HOST_WORK = -1, -2
 # once (``FittedCompute.shared_slots``: cores over threads per rank). The replay then runs each
 # block and merge as a flow of "seconds alone" on one host resource of that capacity, shared
 # equally by the ranks computing at that moment (at most full speed each), the same sharing
-# that links get:
+# that links get (Note [Virtual time on the host] in megatron_charm/sim/shared_host.py):
 #
 #     ranks computing   1     2     3      4          (2 slots)
 #     speed of each     1     1     2/3    1/2
