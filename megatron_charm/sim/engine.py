@@ -637,16 +637,21 @@ class Engine:
         host = self.host
         assert host is not None
         host.add(seconds, ends, now)
-        self._push(host.next_end(now), _HOST_END, None, host.version)
+        self._host_next(host, now)
 
     def _host_end(self, now: float) -> None:
         host = self.host
         assert host is not None
         ends = host.pop(now)
-        if len(host):
-            self._push(host.next_end(now), _HOST_END, None, host.version)
+        self._host_next(host, now)
         for i, handle in ends:
             self._host_done(i, now, block=handle == _COMPUTE)
+
+    def _host_next(self, host: SharedHost, now: float) -> None:
+        """The event of the host's next end, if a flow is on it (older events go stale)."""
+        end = host.next_end(now)
+        if end is not None:
+            self._push(end, _HOST_END, None, host.version)
 
     def _host_done(self, i: int, now: float, block: bool) -> None:
         """Rank ``i``'s flow on the shared host has finished: a block or merge (``block``; the

@@ -7,7 +7,7 @@ equally among the ranks computing (Note [Ranks sharing a host] in
 ``megatron_charm/sim/engine.py``); a capacity that fell with k would be a cost of more ranks
 that it does not model.
 
-Run: ``python scripts/bench/host_capacity.py`` (about a minute on two cores).
+Run: ``python scripts/bench/host_capacity.py`` (about 15 s on two cores).
 """
 
 from __future__ import annotations
