@@ -158,6 +158,11 @@ class PassResult:
     ranks: list[RankResult]
     exact: bool
     """False when a symmetric replay of a causal plan approximated the per-node traffic."""
+    host_work: float = 0.0
+    """Seconds alone of the work the replayed ranks put on the shared host (blocks, merges,
+    host work, the transport's threads; Note [Ranks sharing a host]), summed over them; 0
+    without a shared host. What the replay charges the CPU, to set against the CPU seconds a
+    run measured (scripts/bench/cpu_accounting.py)."""
 
     @property
     def exposed_mean(self) -> float:
@@ -250,6 +255,7 @@ class Engine:
         programs = progs.backward if backward else progs.forward
         self._capacity: dict[tuple[str, int], float] = {}
         self.host: SharedHost | None = None
+        self.host_work = 0.0
         slots = compute.host_slots()
         if slots > 0:  # Note [Ranks sharing a host]
             self.host = SharedHost(slots * len(programs) / layout.cp_size)
@@ -439,7 +445,12 @@ class Engine:
         for r in self.results:
             r.idle = makespan - r.busy
         return PassResult(
-            self.progs.method, self.backward, makespan, self.results, self.progs.exact
+            self.progs.method,
+            self.backward,
+            makespan,
+            self.results,
+            self.progs.exact,
+            self.host_work,
         )
 
     def _push(self, t: float, kind: int, obj, ver: int = 0) -> None:
@@ -636,6 +647,7 @@ class Engine:
         when it ends (Note [Virtual time on the host] in megatron_charm/sim/shared_host.py)."""
         host = self.host
         assert host is not None
+        self.host_work += seconds
         host.add(seconds, ends, now)
         self._host_next(host, now)
 

@@ -217,6 +217,11 @@ def _plan_options(result: dict) -> PlanOptions:
     return PlanOptions(**{k: result["config"][k] for k in PLAN_KEYS if k in result["config"]})
 
 
+def _median_or_none(values) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
 def compare(
     result: dict,
     probe: dict | None = None,
@@ -230,7 +235,10 @@ def compare(
     ``merge_gbps``, ``profile``; unread when ``cal`` is given); ``repeats``: further runs of the
     same point (Note [Repeatability]): the measured time is then the median of every run's
     median, ``runs_s`` lists them and ``spread`` is the largest over the smallest, minus one. A
-    method missing from a repeat is compared with the runs that have it."""
+    method missing from a repeat is compared with the runs that have it. Each row also holds
+    ``host_work_s``, the seconds alone the replay charged the shared host for every rank
+    (``PassResult.host_work``; 0 without a shared host), and ``cpu_s``, the CPU seconds the
+    ranks spent in the call (the median of the runs that recorded it, else ``None``)."""
     cal = cal if cal is not None else calibrate(result, probe, **kw)
     methods = [m for m in METHODS if m in result["methods"]]
     pred = predict(
@@ -239,7 +247,13 @@ def compare(
     rows = []
     for method in methods:
         mp = pred.methods[method]
-        for tag, predicted in (("fwd", mp.forward.makespan), ("fwdbwd", mp.total)):
+        # the replay's host work for every rank (a symmetric replay runs some of them)
+        everyone = cal.topo.num_nodes * cal.topo.ranks_per_node
+        work = [p.host_work * everyone / len(p.ranks) for p in (mp.forward, mp.backward)]
+        for tag, predicted, charged in (
+            ("fwd", mp.forward.makespan, work[0]),
+            ("fwdbwd", mp.total, sum(work)),
+        ):
             runs = [
                 r["methods"][method][tag]["median"]
                 for r in (result, *repeats)
@@ -255,6 +269,12 @@ def compare(
                     "error": predicted / measured - 1.0,
                     "runs_s": runs,
                     "spread": max(runs) / min(runs) - 1.0,
+                    "host_work_s": charged,
+                    "cpu_s": _median_or_none(
+                        r["methods"][method][tag].get("cpu_s")
+                        for r in (result, *repeats)
+                        if method in r["methods"]
+                    ),
                 }
             )
     return rows

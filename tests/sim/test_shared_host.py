@@ -89,3 +89,7 @@ def test_the_replay_shares_the_host_between_blocks_of_unequal_runs() -> None:
     res = simulate_pass(sets, topo, shape, compute, False)
     finish = {r.cp_rank: r.finish for r in res.ranks}
     assert finish == pytest.approx({0: 2e-3, 1: 3.5e-3, 2: 4.5e-3, 3: 5.5e-3}, rel=1e-9)
+    # the work it charged the host: ten blocks of 1 ms alone, whatever the sharing
+    assert res.host_work == pytest.approx(10e-3, rel=1e-9)
+    alone = FittedCompute(flops / 1e-3, flops / 1e-3)  # each rank on its own device
+    assert simulate_pass(sets, topo, shape, alone, False).host_work == 0.0
