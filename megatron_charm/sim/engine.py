@@ -162,7 +162,7 @@ class PassResult:
     """Seconds alone of the work the replayed ranks put on the shared host (blocks, merges,
     host work, the transport's threads; Note [Ranks sharing a host]), summed over them; 0
     without a shared host. What the replay charges the CPU, to set against the CPU seconds a
-    run measured (scripts/bench/cpu_accounting.py)."""
+    run measured (scripts/bench/host_cpu_accounting.py)."""
 
     @property
     def exposed_mean(self) -> float:

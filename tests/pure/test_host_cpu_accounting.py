@@ -1,4 +1,5 @@
-"""scripts/bench/cpu_accounting.py: the CPU a run spent against the CPU its replay charges."""
+"""scripts/bench/host_cpu_accounting.py: the CPU a run spent against the CPU its replay
+charges."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ CPU_PROFILE = Profile(
 
 def _row(layout: str, ranks: int, measured: float, cpu: float, work: float, error: float):
     return {
+        "point": f"{layout}-point",
+        "method": "charm",
+        "pass": "fwd",
         "layout": layout,
         "ranks": ranks,
         "cores": 2.0,
@@ -42,7 +46,7 @@ def _row(layout: str, ranks: int, measured: float, cpu: float, work: float, erro
 
 
 def test_the_unexplained_cpu_is_per_rank_and_second() -> None:
-    mod = load_bench_script("cpu_accounting")
+    mod = load_bench_script("host_cpu_accounting")
     # eight ranks that each spent 0.02 cores beyond the charged work, over passes of 1 and 3 s
     rows = [_row("2x4", 8, t, 1.5 * t + 0.02 * 8 * t, 1.5 * t, -0.1) for t in (1.0, 3.0)]
     assert mod.unexplained_per_rank_second(rows) == pytest.approx(0.02)
@@ -50,7 +54,7 @@ def test_the_unexplained_cpu_is_per_rank_and_second() -> None:
 
 
 def test_busy_and_idle_hosts_are_told_apart() -> None:
-    mod = load_bench_script("cpu_accounting")
+    mod = load_bench_script("host_cpu_accounting")
     rows = [
         _row("2x4", 8, 1.0, 1.9, 1.7, -0.10),  # 95% busy
         _row("2x4", 8, 1.0, 1.8, 1.7, -0.06),  # 90% busy
@@ -66,11 +70,13 @@ def test_busy_and_idle_hosts_are_told_apart() -> None:
     assert s["other_error"] == pytest.approx(0.02)
     assert s["charged"] == pytest.approx(1.7 / 1.8)
     assert by["2x2"]["busy_error"] is None
-    assert "| 2x4 | 3 | 0.90 | 0.94 |" in mod.markdown(mod.summary(rows), "cmd")
+    text = mod.markdown(rows, "cmd")
+    assert "| 2x4 | 3 | 0.90 | 0.94 |" in text
+    assert "| 2x4-point | charm | fwd | 1900.0 | 1700.0 | 0.89 | 0.95 | -10.0% |" in text
 
 
 def test_rows_carry_the_replays_work_and_the_measured_cpu(tmp_path) -> None:
-    mod = load_bench_script("cpu_accounting")
+    mod = load_bench_script("host_cpu_accounting")
     result = bench_result({"ring": 300.0, "charm": 200.0})
     for m in result["methods"].values():
         m["fwd"]["cpu_s"], m["fwdbwd"]["cpu_s"] = 0.2, 0.7
@@ -79,6 +85,7 @@ def test_rows_carry_the_replays_work_and_the_measured_cpu(tmp_path) -> None:
     prof = tmp_path / "profile.json"
     CPU_PROFILE.save(prof)
     rows = mod.rows_of([str(path)], str(prof), "100mbit")
+    assert {r["point"] for r in rows} == {path.stem}
     assert {(r["method"], r["pass"]) for r in rows} == {
         (m, p) for m in ("ring", "charm") for p in ("fwd", "fwdbwd")
     }
@@ -92,9 +99,10 @@ def test_rows_carry_the_replays_work_and_the_measured_cpu(tmp_path) -> None:
 
 
 def test_a_profile_without_a_shared_host_is_refused(tmp_path) -> None:
-    mod = load_bench_script("cpu_accounting")
+    mod = load_bench_script("host_cpu_accounting")
     gpu = Profile(**{**CPU_PROFILE.__dict__, "compute": {"kind": "flops", "tflops": 100.0}})
     prof = tmp_path / "profile.json"
     gpu.save(prof)
     with pytest.raises(ValueError, match="shared_slots 0"):
         mod.rows_of([], str(prof), None)
+    assert mod.rows_of([], str(prof), None, cores=2.0) == []  # the host's cores given
