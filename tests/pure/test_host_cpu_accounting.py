@@ -4,30 +4,16 @@ charges."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from megatron_charm.sim.profile import Profile
 from tests.bench_scripts import load_bench_script
+from tests.sim.test_testbed_profile import PROFILE
 from tests.sim.testbed_results import bench_result
 
-CPU_PROFILE = Profile(
-    name="measured 2x2 gloo cpu bf16",
-    measured=True,
-    gpus="2x2",
-    intra_bw=5.0,
-    cross_bw=0.0125,
-    intra_lat=2e-4,
-    cross_lat=2e-4,
-    nics_per_node=1,
-    fabric="nvlink",
-    compute={
-        "kind": "fitted",
-        "fwd_flops_per_s": 6e10,
-        "bwd_flops_per_s": 6e10,
-        "shared_slots": 2.0,
-    },
-)
+# the testbed's profile of those tests, with its host shared by two slots
+CPU_PROFILE = replace(PROFILE, compute={**PROFILE.compute, "shared_slots": 2.0})
 
 
 def _row(layout: str, ranks: int, measured: float, cpu: float, work: float, error: float):
@@ -100,7 +86,7 @@ def test_rows_carry_the_replays_work_and_the_measured_cpu(tmp_path) -> None:
 
 def test_a_profile_without_a_shared_host_is_refused(tmp_path) -> None:
     mod = load_bench_script("host_cpu_accounting")
-    gpu = Profile(**{**CPU_PROFILE.__dict__, "compute": {"kind": "flops", "tflops": 100.0}})
+    gpu = replace(CPU_PROFILE, compute={"kind": "flops", "tflops": 100.0})
     prof = tmp_path / "profile.json"
     gpu.save(prof)
     with pytest.raises(ValueError, match="shared_slots 0"):
