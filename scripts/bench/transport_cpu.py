@@ -7,9 +7,10 @@ Each rank exchanges a message with a partner on the other node (``isend`` + ``ir
 ways at once), six times per size after a barrier; the first call warms up. Per size it prints
 the slowest rank's median wall time and the ranks' mean process CPU time (all threads) per byte
 sent, counting the send and the receive of each rank. Needs the testbed (root, docs/testbed.md);
-``--rates`` builds one testbed of two single-rank nodes per rate:
+``--rates`` builds one testbed of two nodes per rate and per count of ``--ranks-per-node`` (on the
+shared topology their transfers share the node's one cross link, each at a fraction of its rate):
 
-    python scripts/bench/transport_cpu.py --rates 50mbit,100mbit,1gbit [--md FILE]
+    python scripts/bench/transport_cpu.py --rates 50mbit,100mbit,1gbit [--ranks-per-node 1,2,4]
 """
 
 from __future__ import annotations
@@ -66,28 +67,35 @@ def rank_main(out_path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="50mbit,100mbit,1gbit", help="cross-link rates, tc syntax")
+    ap.add_argument("--ranks-per-node", default="1", help="ranks on each of the 2 nodes, a list")
+    ap.add_argument("--topology", default="shared", choices=("shared", "rails"))
     ap.add_argument("--md", help="also write the table here")
     ap.add_argument("--rank-out", help=argparse.SUPPRESS)  # internal: one rank of a run
     args = ap.parse_args()
     if args.rank_out:
         rank_main(args.rank_out)
         return 0
+    per_node = [int(x) for x in args.ranks_per_node.split(",")]
+    if min(per_node) < 1:
+        raise ValueError(f"--ranks-per-node {args.ranks_per_node}: expected at least 1 rank each")
     lines = [
-        "| cross rate | message | wall ms | CPU per rank ms | CPU ns per byte sent |",
-        "|---|---|---|---|---|",
+        "| layout | cross rate | message | wall ms | CPU per rank ms | CPU ns per byte sent |",
+        "|---|---|---|---|---|---|",
     ]
-    for rate in args.rates.split(","):
+    for n, rate in ((n, rate) for n in per_node for rate in args.rates.split(",")):
+        layout = f"2 x {n} {args.topology}"
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             cmd = [sys.executable, "-m", "megatron_charm.testbed", "run", "--nodes", "2"]
-            cmd += ["--ranks-per-node", "1", "--cross-rate", rate, "--"]
+            cmd += ["--ranks-per-node", str(n), "--topology", args.topology]
+            cmd += ["--cross-rate", rate, "--"]
             cmd += [sys.executable, os.path.abspath(__file__), "--rank-out", out]
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
             with open(out) as fh:
                 rows = json.load(fh)
         for nbytes, wall, cpu in rows:
             lines.append(
-                f"| {rate} | {nbytes >> 10} KiB | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | "
+                f"| {layout} | {rate} | {nbytes >> 10} KiB | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | "
                 f"{cpu / nbytes * 1e9:.2f} |"
             )
     text = "\n".join(lines)
