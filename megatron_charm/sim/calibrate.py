@@ -189,7 +189,8 @@ def describe(profile: Profile) -> str:
             f"{c['bwd_flops_per_s'] / 1e12:.4g} TFLOP/s + {c['bwd_overhead'] * 1e6:.0f} us + "
             f"{c.get('bwd_per_element', 0) * 1e9:.3g} ns; merges {c['mem_bw']:.3g} GB/s",
             f"  blocks under communication: forward x{c['fwd_slowdown']:.2f}, backward "
-            f"x{c['bwd_slowdown']:.2f}",
+            f"x{c['bwd_slowdown']:.2f}; in a pass over alone: forward "
+            f"x{c.get('fwd_in_pass', 1.0):.2f}, backward x{c.get('bwd_in_pass', 1.0):.2f}",
             f"  host work (CPU hosts): {c.get('host_call_s', 0) * 1e3:.3g} ms per pass + "
             f"{c.get('host_post_s', 0) * 1e3:.3g} ms per exchange + "
             f"{c.get('host_byte_s', 0) * 1e9:.3g} ns per byte sent + "
@@ -260,6 +261,7 @@ def main(argv: list[str]) -> int:
         "threads",
         "host_work",
         "host_cpu",
+        "blocks_in_passes",
     )
     profile = replace(
         profile,

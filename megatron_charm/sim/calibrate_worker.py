@@ -19,6 +19,7 @@ others return ``None``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -441,6 +442,74 @@ def time_host_cpu(cfg: dict, device: torch.device, topo: CPTopology) -> list[dic
     ]
 
 
+#: Tokens per rank of the passes whose blocks :func:`time_blocks_in_passes` times.
+IN_PASS_TOKENS = 512
+
+
+def _counting(kernel, spent: list[float]):
+    """``kernel`` (a :class:`~megatron_charm.kernels.BlockKernel`) with the calling thread's CPU
+    seconds of each of its calls added to ``spent[0]``."""
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - t0
+
+        return call
+
+    return dataclasses.replace(
+        kernel, forward=timed(kernel.forward), backward=timed(kernel.backward)
+    )
+
+
+def time_blocks_in_passes(cfg: dict, device: torch.device, topo: CPTopology) -> list[dict]:
+    """CPU seconds the block kernel takes inside passes of the real attention (Note [Blocks in
+    a pass] in :mod:`megatron_charm.sim.in_pass`): calls of ``HOST_METHODS`` at
+    ``IN_PASS_TOKENS`` tokens per rank, causal, every rank at once, the kernel's calls timed on
+    the calling thread (``time.thread_time``: a CPU host's only). One sample per method and
+    pass direction: ``cpu_s``, the kernel's CPU seconds in the pass, the median over the calls
+    of each rank, averaged over the ranks."""
+    from megatron_charm import cp_attention
+    from megatron_charm.kernels.backends import select_kernel
+
+    dtype = DTYPES[cfg["dtype"]]
+    spent = [0.0]
+    kernel = _counting(select_kernel(device, dtype, cfg.get("kernel")), spent)
+    shape = (cfg["batch"], IN_PASS_TOKENS, cfg["heads"], cfg["head_dim"])
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    dout = torch.ones(shape, device=device, dtype=dtype)
+    mine: list[float] = []
+    for method in HOST_METHODS:
+        kept: list[tuple[float, float]] = []
+        for rep in range(max(cfg["reps"], 3) + 1):  # the first builds the plans: dropped
+            dist.barrier()
+            spent[0] = 0.0
+            out = cp_attention(q, k, v, topo, method=method, kernel=kernel)
+            fwd, spent[0] = spent[0], 0.0
+            out.backward(dout)
+            if rep > 0:
+                kept.append((fwd, spent[0]))
+        mine += [statistics.median(c[0] for c in kept), statistics.median(c[1] for c in kept)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [
+        {
+            "method": method,
+            "s_local": IN_PASS_TOKENS,
+            "backward": backward,
+            "cpu_s": statistics.mean(theirs[2 * i + backward] for theirs in everyone),
+        }
+        for i, method in enumerate(HOST_METHODS)
+        for backward in (False, True)
+    ]
+
+
 def run(cfg: dict) -> dict | None:
     """Measure on this rank ``cfg["repeat"]`` times (default once) in one process group;
     returns the first run's raw samples on rank 0, with the later runs' under ``"repeats"``,
@@ -486,6 +555,7 @@ def _measure(cfg: dict, device: torch.device, topo) -> dict:
             raw["host_work"] = time_host_work(cfg, device, topo)
         if cfg.get("one_host") and device.type != "cuda":
             raw["host_cpu"] = time_host_cpu(cfg, device, topo)
+            raw["blocks_in_passes"] = time_blocks_in_passes(cfg, device, topo)
         largest = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
         raw["kernel_under_traffic"] = time_kernels_under_traffic(
             cfg, device, topo.global_ranks, m, p, largest, raw

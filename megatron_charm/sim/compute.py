@@ -353,6 +353,13 @@ class FittedCompute(_MergeCost):
     its rank has an exchange in flight (:meth:`slowdown`)."""
     bwd_slowdown: float = 1.0
     """The same for backward blocks."""
+    fwd_in_pass: float = 1.0
+    """Forward blocks' CPU seconds inside passes of the real attention over the seconds alone
+    that the fit above gives the same blocks (Note [Blocks in a pass] in
+    :mod:`megatron_charm.sim.in_pass`); every block time and per-call overhead is scaled by it.
+    1 where not measured (GPUs; CPU profiles fitted before 2026-12-06)."""
+    bwd_in_pass: float = 1.0
+    """The same for backward blocks."""
     shared_slots: float = 0.0
     """Ranks that the shared host runs at full speed at once (its cores over each rank's
     threads) when every rank of the group runs on one host, as on the CPU testbed: block times
@@ -421,6 +428,13 @@ class FittedCompute(_MergeCost):
                 f"{self.bwd_per_element}) must be >= 0; rerun megatron-charm-sim calibrate or "
                 "fix the profile"
             )
+        in_pass = (self.fwd_in_pass, self.bwd_in_pass)
+        if not all(math.isfinite(x) and x > 0 for x in in_pass):
+            raise ValueError(
+                f"blocks in a pass over blocks alone (forward {self.fwd_in_pass}, backward "
+                f"{self.bwd_in_pass}) must be finite and > 0; set compute.fwd_in_pass/"
+                "bwd_in_pass in the --profile JSON to 1 or rerun megatron-charm-sim calibrate"
+            )
         if min(self.fwd_slowdown, self.bwd_slowdown) < 1:
             raise ValueError(
                 f"slowdowns under communication must be >= 1 (forward {self.fwd_slowdown}, "
@@ -463,14 +477,22 @@ class FittedCompute(_MergeCost):
     def enqueue_cost(self) -> Enqueue:
         return self.enqueue or Enqueue()
 
+    def in_pass(self, backward: bool) -> float:
+        return self.bwd_in_pass if backward else self.fwd_in_pass
+
     def call_overhead(self, backward: bool) -> float:
-        return self.bwd_overhead if backward else self.fwd_overhead
+        return (self.bwd_overhead if backward else self.fwd_overhead) * self.in_pass(backward)
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
+        return self.block_alone(ins, shape, backward) * self.in_pass(backward)
+
+    def block_alone(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
+        """The block's seconds as the kernel micro-benchmarks timed them, before
+        :meth:`in_pass`."""
         if ins.masked and self.masked_cost:  # Note [Masked blocks]
             whole = dataclasses.replace(ins, masked=False)
             tokens = shape.s_local * ins.q_part.fraction
-            return self.block_time(whole, shape, backward) * self.masked_ratio(tokens, backward)
+            return self.block_alone(whole, shape, backward) * self.masked_ratio(tokens, backward)
         flops = kernel_flops(ins, shape, backward, self.sms)  # Note [Tiles and waves]
         elements = block_elements(ins, shape)
         if backward:
@@ -581,6 +603,11 @@ def describe_compute(compute: ComputeModel) -> str:
         )
         if compute.sms:
             text += f", FLOPs as tiles in waves over {compute.sms} SMs"
+        if (compute.fwd_in_pass, compute.bwd_in_pass) != (1.0, 1.0):
+            text += (
+                f"; in a pass x{compute.fwd_in_pass:.2f} forward, x{compute.bwd_in_pass:.2f} "
+                "backward (Note [Blocks in a pass])"
+            )
     else:
         text = (
             f"measured full block: forward {compute.fwd_block * 1e3:.4g} ms, backward "

@@ -26,7 +26,11 @@ shape of a head-split method's blocks, so that the fit can tell a cost per call 
 Where every rank runs on one host the blocks are timed one rank at a time, and the profile
 records how many ranks the host runs at full speed at once (Note [Ranks sharing a host]).
 The compute slowdown under communication is the largest block's time while the rank streams
-messages to a partner in a background thread, over its time alone (at least 1).
+messages to a partner in a background thread, over its time alone (at least 1). On a CPU host
+the kernel's own CPU seconds inside passes of the real attention, over what the fitted blocks
+give the same passes, scale every block (Note [Blocks in a pass] in
+megatron_charm/sim/in_pass.py; ``fit_error["blocks_in_pass"]``: how far one method's ratio
+lies from it).
 Cross links per node come from one more timing: every rank of node 0 sends to its counterpart
 on node 1 at once. If ``k`` flows share a link, each gets ``1/k`` of it, so the links per node are
 ``p / k``, rounded to a divisor of ``p`` (1: ``shared``, ``p``: ``rails``). With ``--fabric pcie``
@@ -58,12 +62,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
 from megatron_charm.plan.payloads import AttnShape
-from megatron_charm.plan.types import Compute, Part
+from megatron_charm.plan.types import Compute, Layout, Part
 from megatron_charm.sim.compute import (
     ComputeModel,
     Enqueue,
@@ -73,6 +77,7 @@ from megatron_charm.sim.compute import (
     block_flops,
     kernel_flops,
 )
+from megatron_charm.sim.in_pass import fit_in_pass
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
 
 FORMAT = "megatron-charm-profile/1"
@@ -727,6 +732,14 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         enqueue=enqueue_work(raw),
         sms=sms,
     )
+    passes = raw.get("blocks_in_passes")
+    if passes and raw.get("device") != "cuda":  # Note [Blocks in a pass]
+        widest = max(ks, key=lambda k: k["heads"])
+        fwd, bwd, miss = fit_in_pass(
+            passes, compute, Layout(m, p), widest["batch"], most, widest["head_dim"]
+        )
+        compute = replace(compute, fwd_in_pass=fwd, bwd_in_pass=bwd)
+        err["blocks_in_pass"] = miss
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "
         f"{raw.get('dtype', '?')}",

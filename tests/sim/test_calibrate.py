@@ -27,7 +27,8 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert "cross links per node" in done.stdout
     prof = load_profile(str(out))
     assert prof.measured and prof.gpus == "2x2"
-    assert set(prof.fit_error) == {"kernel_fwd", "kernel_bwd", "intra", "cross", "host_cpu"}
+    want = {"kernel_fwd", "kernel_bwd", "intra", "cross", "host_cpu", "blocks_in_pass"}
+    assert set(prof.fit_error) == want
     assert prof.provenance["command"].startswith("megatron-charm-sim calibrate --launcher")
     assert prof.provenance["host"]["cores"] == os.cpu_count()  # the machine it describes
     samples = prof.provenance["samples"]
@@ -58,6 +59,13 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert all(c["cpu_s"] >= c["thread_s"] > 0 for c in cpu)
     assert all(c["exchanges"] > 0 and c["bytes"] > 0 for c in cpu)
     assert [c["elements"] for c in cpu] == [c["s_local"] * 2 * 16 for c in cpu]  # b 1, 2 x 16
+    # and the kernel's CPU inside whole passes, per method and pass (Note [Blocks in a pass])
+    passes = samples["blocks_in_passes"]
+    assert {(c["method"], c["backward"]) for c in passes} == {
+        (m, b) for m in ("ring", "charm") for b in (False, True)
+    }
+    assert all(c["s_local"] == 512 and c["cpu_s"] > 0 for c in passes)
+    assert compute.fwd_in_pass > 0 and compute.bwd_in_pass > 0
     host = (*compute.host_work(), compute.host_per_byte(), *compute.transport_work())
     assert min(host) >= 0 and sum(host[1:]) > 0
     choice = choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
@@ -87,7 +95,14 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     assert all(0 < t < math.inf for r in runs for t in r["predicted_s"].values())
     # the spread joins the other fit residuals (one node: no cross link), all finite, and bounds
     # the known error from below
-    assert set(prof.fit_error) == {"kernel_fwd", "kernel_bwd", "intra", "host_cpu", "repeat"}
+    assert set(prof.fit_error) == {
+        "kernel_fwd",
+        "kernel_bwd",
+        "intra",
+        "host_cpu",
+        "blocks_in_pass",
+        "repeat",
+    }
     assert all(0 <= e < math.inf for e in prof.fit_error.values())
     assert prof.known_error >= prof.fit_error["repeat"]
     raw = json.loads((tmp_path / "raw.json").read_text())
