@@ -76,10 +76,15 @@ def _host_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _slowest(value: float) -> float:
+def _every_rank(value: object) -> list:
+    """``value`` of every rank, in global rank order (a collective: every rank calls it)."""
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
-    return max(out)
+    return out
+
+
+def _slowest(value: float) -> float:
+    return max(_every_rank(value))
 
 
 def _block_calls(
@@ -425,8 +430,7 @@ def time_host_cpu(cfg: dict, device: torch.device, topo: CPTopology) -> list[dic
                 own = statistics.median(call[3][backward] for call in kept)
                 cpu = statistics.median(call[2][backward] for call in kept)
                 mine.append((method, tokens, backward, posted, nbytes, own, cpu))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = _every_rank(mine)
     return [
         {
             "method": method,
@@ -496,8 +500,7 @@ def time_blocks_in_passes(cfg: dict, device: torch.device, topo: CPTopology) -> 
             if rep > 0:
                 kept.append((fwd, spent[0]))
         mine += [statistics.median(c[0] for c in kept), statistics.median(c[1] for c in kept)]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = _every_rank(mine)
     return [
         {
             "method": method,
