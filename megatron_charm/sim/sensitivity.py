@@ -44,7 +44,8 @@ microseconds of passes of hundreds of milliseconds), and a margin of 1.69x becam
 A fit's error moves every method that uses what it prices, in the same direction. So for a
 measured profile the two leading methods are also replayed with each fit's timings scaled by its
 own worst miss, up and down in turn (blocks' forward or backward costs, one link's fixed cost and
-time per byte, the host's work per pass, exchange and byte), and ``fits_note`` says where their
+time per byte, the host's work per pass, exchange and byte, the factor of blocks in a pass), and
+``fits_note`` says where their
 margin goes, the most any one fit moves it either way added up over the fits::
 
     fits: each fit replayed at its own worst miss (cross 8%, host_cpu 29%, intra 64%,
@@ -226,6 +227,8 @@ _COMPUTE_FITS = {
         "transport_post_s",
         "transport_byte_s",
     ),
+    # Note [Blocks in a pass]: one method's ratio lies this far from the pooled factor
+    "blocks_in_pass": ("fwd_in_pass", "bwd_in_pass"),
 }
 
 

@@ -213,6 +213,12 @@ def test_a_fit_is_scaled_where_it_prices() -> None:
         2 * fitted.block_time(block, shape, False), rel=1e-12
     )
     assert compute.block_time(block, shape, True) == fitted.block_time(block, shape, True)
+    # the factor of blocks in a pass scales both directions' blocks
+    in_pass, _ = scaled_fit("blocks_in_pass", 1.5, fitted, topo)
+    for backward in (False, True):
+        assert in_pass.block_time(block, shape, backward) == pytest.approx(
+            1.5 * fitted.block_time(block, shape, backward), rel=1e-12
+        )
     host, _ = scaled_fit("host_cpu", 2.0, fitted, topo)
     assert host.host_work() == pytest.approx((0.0, 2e-3))
     kept, links = scaled_fit("cross", 2.0, fitted, topo)
