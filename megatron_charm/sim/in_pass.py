@@ -46,8 +46,9 @@ from megatron_charm.sim.topology import Topology
 def pass_block_seconds(
     compute: FittedCompute, method: str, layout: Layout, shape: AttnShape, backward: bool
 ) -> float:
-    """Seconds alone the replay gives the blocks of one causal pass of ``method`` (default
-    options) on ``layout`` with ``shape`` per rank, the mean over the ranks."""
+    """Seconds the replay gives the blocks of one causal pass of ``method`` (default options)
+    on ``layout`` with ``shape`` per rank, the mean over the ranks: their time alone where
+    ``compute``'s own in-pass factors are 1."""
     progs = programs(PlanOptions(method=method), layout, True, "full", shape)
     # links do not price blocks; any will do
     topo = Topology(
@@ -86,7 +87,7 @@ def fit_in_pass(
         if not got:
             factors.append(1.0)
             continue
-        factor = sum(m for m, _ in got) / sum(x for _, x in got)
+        factor = sum(cpu for cpu, _ in got) / sum(model for _, model in got)
         factors.append(factor)
-        worst = max(worst, *(abs(m / x / factor - 1.0) for m, x in got))
+        worst = max(worst, *(abs(cpu / model / factor - 1.0) for cpu, model in got))
     return factors[0], factors[1], worst
