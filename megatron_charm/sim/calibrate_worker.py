@@ -317,12 +317,16 @@ def time_kernels_under_traffic(
 HOST_METHODS = ("ring", "charm")
 
 
-def _attention_calls(cfg: dict, device, topo, method: str, tokens: int, gen, kernel) -> list:
+def _attention_calls(
+    cfg: dict, device, topo, method: str, tokens: int, gen, kernel, spent: list | None = None
+) -> list:
     """Forward and backward calls of the real attention (``method``, ``tokens`` per rank,
     ``kernel``: a name or a :class:`~megatron_charm.kernels.BlockKernel`), every rank at once
     after a barrier; the first call builds and caches the plans and is dropped. Per kept call:
-    ``(trace, starts, cpu, thread)``, each of the last three indexed by ``backward``: the pass's
-    ``time.perf_counter()`` start, and its CPU seconds of the process and of this thread."""
+    ``(trace, starts, cpu, thread, kernel_s)``, each of the last four indexed by ``backward``:
+    the pass's ``time.perf_counter()`` start, its CPU seconds of the process and of this
+    thread, and those of ``kernel``'s calls where it is a :func:`_counting` kernel adding to
+    ``spent`` (else zeros)."""
     from megatron_charm import cp_attention
 
     dtype = DTYPES[cfg["dtype"]]
@@ -331,21 +335,25 @@ def _attention_calls(cfg: dict, device, topo, method: str, tokens: int, gen, ker
     for t in (q, k, v):
         t.requires_grad_(True)
     dout = torch.ones(shape, device=device, dtype=dtype)
+    spent = spent if spent is not None else [0.0]
     kept = []
     for rep in range(max(cfg["reps"], 3) + 1):
         trace: list = []
         dist.barrier()
+        spent[0] = 0.0
         c0, h0 = time.process_time(), time.thread_time()
         t_fwd = time.perf_counter()
         out = cp_attention(q, k, v, topo, method=method, kernel=kernel, trace=trace)
         _sync(device)
         c1, h1 = time.process_time(), time.thread_time()
+        k_fwd, spent[0] = spent[0], 0.0
         t_bwd = time.perf_counter()
         out.backward(dout)
         _sync(device)
         c2, h2 = time.process_time(), time.thread_time()
         if rep > 0:
-            kept.append((trace, (t_fwd, t_bwd), (c1 - c0, c2 - c1), (h1 - h0, h2 - h1)))
+            cpu, thread = (c1 - c0, c2 - c1), (h1 - h0, h2 - h1)
+            kept.append((trace, (t_fwd, t_bwd), cpu, thread, (k_fwd, spent[0])))
     return kept
 
 
@@ -377,7 +385,7 @@ def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
     calls: list[float] = []
     per_kind: dict[str, list[float]] = {"Exchange": [], "Compute": [], "Merge": []}
     for method in HOST_METHODS:
-        for trace, starts, _, _ in _attention_calls(
+        for trace, starts, *_ in _attention_calls(
             cfg, device, topo, method, 512, gen, cfg.get("kernel")
         ):
             for run in trace:
@@ -476,30 +484,15 @@ def time_blocks_in_passes(cfg: dict, device: torch.device, topo: CPTopology) -> 
     the calling thread (``time.thread_time``: a CPU host's only). One sample per method and
     pass direction: ``cpu_s``, the kernel's CPU seconds in the pass, the median over the calls
     of each rank, averaged over the ranks."""
-    from megatron_charm import cp_attention
     from megatron_charm.kernels.backends import select_kernel
 
-    dtype = DTYPES[cfg["dtype"]]
     spent = [0.0]
-    kernel = _counting(select_kernel(device, dtype, cfg.get("kernel")), spent)
-    shape = (cfg["batch"], IN_PASS_TOKENS, cfg["heads"], cfg["head_dim"])
+    kernel = _counting(select_kernel(device, DTYPES[cfg["dtype"]], cfg.get("kernel")), spent)
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    dout = torch.ones(shape, device=device, dtype=dtype)
     mine: list[float] = []
     for method in HOST_METHODS:
-        kept: list[tuple[float, float]] = []
-        for rep in range(max(cfg["reps"], 3) + 1):  # the first builds the plans: dropped
-            dist.barrier()
-            spent[0] = 0.0
-            out = cp_attention(q, k, v, topo, method=method, kernel=kernel)
-            fwd, spent[0] = spent[0], 0.0
-            out.backward(dout)
-            if rep > 0:
-                kept.append((fwd, spent[0]))
-        mine += [statistics.median(c[0] for c in kept), statistics.median(c[1] for c in kept)]
+        kept = _attention_calls(cfg, device, topo, method, IN_PASS_TOKENS, gen, kernel, spent)
+        mine += [statistics.median(c[4][backward] for c in kept) for backward in (False, True)]
     everyone = _every_rank(mine)
     return [
         {

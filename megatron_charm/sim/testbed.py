@@ -245,10 +245,10 @@ def compare(
         cal.topo, cal.problem, cal.compute, tuple(methods), options=_plan_options(result)
     )
     rows = []
+    everyone = cal.topo.num_nodes * cal.topo.ranks_per_node
     for method in methods:
         mp = pred.methods[method]
         # the replay's host work for every rank (a symmetric replay runs some of them)
-        everyone = cal.topo.num_nodes * cal.topo.ranks_per_node
         work = [p.host_work * everyone / len(p.ranks) for p in (mp.forward, mp.backward)]
         for tag, predicted, charged in (
             ("fwd", mp.forward.makespan, work[0]),
