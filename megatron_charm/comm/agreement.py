@@ -4,11 +4,18 @@ Note [Call agreement]
 ~~~~~~~~~~~~~~~~~~~~~
 Ranks that disagree on a shape, a dtype or a plan option post exchanges that do not match: gloo
 may then accept a short message into a larger buffer, or abort inside a native call, and NCCL may
-hang. So every call gathers one 64-bit fingerprint of its :class:`CallKey` (one tiny collective
-over the CP ranks) before any exchange is posted. Only when the fingerprints differ do the ranks
-gather the keys themselves, so that every rank raises the same ``ValueError`` naming the fields
-that differ. The check runs on every call, not once per shape: a rank that changes shape after a
-good first call is caught at that call.
+hang. So before any exchange is posted, every call reduces a 63-bit fingerprint of its
+:class:`CallKey` over the CP ranks: one all_reduce (MIN) of ``[fingerprint, -fingerprint]``
+gives the smallest and the largest, and the ranks agree when they are equal. Only when they
+differ do the ranks gather the keys themselves, so that every rank raises the same
+``ValueError`` naming the fields that differ. The check runs on every call, not once per
+shape: a rank that changes shape after a good first call is caught at that call.
+
+Its cost is latency, paid before the pass's first exchange: on a CPU host it is the pass's own
+time, on a GPU host it delays the enqueue. An all_gather of the fingerprints (until 2026-12-06)
+took 2 ms among four testbed ranks and 6-7 ms among eight on two cores, 10-20 ms at the start
+of a real pass there; the all_reduce takes 0.7-0.9 ms and 2-3 ms (and 7 ms against 38 ms among
+sixteen loopback ranks; docs/results/call-agreement-2026-12-06.md).
 
 The fingerprints travel in host memory, over the topology's own gloo group
 (``CPTopology.control``), whatever the CP group's backend. Gathered on the GPU, reading them
@@ -17,7 +24,7 @@ call: once per attention layer, the host could no longer run ahead of the GPU, a
 idle while the host prepared the call's first kernels. On the host the check costs one small
 gloo exchange and leaves the GPU's queue alone. Gloo jobs run the same code::
 
-    host:  fingerprint -> gloo all_gather (control group) -> compare -> post exchanges, kernels
+    host:  fingerprint -> gloo all_reduce (control group) -> compare -> post exchanges, kernels
     GPU:   ...earlier layers' kernels keep running...   ->  this call's exchanges, kernels
 """
 
@@ -49,8 +56,8 @@ class CallKey:
     """Fingerprint of the document mask (``""``: none)."""
 
     def fingerprint(self) -> int:
-        digest = hashlib.blake2b(repr(self).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little", signed=True)
+        """A 63-bit non-negative hash: its negation fits an int64 (:func:`check_agreement`)."""
+        return _hash63(repr(self))
 
     def describe(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -65,27 +72,37 @@ def check_agreement(topo: CPTopology, key: CallKey) -> None:
         return
     assert topo.control is not None, "CPTopology.build creates the control group"
     full = (key, topo.layout)
-    mine = torch.tensor([key.fingerprint() ^ hash_layout(topo)], dtype=torch.int64)
-    got = [torch.empty_like(mine) for _ in range(topo.cp_size)]
+    mine = key.fingerprint() ^ hash_layout(topo)
+    # One all_reduce, not an all_gather: gloo's all_gather of cp_size tiny tensors took 6-7 ms
+    # among eight ranks on two cores (idle, 10-20 ms at the start of a pass) against 2-3 ms for
+    # an all_reduce, and 38 ms against 7 ms among sixteen (Note [Call agreement]).
+    extremes = torch.tensor([mine, -mine], dtype=torch.int64)
     try:
-        dist.all_gather(got, mine, group=topo.control)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=topo.control)
     except RuntimeError as exc:
         raise DistributedError(
             f"cp_rank {topo.cp_rank} could not agree on shapes and options with its CP group: "
             f"{exc}. A peer rank died or timed out (timeout {topo.timeout})"
         ) from exc
-    if len({int(t.item()) for t in got}) == 1:
+    if agreed(int(extremes[0]), int(extremes[1])):
         return
     everyone: list = [None] * topo.cp_size
     dist.all_gather_object(everyone, full, group=topo.control)
     raise ValueError(_mismatch_message(everyone))
 
 
+def agreed(smallest: int, minus_largest: int) -> bool:
+    """Whether every rank's fingerprint is the same, from the group's MIN-reduction of
+    ``[fingerprint, -fingerprint]``: the smallest equals the largest."""
+    return smallest == -minus_largest
+
+
 def hash_layout(topo: CPTopology) -> int:
-    text = f"{topo.layout.num_nodes}x{topo.layout.ranks_per_node}"
-    return int.from_bytes(
-        hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True
-    )
+    return _hash63(f"{topo.layout.num_nodes}x{topo.layout.ranks_per_node}")
+
+
+def _hash63(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def _mismatch_message(everyone: list) -> str:
