@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--reps", type=int, default=5, help="timings per point (median counts)")
     ap.add_argument(
+        "--in-pass-rounds",
+        type=int,
+        default=None,
+        help="CPU hosts: rounds of whole passes whose kernel CPU gives the blocks' factor in a "
+        "pass (median counts; default 5, Note [Blocks in a pass])",
+    )
+    ap.add_argument(
         "--fabric",
         choices=FABRICS,
         default="nvlink",
@@ -98,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
         raise ValueError(f"--reps {args.reps} must be >= 1")
     if args.repeat < 1:
         raise ValueError(f"--repeat {args.repeat} must be >= 1 (1: calibrate once)")
+    if args.in_pass_rounds is not None and args.in_pass_rounds < 1:
+        raise ValueError(f"--in-pass-rounds {args.in_pass_rounds} must be >= 1 (or left out: 5)")
     return {
         "device": args.device,
         "dtype": args.dtype,
@@ -109,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "kernel_heads": _ints(args.kernel_heads, "--kernel-heads"),
         "sizes": _ints(args.sizes, "--sizes"),
         "reps": args.reps,
+        "in_pass_rounds": args.in_pass_rounds,
         "threads": args.threads,
         "nodes": args.nodes,
         "ranks_per_node": None if args.launcher == "env" else args.ranks_per_node,

@@ -456,6 +456,9 @@ def time_host_cpu(cfg: dict, device: torch.device, topo: CPTopology) -> list[dic
 
 #: Tokens per rank of the passes whose blocks :func:`time_blocks_in_passes` times.
 IN_PASS_TOKENS = 512
+#: Rounds of those passes; their median counts (Note [Blocks in a pass]: one round's ratio
+#: moves by up to a fifth from one round to the next on the testbed).
+IN_PASS_ROUNDS = 5
 
 
 def _counting(kernel, spent: list[float]):
@@ -481,29 +484,43 @@ def time_blocks_in_passes(cfg: dict, device: torch.device, topo: CPTopology) -> 
     """CPU seconds the block kernel takes inside passes of the real attention (Note [Blocks in
     a pass] in :mod:`megatron_charm.sim.in_pass`): calls of ``HOST_METHODS`` at
     ``IN_PASS_TOKENS`` tokens per rank, causal, every rank at once, the kernel's calls timed on
-    the calling thread (``time.thread_time``: a CPU host's only). One sample per method and
-    pass direction: ``cpu_s``, the kernel's CPU seconds in the pass, the median over the calls
-    of each rank, averaged over the ranks."""
+    the calling thread (``time.thread_time``: a CPU host's only), in ``cfg["in_pass_rounds"]``
+    rounds (``None``: ``IN_PASS_ROUNDS``) that each run every method. One sample per method and
+    pass direction: ``rounds``, per round the kernel's CPU seconds in the pass, the median over
+    the calls of each rank, averaged over the ranks; ``cpu_s``, their median."""
     from megatron_charm.kernels.backends import select_kernel
 
     spent = [0.0]
     kernel = _counting(select_kernel(device, DTYPES[cfg["dtype"]], cfg.get("kernel")), spent)
     gen = torch.Generator().manual_seed(4)
-    mine: list[float] = []
-    for method in HOST_METHODS:
-        kept = _attention_calls(cfg, device, topo, method, IN_PASS_TOKENS, gen, kernel, spent)
-        mine += [statistics.median(c[4][backward] for c in kept) for backward in (False, True)]
+    rounds = int(cfg.get("in_pass_rounds") or IN_PASS_ROUNDS)
+    mine: list[list[float]] = []
+    for _ in range(rounds):
+        this_round: list[float] = []
+        for method in HOST_METHODS:
+            kept = _attention_calls(cfg, device, topo, method, IN_PASS_TOKENS, gen, kernel, spent)
+            this_round += [
+                statistics.median(c[4][backward] for c in kept) for backward in (False, True)
+            ]
+        mine.append(this_round)
     everyone = _every_rank(mine)
-    return [
-        {
-            "method": method,
-            "s_local": IN_PASS_TOKENS,
-            "backward": backward,
-            "cpu_s": statistics.mean(theirs[2 * i + backward] for theirs in everyone),
-        }
-        for i, method in enumerate(HOST_METHODS)
-        for backward in (False, True)
-    ]
+    samples = []
+    for i, method in enumerate(HOST_METHODS):
+        for backward in (False, True):
+            col = 2 * i + backward
+            per_round = [
+                statistics.mean(theirs[r][col] for theirs in everyone) for r in range(rounds)
+            ]
+            samples.append(
+                {
+                    "method": method,
+                    "s_local": IN_PASS_TOKENS,
+                    "backward": backward,
+                    "cpu_s": statistics.median(per_round),
+                    "rounds": per_round,
+                }
+            )
+    return samples
 
 
 def run(cfg: dict) -> dict | None:

@@ -16,7 +16,11 @@ time, and replays without it came out 6-12% too fast there (docs/results/calibra
 So on a CPU host ``calibrate`` also runs passes of the real attention (``HOST_METHODS``, every
 rank at once) with the kernel's calls timed on the calling thread
 (:func:`~megatron_charm.sim.calibrate_worker.time_blocks_in_passes`), and the fit compares them
-with what the fitted blocks alone give the same passes' blocks, per pass direction:
+with what the fitted blocks alone give the same passes' blocks, per pass direction. It does so in
+rounds (``--in-pass-rounds``, five by default) and takes each sample's median over them: on the
+testbed one sample's five rounds spread by 0.05-0.22 around ratios of 0.88-1.32 (three
+calibrations of 2026-12-06, whose profiles keep the rounds), as much as the factor moved between
+calibrations of one round:
 
     in_pass = sum over the passes of (kernel CPU seconds measured, per rank)
               / sum over the passes of (the replay's block seconds, per rank)

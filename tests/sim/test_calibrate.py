@@ -22,6 +22,7 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     cmd = [sys.executable, "-m", "megatron_charm.sim", "calibrate", "--launcher", "loopback"]
     cmd += ["--nodes", "2", "--ranks-per-node", "2", "--tokens", "64,128", "--heads", "2"]
     cmd += ["--head-dim", "16", "--sizes", "4096,65536", "--reps", "2", "--out", str(out)]
+    cmd += ["--in-pass-rounds", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cross links per node" in done.stdout
@@ -65,6 +66,9 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
         (m, b) for m in ("ring", "charm") for b in (False, True)
     }
     assert all(c["s_local"] == 512 and c["cpu_s"] > 0 for c in passes)
+    # in rounds, their median counting: two here
+    assert all(len(c["rounds"]) == 2 and min(c["rounds"]) > 0 for c in passes)
+    assert all(c["cpu_s"] == pytest.approx(sum(c["rounds"]) / 2) for c in passes)
     assert compute.fwd_in_pass > 0 and compute.bwd_in_pass > 0
     host = (*compute.host_work(), compute.host_per_byte(), *compute.transport_work())
     assert min(host) >= 0 and sum(host[1:]) > 0
@@ -125,6 +129,8 @@ def test_calibrate_refuses_bad_sizes(capsys):
     )
     assert main(["calibrate", "--out", "x.json", "--repeat", "0"]) == 2
     assert "--repeat 0 must be >= 1" in capsys.readouterr().err
+    assert main(["calibrate", "--out", "x.json", "--in-pass-rounds", "0"]) == 2
+    assert "--in-pass-rounds 0 must be >= 1" in capsys.readouterr().err
 
 
 def test_a_run_of_exchanges_shares_its_host_time_equally():
