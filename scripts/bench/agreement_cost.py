@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 from megatron_charm.bench.report import emit
+from megatron_charm.testbed.script import add_rank_arguments, run_script_ranks
 
 WAYS = ("all_reduce (check_agreement)", "all_gather (before 2026-12-06)")
 
@@ -37,6 +33,7 @@ def rank_main(iters: int, out_path: str) -> None:
     from megatron_charm.bench.worker import start_rank
     from megatron_charm.comm.agreement import CallKey, check_agreement, hash_layout
     from megatron_charm.plan import PlanOptions
+    from megatron_charm.testbed.script import gather_to_file
 
     _, topo = start_rank({"threads": 1})
     key = CallKey((512, 1, 4, 64), 4, "torch.bfloat16", True, 0.125, PlanOptions())
@@ -56,27 +53,15 @@ def rank_main(iters: int, out_path: str) -> None:
             way()
             times.append(time.perf_counter() - t0)
         mine.append(statistics.median(times[2:]))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump(everyone, fh)
-    dist.destroy_process_group()
+    gather_to_file(mine, out_path)
 
 
 def run_layout(layout: str, iters: int, cross_rate: str) -> list[list[float]]:
     """Every rank's medians ``[all_reduce, all_gather]`` on a fresh testbed of ``layout``."""
     nodes, per_node = (int(x) for x in layout.split("x"))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "ranks.json")
-        cmd = [sys.executable, "-m", "megatron_charm.testbed", "run", "--nodes", str(nodes)]
-        cmd += ["--ranks-per-node", str(per_node), "--cross-rate", cross_rate, "--"]
-        cmd += [sys.executable, os.path.abspath(__file__), "--rank", str(iters), out]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if done.returncode:
-            raise RuntimeError(f"the testbed run of {layout} failed:\n{done.stderr[-2000:]}")
-        with open(out) as fh:
-            return json.load(fh)
+    ranks = run_script_ranks(__file__, [str(iters)], nodes, per_node, cross_rate)
+    assert isinstance(ranks, list)
+    return ranks
 
 
 def markdown(rows: list[tuple[str, list[list[float]]]], iters: int, cross_rate: str) -> str:
@@ -105,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--cross-rate", default="200mbit")
     ap.add_argument("--md", help="also write the table here")
-    ap.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)  # internal: ITERS OUT
+    add_rank_arguments(ap)  # a rank's: OUT, then ITERS
     args = ap.parse_args(argv)
-    if args.rank:
-        rank_main(int(args.rank[0]), args.rank[1])
+    if args.rank_out:
+        rank_main(int(args.rank_args[0]), args.rank_out)
         return 0
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     for layout in layouts:

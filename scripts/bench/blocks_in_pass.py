@@ -22,12 +22,11 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 from megatron_charm.bench.report import emit
+from megatron_charm.testbed.script import add_rank_arguments, run_script_ranks
 
 
 def rank_main(cfg: dict, out_path: str) -> None:
@@ -40,6 +39,7 @@ def rank_main(cfg: dict, out_path: str) -> None:
     from megatron_charm.bench.worker import start_rank
     from megatron_charm.kernels.backends import select_kernel
     from megatron_charm.sim.calibrate_worker import _counting
+    from megatron_charm.testbed.script import gather_to_file
 
     device, topo = start_rank({"threads": 1})
     spent = [0.0]
@@ -60,13 +60,7 @@ def rank_main(cfg: dict, out_path: str) -> None:
         c1, h1, t1 = time.process_time(), time.thread_time(), time.perf_counter()
         if rep >= 2:
             recs.append((c1 - c0, h1 - h0, spent[0], t1 - t0))
-    mine = [statistics.median(x) for x in zip(*recs, strict=True)]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump(everyone, fh)
-    dist.destroy_process_group()
+    gather_to_file([statistics.median(x) for x in zip(*recs, strict=True)], out_path)
 
 
 def measured(ranks: list[list[float]]) -> dict[str, float]:
@@ -158,13 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", help="a calibrate profile: put its charges next to the CPU")
     ap.add_argument("--md", help="also write the table here")
-    ap.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)  # internal: CONFIG OUT
+    add_rank_arguments(ap)  # a rank's: OUT, then CONFIG
     args = ap.parse_args(argv)
-    if args.rank:
-        with open(args.rank[0]) as fh:
-            rank_main(json.load(fh), args.rank[1])
+    if args.rank_out:
+        with open(args.rank_args[0]) as fh:
+            rank_main(json.load(fh), args.rank_out)
         return 0
-    cfg = {k: v for k, v in vars(args).items() if k not in ("profile", "md", "rank")}
+    cfg = {
+        k: v for k, v in vars(args).items() if k not in ("profile", "md", "rank_out", "rank_args")
+    }
     cfg["kv_heads"] = args.kv_heads or args.heads
     if args.iters < 1 or args.heads % cfg["kv_heads"]:
         raise ValueError(
@@ -172,15 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--kv-heads {cfg['kv_heads']}"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        conf, out = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "ranks.json")
+        conf = os.path.join(tmp, "cfg.json")
         with open(conf, "w") as fh:
             json.dump(cfg, fh)
-        cmd = [sys.executable, "-m", "megatron_charm.testbed", "run", "--nodes", str(args.nodes)]
-        cmd += ["--ranks-per-node", str(args.ranks_per_node), "--cross-rate", args.cross_rate]
-        cmd += ["--", sys.executable, os.path.abspath(__file__), "--rank", conf, out]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
-        with open(out) as fh:
-            ranks = json.load(fh)
+        ranks = run_script_ranks(__file__, [conf], args.nodes, args.ranks_per_node, args.cross_rate)
     model = charged(cfg, args.profile) if args.profile else None
     emit(markdown(cfg, measured(ranks), model), args.md)
     return 0

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 from megatron_charm.bench.report import emit
+from megatron_charm.testbed.script import add_rank_arguments, run_script_ranks
 
 SIZES = (64 << 10, 512 << 10, 2 << 20)
 
@@ -70,7 +67,7 @@ def main() -> int:
     ap.add_argument("--ranks-per-node", default="1", help="ranks on each of the 2 nodes, a list")
     ap.add_argument("--topology", default="shared", choices=("shared", "rails"))
     ap.add_argument("--md", help="also write the table here")
-    ap.add_argument("--rank-out", help=argparse.SUPPRESS)  # internal: one rank of a run
+    add_rank_arguments(ap)  # a rank's: OUT
     args = ap.parse_args()
     if args.rank_out:
         rank_main(args.rank_out)
@@ -84,15 +81,8 @@ def main() -> int:
     ]
     for n, rate in ((n, rate) for n in per_node for rate in args.rates.split(",")):
         layout = f"2 x {n} {args.topology}"
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rows.json")
-            cmd = [sys.executable, "-m", "megatron_charm.testbed", "run", "--nodes", "2"]
-            cmd += ["--ranks-per-node", str(n), "--topology", args.topology]
-            cmd += ["--cross-rate", rate, "--"]
-            cmd += [sys.executable, os.path.abspath(__file__), "--rank-out", out]
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
-            with open(out) as fh:
-                rows = json.load(fh)
+        rows = run_script_ranks(__file__, [], 2, n, rate, args.topology, timeout_s=600)
+        assert isinstance(rows, list)
         for nbytes, wall, cpu in rows:
             lines.append(
                 f"| {layout} | {rate} | {nbytes >> 10} KiB | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | "

@@ -257,3 +257,26 @@ def test_acknowledgements_go_ahead_of_data(ack_priority: bool) -> None:
     assert sum(p for _, p in small) > 100, counts  # the receivers' acknowledgements
     assert all(b <= 128 * p for b, p in small), counts  # and nothing larger
     assert sum(b for b, _ in data) >= 1_000_000, counts  # the probe's data
+
+
+def test_a_measurement_script_runs_as_every_rank_and_hands_back_json(tmp_path) -> None:
+    # megatron_charm/testbed/script.py: the scripts of scripts/bench that measure on the testbed
+    from megatron_charm.testbed.script import run_script_ranks
+
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import torch.distributed as dist
+            from megatron_charm.testbed.script import gather_to_file
+            assert sys.argv[1] == "--rank-out"
+            dist.init_process_group("gloo")
+            gather_to_file([dist.get_rank(), sys.argv[3:]], sys.argv[2])
+            """
+        )
+    )
+    got = run_script_ranks(str(script), ["a", "7"], 2, 2, "100mbit", "rails", timeout_s=120)
+    assert got == [[r, ["a", "7"]] for r in range(4)]
+    with pytest.raises(RuntimeError, match=r"(?s)ranks\.py on 1 x 2 failed .*nodes=1"):
+        run_script_ranks(str(script), [], 1, 2, "100mbit", timeout_s=60)
