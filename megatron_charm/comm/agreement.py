@@ -13,9 +13,9 @@ shape: a rank that changes shape after a good first call is caught at that call.
 
 Its cost is latency, paid before the pass's first exchange: on a CPU host it is the pass's own
 time, on a GPU host it delays the enqueue. An all_gather of the fingerprints (until 2026-12-06)
-took 2 ms among four testbed ranks and 6-7 ms among eight on two cores, 10-20 ms at the start
-of a real pass there; the all_reduce takes 0.7-0.9 ms and 2-3 ms (and 7 ms against 38 ms among
-sixteen loopback ranks; docs/results/call-agreement-2026-12-06.md).
+took 1.5-2.6 ms among four testbed ranks on two cores, 6.7-7.9 among eight and 22-23 among
+sixteen (10-20 ms at the start of a real pass on eight); the all_reduce takes 0.8-0.9, 2.0-2.9
+and 5.4-6.0 ms (docs/results/call-agreement-2026-12-06.md).
 
 The fingerprints travel in host memory, over the topology's own gloo group
 (``CPTopology.control``), whatever the CP group's backend. Gathered on the GPU, reading them
@@ -73,9 +73,8 @@ def check_agreement(topo: CPTopology, key: CallKey) -> None:
     assert topo.control is not None, "CPTopology.build creates the control group"
     full = (key, topo.layout)
     mine = key.fingerprint() ^ hash_layout(topo)
-    # One all_reduce, not an all_gather: gloo's all_gather of cp_size tiny tensors took 6-7 ms
-    # among eight ranks on two cores (idle, 10-20 ms at the start of a pass) against 2-3 ms for
-    # an all_reduce, and 38 ms against 7 ms among sixteen (Note [Call agreement]).
+    # One all_reduce, not an all_gather of cp_size tiny tensors: a third of the time among
+    # eight testbed ranks, a quarter among sixteen (Note [Call agreement]).
     extremes = torch.tensor([mine, -mine], dtype=torch.int64)
     try:
         dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=topo.control)
