@@ -29,7 +29,8 @@ from datetime import datetime, timezone
 from megatron_charm.bench.provenance import host
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.sim.predict import Problem, predict
-from megatron_charm.sim.profile import Profile, fit_profile, pick_repeat, repeat_summary
+from megatron_charm.sim.profile import Profile, fit_profile
+from megatron_charm.sim.repeats import COMBINE, pick_repeat, pool_runs, repeat_summary
 from megatron_charm.sim.topology import FABRICS, parse_gpus
 
 
@@ -50,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         "profile for --profile and --cp-comm-type auto.",
     )
     ap.add_argument("--out", required=True, help="where to write the profile JSON")
+    ap.add_argument(
+        "--from-raw",
+        metavar="RAW.json",
+        default=None,
+        help="fit the raw samples that an earlier calibrate wrote with --raw instead of "
+        "measuring (every measuring option is then unused; --combine and --fabric apply)",
+    )
     ap.add_argument("--launcher", choices=("testbed", "loopback", "env"), default="testbed")
     ap.add_argument("--nodes", type=int, default=2, help="nodes (testbed, loopback)")
     ap.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node")
@@ -94,8 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat",
         type=int,
         default=1,
-        help="calibrate this many times in a row and keep the median run (of two, the faster); "
-        "the runs' spread joins the profile's known error (--timeout applies to each run)",
+        help="calibrate this many times in a row and combine the runs (--combine); the spread "
+        "of their own fits joins the profile's known error (--timeout applies to each run)",
+    )
+    ap.add_argument(
+        "--combine",
+        choices=COMBINE,
+        default="pool",
+        help="with --repeat: fit the median of every timing over the runs (pool), or the median "
+        "run by its largest block alone (median-run); Note [Repeated calibrations]",
     )
     return ap
 
@@ -152,29 +167,64 @@ SPREAD_METHODS = ("ring", "charm")
 
 
 def prediction_spread(
-    profiles: list[Profile], keep: int, cfg: dict
+    profiles: list[Profile], reference: Profile, raw: dict
 ) -> tuple[float, list[dict[str, float]]]:
-    """How far ``profiles`` (one per run of ``calibrate --repeat``) disagree: each predicts ring's
-    and charm's forward and backward, causal, at its own layout with ``cfg``'s batch, heads, head
-    dim and largest block per rank; the largest relative difference from ``profiles[keep]``'s,
-    and each run's predicted seconds (``"ring fwd"``, ...)."""
-    m, p = parse_gpus(profiles[keep].gpus)
+    """How far ``profiles`` (one per run of ``calibrate --repeat``) disagree with ``reference``
+    (the profile written): each predicts ring's and charm's forward and backward, causal, at
+    ``reference``'s layout with the batch, heads, head dim and tokens per rank of ``raw``'s
+    largest block; the largest relative difference from ``reference``'s, and each run's
+    predicted seconds (``"ring fwd"``, ...)."""
+    m, p = parse_gpus(reference.gpus)
+    block = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
     problem = Problem(
-        cfg["batch"], m * p * max(cfg["tokens"]), cfg["heads"], cfg["head_dim"], causal=True
+        block["batch"], m * p * block["tokens"], block["heads"], block["head_dim"], causal=True
     )
-    times = []
-    for prof in profiles:
+
+    def times(prof: Profile) -> dict[str, float]:
         pred = predict(prof.topology(m, p), problem, prof.compute_model(), SPREAD_METHODS)
-        times.append(
-            {
-                f"{name} {tag}": getattr(mp, pass_).makespan
-                for name, mp in pred.methods.items()
-                for tag, pass_ in (("fwd", "forward"), ("bwd", "backward"))
-            }
-        )
-    kept = times[keep]
-    spread = max(abs(t[k] / v - 1.0) for t in times for k, v in kept.items() if v > 0)
-    return spread, times
+        return {
+            f"{name} {tag}": getattr(mp, pass_).makespan
+            for name, mp in pred.methods.items()
+            for tag, pass_ in (("fwd", "forward"), ("bwd", "backward"))
+        }
+
+    ref = times(reference)
+    each = [times(prof) for prof in profiles]
+    spread = max(abs(t[k] / v - 1.0) for t in each for k, v in ref.items() if v > 0)
+    return spread, each
+
+
+#: Keys of a raw file that label its measurement rather than hold samples.
+RUN_LABELS = ("date", "host", "command", "launcher", "repeats")
+
+
+def combine_runs(raw: dict, combine: str, fabric: str) -> tuple[Profile, dict]:
+    """The profile of ``raw`` (rank 0's samples, later runs under ``"repeats"``) and the samples
+    it was fitted on: one run fitted as it is; several combined by ``combine`` (Note [Repeated
+    calibrations]), their spread in ``fit_error["repeat"]``, a summary of each run in
+    ``provenance["repeats"]``."""
+    runs = [raw, *raw.get("repeats", [])]
+    runs = [{k: v for k, v in r.items() if k not in RUN_LABELS} for r in runs]
+    if len(runs) == 1:
+        return fit_profile(runs[0], fabric=fabric), runs[0]
+    if combine == "pool":
+        keep, samples = None, pool_runs(runs)
+    elif combine == "median-run":
+        keep = pick_repeat(runs)
+        samples = runs[keep]
+    else:
+        raise ValueError(f"--combine {combine!r} is not one of {', '.join(COMBINE)}")
+    profile = fit_profile(samples, fabric=fabric)
+    spread, times = prediction_spread([fit_profile(r, fabric=fabric) for r in runs], profile, raw)
+    summary = repeat_summary(runs, keep)
+    for row, t in zip(summary, times, strict=True):
+        row["predicted_s"] = t
+    profile = replace(
+        profile,
+        fit_error={**profile.fit_error, "repeat": spread},
+        provenance={**profile.provenance, "repeats": summary, "combine": combine},
+    )
+    return profile, samples
 
 
 def describe(profile: Profile) -> str:
@@ -237,28 +287,32 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"megatron-charm-sim calibrate: error: {err}", file=sys.stderr)
         return 2
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    raw = measure(args, cfg)
-    if raw is None:  # not rank 0 under --launcher env
-        return 0
-    raw["date"] = started
-    if args.raw:
-        with open(args.raw, "w") as f:
-            json.dump(raw, f, indent=1)
-    if raw.get("device") == "cuda":
-        import torch  # noqa: F401  (host() names the GPU where torch is loaded)
-    runs = [raw, *raw.pop("repeats", [])]
-    keep = pick_repeat(runs)
-    raw = runs[keep]
-    raw["date"] = started
-    fits = [fit_profile(r, fabric=args.fabric) for r in runs]
-    profile = fits[keep]
-    summary = repeat_summary(runs, keep)
-    if len(runs) > 1:
-        spread, times = prediction_spread(fits, keep, cfg)
-        for row, t in zip(summary, times, strict=True):
-            row["predicted_s"] = t
-        profile = replace(profile, fit_error={**profile.fit_error, "repeat": spread})
+    command = "megatron-charm-sim calibrate " + shlex.join(argv)
+    if args.from_raw:
+        try:
+            with open(args.from_raw) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as err:
+            print(
+                f"megatron-charm-sim calibrate: error: --from-raw {args.from_raw}: cannot read it "
+                f"({err}); pass the file an earlier calibrate wrote with --raw",
+                file=sys.stderr,
+            )
+            return 2
+        provenance = {"refit": command, "command": raw.get("command", "not recorded")}
+    else:
+        started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        raw = measure(args, cfg)
+        if raw is None:  # not rank 0 under --launcher env
+            return 0
+        if raw.get("device") == "cuda":
+            import torch  # noqa: F401  (host() names the GPU where torch is loaded)
+        raw.update(date=started, host=host(), command=command, launcher=args.launcher)
+        if args.raw:
+            with open(args.raw, "w") as f:
+                json.dump(raw, f, indent=1)
+        provenance = {"command": command}
+    profile, fitted = combine_runs(raw, args.combine, args.fabric)
     samples = (
         "kernel",
         "merge",
@@ -277,11 +331,11 @@ def main(argv: list[str]) -> int:
         profile,
         provenance={
             **profile.provenance,
-            "command": "megatron-charm-sim calibrate " + shlex.join(argv),
-            "launcher": args.launcher,
-            "host": host(),
-            "samples": {k: raw.get(k) for k in samples},
-            **({"repeats": summary} if len(runs) > 1 else {}),
+            **provenance,
+            "date": raw.get("date", "not recorded"),
+            "launcher": raw.get("launcher", "not recorded"),
+            "host": raw.get("host", "not recorded"),
+            "samples": {k: fitted.get(k) for k in samples},
         },
     )
     profile.save(args.out)

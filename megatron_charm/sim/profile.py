@@ -48,14 +48,8 @@ largest relative
 residual of each fit is kept in the profile (``fit_error``): it is how far the model is known to
 miss its own measurements, and predictions made with the profile quote it.
 
-A host's speed can move between calibrations (on the CPU testbed one of four calibrations within
-15 minutes timed its blocks 25% slow, docs/results/calibrated-2x2.md). ``calibrate --repeat N``
-runs the measurements ``N`` times in one process group and keeps the median run by its largest
-block's forward time (of an even count, the faster of the middle two: a disturbance only slows
-a run). Each run's profile then predicts ring's and charm's forward and backward at the
-calibration's own layout and largest block; the largest relative difference of any run's
-prediction from the kept run's joins ``fit_error`` as ``repeat`` (what a prediction moves by
-from one calibration to the next, where a raw timing's noise may not matter at all).
+``calibrate --repeat N`` measures ``N`` times and fits the median of each timing (Note
+[Repeated calibrations] in megatron_charm/sim/repeats.py).
 """
 
 from __future__ import annotations
@@ -545,33 +539,6 @@ def enqueue_work(raw: dict) -> Enqueue | None:
     if not got or raw.get("device") != "cuda":
         return None
     return Enqueue(got["call_s"], got["post_s"], got["kernel_s"], got["merge_s"])
-
-
-def _repeat_times(raw: dict) -> dict[str, float]:
-    """A run's times that ``calibrate --repeat`` compares: its largest block's forward and
-    backward, and its largest intra- and cross-node transfer (where measured)."""
-    block = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
-    times = {"block_fwd_s": block["fwd_s"], "block_bwd_s": block["bwd_s"]}
-    for cls in ("intra", "cross"):
-        samples = raw.get("p2p", {}).get(cls) or []
-        if samples:
-            times[f"{cls}_s"] = max(samples, key=lambda x: x["bytes"])["s"]
-    return times
-
-
-def pick_repeat(runs: list[dict]) -> int:
-    """Which of ``runs`` (raw samples of one cluster, calibrated one after another) to keep
-    (Note [Fitting a profile]): the index of the median run by its largest block's forward time;
-    of an even count, the faster of the middle two."""
-    if not runs:
-        raise ValueError("no calibration runs to pick from")
-    fwd = [_repeat_times(r)["block_fwd_s"] for r in runs]
-    return sorted(range(len(runs)), key=fwd.__getitem__)[(len(runs) - 1) // 2]
-
-
-def repeat_summary(runs: list[dict], keep: int) -> list[dict]:
-    """Per run of ``calibrate --repeat``: whether it was kept and its compared times."""
-    return [{"kept": i == keep, **_repeat_times(r)} for i, r in enumerate(runs)]
 
 
 #: How much the two readings of the concurrent small timing must differ, relative to the delay

@@ -80,7 +80,8 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
 def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path):
     # Note [Fitting a profile]: with --fabric pcie and four ranks per node, two disjoint pairs
     # ping-pong at once; the profile keeps the timing and reads a shared domain from it (or none).
-    # Calibrated twice in a row (--repeat 2): one run is kept, the spread joins the known error.
+    # Calibrated twice in a row (--repeat 2): the runs' timings pooled (Note [Repeated
+    # calibrations]), the spread of their own fits joins the known error.
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "-m", "megatron_charm.sim", "calibrate", "--launcher", "loopback"]
     cmd += ["--nodes", "1", "--ranks-per-node", "4", "--tokens", "64", "--heads", "2"]
@@ -90,9 +91,11 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     prof = load_profile(str(out))
     runs = prof.provenance["repeats"]
-    assert len(runs) == 2 and [r["kept"] for r in runs].count(True) == 1
-    kept = next(r for r in runs if r["kept"])
-    assert kept["block_fwd_s"] == min(r["block_fwd_s"] for r in runs)  # of two, the faster
+    assert len(runs) == 2 and prof.provenance["combine"] == "pool"
+    assert all("kept" not in r for r in runs)
+    # the profile's samples are the runs' medians (of two, their mean)
+    largest = max(prof.provenance["samples"]["kernel"], key=lambda k: (k["tokens"], k["heads"]))
+    assert largest["fwd_s"] == pytest.approx(sum(r["block_fwd_s"] for r in runs) / 2)
     # the spread is the runs' predictions' (ring and charm, forward and backward)
     want = {f"{m} {t}" for m in ("ring", "charm") for t in ("fwd", "bwd")}
     assert all(set(r["predicted_s"]) == want for r in runs)
@@ -111,6 +114,22 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     assert prof.known_error >= prof.fit_error["repeat"]
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert len(raw["repeats"]) == 1  # --raw keeps every run
+    # --from-raw fits the same samples again without measuring: the same profile; with
+    # --combine median-run the faster run's (of two) samples alone
+    from megatron_charm.sim.cli import main
+
+    refit = tmp_path / "refit.json"
+    cmd = ["calibrate", "--from-raw", str(tmp_path / "raw.json"), "--fabric", "pcie"]
+    assert main([*cmd, "--out", str(refit)]) == 0
+    again = load_profile(str(refit))
+    assert again.compute == prof.compute and again.fit_error == prof.fit_error
+    assert again.provenance["command"] == prof.provenance["command"]
+    assert again.provenance["refit"].startswith("megatron-charm-sim calibrate --from-raw")
+    assert again.provenance["date"] == prof.provenance["date"] != "not recorded"
+    assert main([*cmd, "--combine", "median-run", "--out", str(refit)]) == 0
+    median_run = load_profile(str(refit))
+    kept = next(r for r in median_run.provenance["repeats"] if r["kept"])
+    assert kept["block_fwd_s"] == min(r["block_fwd_s"] for r in runs)
     conc = prof.provenance["samples"]["concurrent_intra"]
     assert conc["flows"] == 2 and conc["bytes"] == 262144 and conc["s"] > 0
     # The formula has its own unit test (test_profile.py); here only what must hold of any
@@ -131,6 +150,8 @@ def test_calibrate_refuses_bad_sizes(capsys):
     assert "--repeat 0 must be >= 1" in capsys.readouterr().err
     assert main(["calibrate", "--out", "x.json", "--in-pass-rounds", "0"]) == 2
     assert "--in-pass-rounds 0 must be >= 1" in capsys.readouterr().err
+    assert main(["calibrate", "--out", "x.json", "--from-raw", "no-such-raw.json"]) == 2
+    assert "--from-raw no-such-raw.json: cannot read it" in capsys.readouterr().err
 
 
 def test_a_run_of_exchanges_shares_its_host_time_equally():

@@ -86,7 +86,7 @@ def test_fit_profile_reads_a_shared_pcie_domain_from_concurrent_intra_pairs() ->
 
 
 def test_pick_repeat_keeps_the_median_run_and_measures_the_spread() -> None:
-    from megatron_charm.sim.profile import pick_repeat, repeat_summary
+    from megatron_charm.sim.repeats import pick_repeat, repeat_summary
 
     def run(slow: float, link: float = 1.0) -> dict:
         raw = _raw()
@@ -106,6 +106,8 @@ def test_pick_repeat_keeps_the_median_run_and_measures_the_spread() -> None:
     summary = repeat_summary([run(1.25), run(1.0)], 1)
     assert [s["kept"] for s in summary] == [False, True]
     assert set(summary[0]) == {"kept", "block_fwd_s", "block_bwd_s", "intra_s", "cross_s"}
+    # pooled runs keep none of them
+    assert all("kept" not in s for s in repeat_summary([run(1.25), run(1.0)], None))
     with pytest.raises(ValueError, match="no calibration runs"):
         pick_repeat([])
 

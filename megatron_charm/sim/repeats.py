@@ -1,0 +1,110 @@
+"""``calibrate --repeat``: several runs of the measurements, combined into one set of samples.
+
+Note [Repeated calibrations]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A host's speed can move between calibrations (on the CPU testbed one of four calibrations within
+15 minutes timed its blocks 25% slow, docs/results/calibrated-2x2.md). ``calibrate --repeat N``
+runs the measurements ``N`` times in one process group and combines the runs
+(``--combine``):
+
+* ``pool`` (the default, since 2026-12-06): every timing is the median of the runs' timings of
+  the same thing (:func:`pool_runs`), and the profile is fitted once, on those medians. A
+  calibration's fit has terms that trade against each other (a block's FLOP rate and its cost
+  per element, the host's cost per pass and per exchange), so one run's noise moves its fitted
+  numbers far more than its timings: the three runs of one ``--repeat 3`` calibration on the
+  testbed (2026-12-06 04:38 UTC) timed their largest blocks within 7% of each other, and their
+  fits predicted charm's backward at 1.15, 1.43 and 1.39 s. The median of each timing keeps one
+  disturbed run from moving any of them.
+* ``median-run`` (before 2026-12-06): the median run by its largest block's forward time (of an
+  even count, the faster of the middle two: a disturbance only slows a run), fitted alone
+  (:func:`pick_repeat`). The run kept this way need not be the median of anything else: the run
+  above whose backward came out at 1.15 s was the one kept.
+
+Either way each run's own fit predicts ring's and charm's forward and backward at the
+calibration's own layout and largest block, and the largest relative difference of any run's
+prediction from the profile's joins ``fit_error`` as ``repeat`` (what a prediction moves by from
+one calibration to the next, where a raw timing's noise may not matter at all).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+#: How ``calibrate --repeat`` combines its runs (Note [Repeated calibrations]).
+COMBINE = ("pool", "median-run")
+
+#: Integer samples that each run chooses from its own timings, so runs may differ in them: the
+#: messages streamed while the blocks are timed under traffic (sized from the run's link).
+CHOSEN_COUNTS = ("messages",)
+
+
+def repeat_times(raw: dict) -> dict[str, float]:
+    """A run's times that ``calibrate --repeat`` reports: its largest block's forward and
+    backward, and its largest intra- and cross-node transfer (where measured)."""
+    block = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
+    times = {"block_fwd_s": block["fwd_s"], "block_bwd_s": block["bwd_s"]}
+    for cls in ("intra", "cross"):
+        samples = raw.get("p2p", {}).get(cls) or []
+        if samples:
+            times[f"{cls}_s"] = max(samples, key=lambda x: x["bytes"])["s"]
+    return times
+
+
+def pick_repeat(runs: list[dict]) -> int:
+    """Which of ``runs`` (raw samples of one cluster, calibrated one after another) the
+    ``median-run`` combination keeps: the index of the median run by its largest block's forward
+    time; of an even count, the faster of the middle two."""
+    if not runs:
+        raise ValueError("no calibration runs to pick from")
+    fwd = [repeat_times(r)["block_fwd_s"] for r in runs]
+    return sorted(range(len(runs)), key=fwd.__getitem__)[(len(runs) - 1) // 2]
+
+
+def repeat_summary(runs: list[dict], keep: int | None) -> list[dict]:
+    """Per run of ``calibrate --repeat``: its reported times and, where one run is kept
+    (``keep``; ``None`` when the runs are pooled), whether it is that one."""
+    return [
+        {**({} if keep is None else {"kept": i == keep}), **repeat_times(r)}
+        for i, r in enumerate(runs)
+    ]
+
+
+def _pool(values: list, where: str) -> object:
+    first = values[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        if any(list(v) != keys for v in values):
+            raise ValueError(f"calibration runs differ in the fields of {where or 'the samples'}")
+        return {k: _pool([v[k] for v in values], f"{where}.{k}".lstrip(".")) for k in keys}
+    if isinstance(first, list):
+        if where.endswith("rounds"):  # rounds of one timing: all of them count
+            return [x for v in values for x in v]
+        if any(len(v) != len(first) for v in values):
+            raise ValueError(f"calibration runs differ in the number of {where} samples")
+        return [
+            _pool(list(items), f"{where}[{i}]") for i, items in enumerate(zip(*values, strict=True))
+        ]
+    if isinstance(first, float):
+        return statistics.median(values)
+    if all(v == first for v in values):  # sizes, names, flags: what was measured
+        return first
+    if where.rsplit(".", 1)[-1] in CHOSEN_COUNTS:
+        return statistics.median_low(values)
+    raise ValueError(f"calibration runs measured different {where}: {values}")
+
+
+def pool_runs(runs: list[dict]) -> dict:
+    """One set of raw samples from ``runs`` (each as
+    :func:`~megatron_charm.sim.calibrate_worker.run` returns one, without ``"repeats"``): every
+    timing (a float) the median of the runs' timings at the same place, every size, name and flag
+    the runs' own (``ValueError`` where they differ: the runs measured different things), a
+    count of :data:`CHOSEN_COUNTS` the runs' median one.
+    The rounds of a blocks-in-a-pass sample are pooled, and its ``cpu_s`` is their median."""
+    if not runs:
+        raise ValueError("no calibration runs to pool")
+    pooled = _pool(list(runs), "")
+    assert isinstance(pooled, dict)
+    for sample in pooled.get("blocks_in_passes") or []:
+        if sample.get("rounds"):
+            sample["cpu_s"] = statistics.median(sample["rounds"])
+    return pooled

@@ -1,0 +1,106 @@
+"""Note [Repeated calibrations]: the runs of ``calibrate --repeat`` pooled into one sample set."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+
+import pytest
+
+from megatron_charm.sim.calibrate import combine_runs
+from megatron_charm.sim.profile import fit_profile
+from megatron_charm.sim.repeats import pool_runs
+from tests.sim.test_profile import _raw
+
+
+def _run(slow: float, link: float = 1.0) -> dict:
+    raw = _raw()
+    for k in raw["kernel"]:
+        k["fwd_s"] *= slow
+        k["bwd_s"] *= slow
+    for cls in ("intra", "cross"):
+        for x in raw["p2p"][cls]:
+            x["s"] *= link
+    raw["kernel_under_traffic"] = {
+        "tokens": 2048,
+        "messages": int(100 * slow),
+        "fwd_s": 1.2 * slow,
+        "bwd_s": 1.1 * slow,
+        "fwd_alone_s": slow,
+        "bwd_alone_s": slow,
+    }
+    raw["blocks_in_passes"] = [
+        {
+            "method": "ring",
+            "s_local": 512,
+            "backward": False,
+            "cpu_s": (slow + 2.0) / 2,
+            "rounds": [slow, 2.0],
+        }
+    ]
+    return raw
+
+
+def test_every_timing_is_the_median_of_the_runs() -> None:
+    runs = [_run(1.0), _run(1.3, link=0.9), _run(1.1, link=1.2)]
+    pooled = pool_runs(copy.deepcopy(runs))
+    for i, k in enumerate(pooled["kernel"]):
+        # each block size its own median: the three runs' middle one
+        assert k["fwd_s"] == statistics.median(r["kernel"][i]["fwd_s"] for r in runs)
+        assert k["fwd_s"] == runs[2]["kernel"][i]["fwd_s"]
+        assert k["tokens"] == runs[0]["kernel"][i]["tokens"]
+    # the links' median comes from another run than the blocks'
+    assert pooled["p2p"]["cross"][-1]["s"] == runs[0]["p2p"]["cross"][-1]["s"]
+    assert pooled["concurrent_cross"] == runs[0]["concurrent_cross"]
+    # a count the runs chose: their median one; names and sizes their own
+    assert pooled["kernel_under_traffic"]["messages"] == 110
+    assert pooled["device"] == "cpu" and pooled["nodes"] == 2
+    # the rounds of a pass sample all count, and its cpu_s is their median
+    sample = pooled["blocks_in_passes"][0]
+    assert sample["rounds"] == [1.0, 2.0, 1.3, 2.0, 1.1, 2.0]
+    assert sample["cpu_s"] == pytest.approx(1.65)
+    # one run pools to itself
+    assert pool_runs([copy.deepcopy(runs[1])]) == pool_runs([runs[1]]) == runs[1]
+
+
+def test_runs_that_measured_different_things_do_not_pool() -> None:
+    other = _run(1.0)
+    other["kernel"][0]["tokens"] = 128
+    with pytest.raises(ValueError, match=r"different kernel\[0\].tokens"):
+        pool_runs([_run(1.0), other])
+    short = _run(1.0)
+    short["kernel"].pop()
+    with pytest.raises(ValueError, match="number of kernel samples"):
+        pool_runs([_run(1.0), short])
+    extra = _run(1.0)
+    extra["host_cores"] = 2
+    with pytest.raises(ValueError, match="fields of the samples"):
+        pool_runs([_run(1.0), extra])
+    with pytest.raises(ValueError, match="no calibration runs"):
+        pool_runs([])
+
+
+def test_combine_fits_the_pooled_samples_and_states_the_runs_spread() -> None:
+    runs = [_run(1.0), _run(1.3), _run(1.1)]
+    raw = dict(copy.deepcopy(runs[0]), repeats=copy.deepcopy(runs[1:]), date="D", host={"x": 1})
+    profile, samples = combine_runs(raw, "pool", "nvlink")
+    assert samples["kernel"] == runs[2]["kernel"]  # blocks 10% slow: the median run's
+    want = fit_profile(pool_runs(copy.deepcopy(runs)))
+    assert profile.compute == want.compute
+    assert profile.provenance["combine"] == "pool"
+    summary = profile.provenance["repeats"]
+    assert len(summary) == 3 and all("kept" not in row for row in summary)
+    # the spread: the 30%-slow run's own fit against the pooled one, about 0.3 / 1.1 on the
+    # blocks' share of a prediction
+    slow_fwd = summary[1]["predicted_s"]["ring fwd"] / summary[2]["predicted_s"]["ring fwd"]
+    assert slow_fwd > 1.05
+    assert profile.fit_error["repeat"] >= slow_fwd - 1.0 - 1e-9
+    # the median run, as before 2026-12-06: the run itself, marked kept
+    median_run, kept = combine_runs(raw, "median-run", "nvlink")
+    assert kept["kernel"] == runs[2]["kernel"]
+    assert [row["kept"] for row in median_run.provenance["repeats"]] == [False, False, True]
+    # one run: fitted as it is, no spread
+    single, _ = combine_runs(copy.deepcopy(runs[0]), "pool", "nvlink")
+    assert "repeat" not in single.fit_error
+    with pytest.raises(ValueError, match="--combine 'mean'"):
+        combine_runs(raw, "mean", "nvlink")
