@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fit the raw samples that an earlier calibrate wrote with --raw instead of "
         "measuring (every measuring option is then unused; --combine and --fabric apply)",
     )
+    ap.add_argument(
+        "--run",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --from-raw: fit the K-th run (1-based) of a --repeat calibration alone",
+    )
     ap.add_argument("--launcher", choices=("testbed", "loopback", "env"), default="testbed")
     ap.add_argument("--nodes", type=int, default=2, help="nodes (testbed, loopback)")
     ap.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node")
@@ -120,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
         raise ValueError(f"--reps {args.reps} must be >= 1")
     if args.repeat < 1:
         raise ValueError(f"--repeat {args.repeat} must be >= 1 (1: calibrate once)")
+    if args.run is not None and not args.from_raw:
+        raise ValueError(f"--run {args.run} picks a run of a raw file: pass --from-raw RAW.json")
     if args.in_pass_rounds is not None and args.in_pass_rounds < 1:
         raise ValueError(f"--in-pass-rounds {args.in_pass_rounds} must be >= 1 (or left out: 5)")
     return {
@@ -300,6 +309,18 @@ def main(argv: list[str]) -> int:
             )
             return 2
         provenance = {"refit": command, "command": raw.get("command", "not recorded")}
+        if args.run is not None:
+            runs = [raw, *raw.get("repeats", [])]
+            if not 1 <= args.run <= len(runs):
+                print(
+                    f"megatron-charm-sim calibrate: error: --run {args.run}: {args.from_raw} "
+                    f"holds {len(runs)} run(s); pass 1..{len(runs)}",
+                    file=sys.stderr,
+                )
+                return 2
+            labels = {k: raw[k] for k in RUN_LABELS if k in raw and k != "repeats"}
+            raw = {**runs[args.run - 1], **labels}
+            raw.pop("repeats", None)
     else:
         started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         raw = measure(args, cfg)

@@ -130,6 +130,15 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     median_run = load_profile(str(refit))
     kept = next(r for r in median_run.provenance["repeats"] if r["kept"])
     assert kept["block_fwd_s"] == min(r["block_fwd_s"] for r in runs)
+    # --run K: the K-th run fitted alone, with the raw file's labels
+    assert main([*cmd, "--run", "2", "--out", str(refit)]) == 0
+    second = load_profile(str(refit))
+    assert (
+        "repeats" not in second.provenance and second.provenance["date"] == again.provenance["date"]
+    )
+    block = max(second.provenance["samples"]["kernel"], key=lambda k: (k["tokens"], k["heads"]))
+    assert block["fwd_s"] == runs[1]["block_fwd_s"]
+    assert main([*cmd, "--run", "3", "--out", str(refit)]) == 2
     conc = prof.provenance["samples"]["concurrent_intra"]
     assert conc["flows"] == 2 and conc["bytes"] == 262144 and conc["s"] > 0
     # The formula has its own unit test (test_profile.py); here only what must hold of any
@@ -152,6 +161,8 @@ def test_calibrate_refuses_bad_sizes(capsys):
     assert "--in-pass-rounds 0 must be >= 1" in capsys.readouterr().err
     assert main(["calibrate", "--out", "x.json", "--from-raw", "no-such-raw.json"]) == 2
     assert "--from-raw no-such-raw.json: cannot read it" in capsys.readouterr().err
+    assert main(["calibrate", "--out", "x.json", "--run", "1"]) == 2
+    assert "--run 1 picks a run of a raw file: pass --from-raw" in capsys.readouterr().err
 
 
 def test_a_run_of_exchanges_shares_its_host_time_equally():
