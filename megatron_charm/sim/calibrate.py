@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--combine",
         choices=COMBINE,
-        default="pool",
-        help="with --repeat: fit the median of every timing over the runs (pool), or the median "
-        "run by its largest block alone (median-run); Note [Repeated calibrations]",
+        default="median-run",
+        help="with --repeat: fit the median run by its largest block alone (median-run), or the "
+        "median of every timing over the runs (pool); Note [Repeated calibrations]",
     )
     return ap
 

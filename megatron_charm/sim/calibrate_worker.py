@@ -93,12 +93,16 @@ def _across_ranks(value: float, cfg: dict) -> tuple[float, list[float]]:
     values: the slowest where the ranks ran at once on devices of their own (the slowest gates
     the pass), their median where they took turns on one host (``one_host``). There each rank's
     value is one more timing of the same block on the same cores, and the slowest keeps the
-    noise of the unluckiest turn: on the 2-core testbed single timings of one calibration
-    spread by up to +-30%, and the slowest of four ranks timed the blocks 10-20% slower than the
-    sweeps around them ran (docs/results/calibrated-2x2.md, "Pooled repeats")."""
+    noise of the unluckiest turn: on the 2-core testbed the slowest of four ranks timed a block
+    1.00-1.45 times the ranks' median (docs/results/calibrated-2x2.md, "Repeated
+    calibrations")."""
     values = _every_rank(value)
-    typical = statistics.median(values) if cfg.get("one_host") else max(values)
-    return typical, values
+    return typical_time(values, bool(cfg.get("one_host"))), values
+
+
+def typical_time(values: list[float], one_host: bool) -> float:
+    """The timing :func:`_across_ranks` keeps of the ranks' ``values``."""
+    return statistics.median(values) if one_host else max(values)
 
 
 def _block_calls(

@@ -48,8 +48,8 @@ largest relative
 residual of each fit is kept in the profile (``fit_error``): it is how far the model is known to
 miss its own measurements, and predictions made with the profile quote it.
 
-``calibrate --repeat N`` measures ``N`` times and fits the median of each timing (Note
-[Repeated calibrations] in megatron_charm/sim/repeats.py).
+``calibrate --repeat N`` measures ``N`` times and fits the median run, or the median of each
+timing (Note [Repeated calibrations] in megatron_charm/sim/repeats.py).
 """
 
 from __future__ import annotations

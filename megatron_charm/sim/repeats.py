@@ -7,18 +7,26 @@ A host's speed can move between calibrations (on the CPU testbed one of four cal
 runs the measurements ``N`` times in one process group and combines the runs
 (``--combine``):
 
-* ``pool`` (the default, since 2026-12-06): every timing is the median of the runs' timings of
-  the same thing (:func:`pool_runs`), and the profile is fitted once, on those medians. A
-  calibration's fit has terms that trade against each other (a block's FLOP rate and its cost
-  per element, the host's cost per pass and per exchange), so one run's noise moves its fitted
-  numbers far more than its timings: the three runs of one ``--repeat 3`` calibration on the
-  testbed (2026-12-06 04:38 UTC) timed their largest blocks within 7% of each other, and their
-  fits predicted charm's backward at 1.15, 1.43 and 1.39 s. The median of each timing keeps one
-  disturbed run from moving any of them.
-* ``median-run`` (before 2026-12-06): the median run by its largest block's forward time (of an
-  even count, the faster of the middle two: a disturbance only slows a run), fitted alone
-  (:func:`pick_repeat`). The run kept this way need not be the median of anything else: the run
-  above whose backward came out at 1.15 s was the one kept.
+* ``median-run`` (the default): the median run by its largest block's forward time (of an even
+  count, the faster of the middle two: a disturbance only slows a run), fitted alone
+  (:func:`pick_repeat`).
+* ``pool`` (since 2026-12-06): every timing is the median of the runs' timings of the same thing
+  (:func:`pool_runs`), and the profile is fitted once, on those medians. A calibration's fit
+  has terms that trade against each other (a block's FLOP rate and its cost per element, the
+  host's cost per pass and per exchange), and single timings spread: within one ``--repeat 3``
+  calibration on the testbed (2026-12-06 05:38 UTC) one block size's three timings lay up to
+  35% from their median, and the runs' fits predicted charm's backward at 1.53, 1.49 and
+  1.31 s. The median of each timing keeps one disturbed timing from moving the fit.
+
+Which predicts better was measured on the testbed (docs/results/calibrated-2x2.md, "Repeated
+calibrations"): four ``--repeat 3`` calibrations, each around a sweep of 196 times, and the pool
+predicted 140, 147, 162 and 188 of them within +-20% where the median run predicted 138, 158,
+165 and 185. There the runs differ as a whole more than their timings do one by one: in the
+six runs of the two calibrations around one sweep (06:13 and 06:36 UTC) the largest block
+alone took 110-144 ms and ring's blocks inside a forward pass 22-28 ms of CPU, mostly slow or
+fast in the same runs. The blocks' factor in a pass (Note [Blocks in a pass]) is the ratio of
+the two, so a median run keeps a matched pair where the pool can take the blocks from one run
+and the passes from another. So the default stays the median run.
 
 Either way each run's own fit predicts ring's and charm's forward and backward at the
 calibration's own layout and largest block, and the largest relative difference of any run's

@@ -53,3 +53,17 @@ def test_score_counts_every_time_and_the_slower_fit_predicts_longer():
     assert 0 <= fast["within"] <= fast["times"]
     # blocks 40% slower: every prediction at least as long, so the median error grows
     assert slow["median"] > fast["median"]
+
+
+def test_slowest_rank_rebuilds_the_old_block_timings():
+    fits = load_bench_script("repeat_fits")
+    raw = _raws()
+    for run in (raw, *raw["repeats"]):
+        for k in run["kernel"]:
+            k["fwd_ranks_s"] = [k["fwd_s"], 2 * k["fwd_s"], k["fwd_s"]]
+    old = fits.slowest_rank(raw)
+    assert [k["fwd_s"] for k in old["kernel"]] == [2 * k["fwd_s"] for k in raw["kernel"]]
+    assert old["repeats"][1]["kernel"][0]["fwd_s"] == 2 * raw["repeats"][1]["kernel"][0]["fwd_s"]
+    # the backward had no ranks' timings: unchanged; the raw itself untouched
+    assert [k["bwd_s"] for k in old["kernel"]] == [k["bwd_s"] for k in raw["kernel"]]
+    assert raw["kernel"][0]["fwd_s"] < old["kernel"][0]["fwd_s"]

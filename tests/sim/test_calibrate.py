@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -42,6 +43,11 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     small = samples["concurrent_cross"]["small"]
     assert small["flows"] == 2 and small["bytes"] == 4096 and small["s"] > 0
     assert all(k["fwd_s"] > 0 and k["bwd_s"] > 0 for k in samples["kernel"])
+    # the ranks took turns on this host: each rank's timing kept, their median counts
+    for k in samples["kernel"]:
+        for name in ("fwd", "bwd", "fwd_masked", "bwd_masked"):
+            assert len(k[f"{name}_ranks_s"]) == 4
+            assert k[f"{name}_s"] == pytest.approx(statistics.median(k[f"{name}_ranks_s"]))
     # masked blocks timed next to unmasked ones (Note [Masked blocks])
     assert all(k["fwd_masked_s"] > 0 and k["bwd_masked_s"] > 0 for k in samples["kernel"])
     assert [t for t, _, _ in prof.compute_model().masked_cost] == [64, 128]
@@ -80,8 +86,8 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
 def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path):
     # Note [Fitting a profile]: with --fabric pcie and four ranks per node, two disjoint pairs
     # ping-pong at once; the profile keeps the timing and reads a shared domain from it (or none).
-    # Calibrated twice in a row (--repeat 2): the runs' timings pooled (Note [Repeated
-    # calibrations]), the spread of their own fits joins the known error.
+    # Calibrated twice in a row (--repeat 2): the median run kept, of two the faster (Note
+    # [Repeated calibrations]), the spread of the runs' own fits joins the known error.
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "-m", "megatron_charm.sim", "calibrate", "--launcher", "loopback"]
     cmd += ["--nodes", "1", "--ranks-per-node", "4", "--tokens", "64", "--heads", "2"]
@@ -91,11 +97,10 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     prof = load_profile(str(out))
     runs = prof.provenance["repeats"]
-    assert len(runs) == 2 and prof.provenance["combine"] == "pool"
-    assert all("kept" not in r for r in runs)
-    # the profile's samples are the runs' medians (of two, their mean)
-    largest = max(prof.provenance["samples"]["kernel"], key=lambda k: (k["tokens"], k["heads"]))
-    assert largest["fwd_s"] == pytest.approx(sum(r["block_fwd_s"] for r in runs) / 2)
+    assert len(runs) == 2 and prof.provenance["combine"] == "median-run"
+    assert [r["kept"] for r in runs].count(True) == 1
+    kept = next(r for r in runs if r["kept"])
+    assert kept["block_fwd_s"] == min(r["block_fwd_s"] for r in runs)  # of two, the faster
     # the spread is the runs' predictions' (ring and charm, forward and backward)
     want = {f"{m} {t}" for m in ("ring", "charm") for t in ("fwd", "bwd")}
     assert all(set(r["predicted_s"]) == want for r in runs)
@@ -115,7 +120,7 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert len(raw["repeats"]) == 1  # --raw keeps every run
     # --from-raw fits the same samples again without measuring: the same profile; with
-    # --combine median-run the faster run's (of two) samples alone
+    # --combine pool the median of every timing (of two, their mean)
     from megatron_charm.sim.cli import main
 
     refit = tmp_path / "refit.json"
@@ -126,10 +131,12 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
     assert again.provenance["command"] == prof.provenance["command"]
     assert again.provenance["refit"].startswith("megatron-charm-sim calibrate --from-raw")
     assert again.provenance["date"] == prof.provenance["date"] != "not recorded"
-    assert main([*cmd, "--combine", "median-run", "--out", str(refit)]) == 0
-    median_run = load_profile(str(refit))
-    kept = next(r for r in median_run.provenance["repeats"] if r["kept"])
-    assert kept["block_fwd_s"] == min(r["block_fwd_s"] for r in runs)
+    assert main([*cmd, "--combine", "pool", "--out", str(refit)]) == 0
+    pooled = load_profile(str(refit))
+    assert pooled.provenance["combine"] == "pool"
+    assert all("kept" not in r for r in pooled.provenance["repeats"])
+    largest = max(pooled.provenance["samples"]["kernel"], key=lambda k: (k["tokens"], k["heads"]))
+    assert largest["fwd_s"] == pytest.approx(sum(r["block_fwd_s"] for r in runs) / 2)
     # --run K: the K-th run fitted alone, with the raw file's labels
     assert main([*cmd, "--run", "2", "--out", str(refit)]) == 0
     second = load_profile(str(refit))

@@ -104,3 +104,14 @@ def test_combine_fits_the_pooled_samples_and_states_the_runs_spread() -> None:
     assert "repeat" not in single.fit_error
     with pytest.raises(ValueError, match="--combine 'mean'"):
         combine_runs(raw, "mean", "nvlink")
+
+
+def test_ranks_taking_turns_on_one_host_count_their_median() -> None:
+    # each rank's turn is one more timing of the same block on the same cores: the median; ranks
+    # on devices of their own ran at once, and the slowest gates the pass
+    from megatron_charm.sim.calibrate_worker import typical_time
+
+    turns = [0.10, 0.13, 0.10, 0.11]
+    assert typical_time(turns, one_host=True) == pytest.approx(0.105)
+    assert typical_time(turns, one_host=False) == 0.13
+    assert typical_time([0.2], one_host=True) == 0.2
