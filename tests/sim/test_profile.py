@@ -85,33 +85,6 @@ def test_fit_profile_reads_a_shared_pcie_domain_from_concurrent_intra_pairs() ->
     assert fit_profile(_raw(1, 4), fabric="pcie").pcie_domain == 0.0  # not timed
 
 
-def test_pick_repeat_keeps_the_median_run_and_measures_the_spread() -> None:
-    from megatron_charm.sim.repeats import pick_repeat, repeat_summary
-
-    def run(slow: float, link: float = 1.0) -> dict:
-        raw = _raw()
-        for k in raw["kernel"]:
-            k["fwd_s"] *= slow
-            k["bwd_s"] *= slow
-        for cls in ("intra", "cross"):
-            for x in raw["p2p"][cls]:
-                x["s"] *= link
-        return raw
-
-    # three runs, one disturbed (blocks 30% slow): the middle one is kept
-    assert pick_repeat([run(1.0), run(1.3), run(1.1)]) == 2
-    # of two, the faster: a disturbance only slows a run (links do not decide)
-    assert pick_repeat([run(1.25), run(1.0, link=1.5)]) == 1
-    assert pick_repeat([run(1.0)]) == 0
-    summary = repeat_summary([run(1.25), run(1.0)], 1)
-    assert [s["kept"] for s in summary] == [False, True]
-    assert set(summary[0]) == {"kept", "block_fwd_s", "block_bwd_s", "intra_s", "cross_s"}
-    # pooled runs keep none of them
-    assert all("kept" not in s for s in repeat_summary([run(1.25), run(1.0)], None))
-    with pytest.raises(ValueError, match="no calibration runs"):
-        pick_repeat([])
-
-
 def test_fit_line_recovers_a_line_and_keeps_the_intercept_non_negative() -> None:
     xs = [1.0, 2.0, 4.0, 8.0]
     a, b = fit_line(xs, [3.0 + 2.0 * x for x in xs])

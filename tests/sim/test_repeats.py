@@ -9,7 +9,7 @@ import pytest
 
 from megatron_charm.sim.calibrate import combine_runs
 from megatron_charm.sim.profile import fit_profile
-from megatron_charm.sim.repeats import pool_runs
+from megatron_charm.sim.repeats import pick_repeat, pool_runs, repeat_summary
 from tests.sim.test_profile import _raw
 
 
@@ -115,3 +115,18 @@ def test_ranks_taking_turns_on_one_host_count_their_median() -> None:
     assert typical_time(turns, one_host=True) == pytest.approx(0.105)
     assert typical_time(turns, one_host=False) == 0.13
     assert typical_time([0.2], one_host=True) == 0.2
+
+
+def test_pick_repeat_keeps_the_median_run_and_measures_the_spread() -> None:
+    # three runs, one disturbed (blocks 30% slow): the middle one is kept
+    assert pick_repeat([_run(1.0), _run(1.3), _run(1.1)]) == 2
+    # of two, the faster: a disturbance only slows a run (links do not decide)
+    assert pick_repeat([_run(1.25), _run(1.0, link=1.5)]) == 1
+    assert pick_repeat([_run(1.0)]) == 0
+    summary = repeat_summary([_run(1.25), _run(1.0)], 1)
+    assert [s["kept"] for s in summary] == [False, True]
+    assert set(summary[0]) == {"kept", "block_fwd_s", "block_bwd_s", "intra_s", "cross_s"}
+    # pooled runs keep none of them
+    assert all("kept" not in s for s in repeat_summary([_run(1.25), _run(1.0)], None))
+    with pytest.raises(ValueError, match="no calibration runs"):
+        pick_repeat([])
