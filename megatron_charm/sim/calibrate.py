@@ -171,7 +171,8 @@ def measure(args: argparse.Namespace, cfg: dict) -> dict | None:
         return json.load(f)
 
 
-#: What each run of ``calibrate --repeat`` predicts to compare the runs (Note [Fitting a profile]).
+#: What each run of ``calibrate --repeat`` predicts to compare the runs (Note [Repeated
+#: calibrations]).
 SPREAD_METHODS = ("ring", "charm")
 
 
