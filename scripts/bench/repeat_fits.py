@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 
+from megatron_charm.bench.report import emit
 from megatron_charm.sim.calibrate import RUN_LABELS, combine_runs
 from megatron_charm.sim.testbed import calibrate, compare, group_runs, profile_for
 
@@ -106,11 +107,7 @@ def main() -> int:
                 f"| {raw.get('date', path)} | {label}{suffix} | {got['within']} of "
                 f"{got['times']} | {got['median']:+.1%} | {layouts} | {got['largest']:+.0%} |"
             )
-            print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    emit("\n".join(lines) + "\n", args.md)
     return 0
 
 
