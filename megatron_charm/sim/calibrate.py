@@ -334,7 +334,11 @@ def main(argv: list[str]) -> int:
             with open(args.raw, "w") as f:
                 json.dump(raw, f, indent=1)
         provenance = {"command": command}
-    profile, fitted = combine_runs(raw, args.combine, args.fabric)
+    try:
+        profile, fitted = combine_runs(raw, args.combine, args.fabric)
+    except ValueError as err:  # runs that measured different things, from a raw file
+        print(f"megatron-charm-sim calibrate: error: {err}", file=sys.stderr)
+        return 2
     samples = (
         "kernel",
         "merge",

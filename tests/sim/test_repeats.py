@@ -130,3 +130,17 @@ def test_pick_repeat_keeps_the_median_run_and_measures_the_spread() -> None:
     assert all("kept" not in s for s in repeat_summary([_run(1.25), _run(1.0)], None))
     with pytest.raises(ValueError, match="no calibration runs"):
         pick_repeat([])
+
+
+def test_from_raw_refuses_runs_that_measured_different_things(tmp_path, capsys) -> None:
+    import json
+
+    from megatron_charm.sim.cli import main
+
+    other = _run(1.0)
+    other["kernel"][0]["tokens"] = 128
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(dict(_run(1.0), repeats=[other])))
+    argv = ["calibrate", "--from-raw", str(path), "--combine", "pool", "--out", "x.json"]
+    assert main(argv) == 2
+    assert "calibration runs measured different kernel[0].tokens" in capsys.readouterr().err
