@@ -30,7 +30,14 @@ from megatron_charm.bench.provenance import host
 from megatron_charm.constants import DEFAULT_TIMEOUT_S
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, fit_profile
-from megatron_charm.sim.repeats import COMBINE, pick_repeat, pool_runs, repeat_summary
+from megatron_charm.sim.repeats import (
+    COMBINE,
+    RUN_LABELS,
+    pick_repeat,
+    pool_runs,
+    repeat_summary,
+    split_runs,
+)
 from megatron_charm.sim.topology import FABRICS, parse_gpus
 
 
@@ -204,28 +211,24 @@ def prediction_spread(
     return spread, each
 
 
-#: Keys of a raw file that label its measurement rather than hold samples.
-RUN_LABELS = ("date", "host", "command", "launcher", "repeats")
-
-
 def combine_runs(raw: dict, combine: str, fabric: str) -> tuple[Profile, dict]:
     """The profile of ``raw`` (rank 0's samples, later runs under ``"repeats"``) and the samples
     it was fitted on: one run fitted as it is; several combined by ``combine`` (Note [Repeated
     calibrations]), their spread in ``fit_error["repeat"]``, a summary of each run in
     ``provenance["repeats"]``."""
-    runs = [raw, *raw.get("repeats", [])]
-    runs = [{k: v for k, v in r.items() if k not in RUN_LABELS} for r in runs]
+    runs = [{k: v for k, v in r.items() if k not in RUN_LABELS} for r in split_runs(raw)]
     if len(runs) == 1:
         return fit_profile(runs[0], fabric=fabric), runs[0]
+    if combine not in COMBINE:
+        raise ValueError(f"--combine {combine!r} is not one of {', '.join(COMBINE)}")
+    fits = [fit_profile(r, fabric=fabric) for r in runs]
     if combine == "pool":
         keep, samples = None, pool_runs(runs)
-    elif combine == "median-run":
-        keep = pick_repeat(runs)
-        samples = runs[keep]
+        profile = fit_profile(samples, fabric=fabric)
     else:
-        raise ValueError(f"--combine {combine!r} is not one of {', '.join(COMBINE)}")
-    profile = fit_profile(samples, fabric=fabric)
-    spread, times = prediction_spread([fit_profile(r, fabric=fabric) for r in runs], profile, raw)
+        keep = pick_repeat(runs)
+        samples, profile = runs[keep], fits[keep]
+    spread, times = prediction_spread(fits, profile, raw)
     summary = repeat_summary(runs, keep)
     for row, t in zip(summary, times, strict=True):
         row["predicted_s"] = t
@@ -235,6 +238,25 @@ def combine_runs(raw: dict, combine: str, fabric: str) -> tuple[Profile, dict]:
         provenance={**profile.provenance, "repeats": summary, "combine": combine},
     )
     return profile, samples
+
+
+def read_raw(path: str, run: int | None = None) -> dict:
+    """The raw samples an earlier ``calibrate --raw`` wrote to ``path``; with ``run`` (1-based)
+    that run of a ``--repeat`` calibration alone, with the file's labels."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"--from-raw {path}: cannot read it ({err}); pass the file an earlier calibrate "
+            "wrote with --raw"
+        ) from err
+    if run is None:
+        return raw
+    runs = split_runs(raw)
+    if not 1 <= run <= len(runs):
+        raise ValueError(f"--run {run}: {path} holds {len(runs)} run(s); pass 1..{len(runs)}")
+    return runs[run - 1]
 
 
 def describe(profile: Profile) -> str:
@@ -274,6 +296,11 @@ def describe(profile: Profile) -> str:
     )
 
 
+def _error(err: ValueError) -> int:
+    print(f"megatron-charm-sim calibrate: error: {err}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["worker"]:  # internal: one rank launched by this command
         from megatron_charm.sim.calibrate_worker import run
@@ -295,33 +322,14 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as err:
-        print(f"megatron-charm-sim calibrate: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
     command = "megatron-charm-sim calibrate " + shlex.join(argv)
     if args.from_raw:
         try:
-            with open(args.from_raw) as f:
-                raw = json.load(f)
-        except (OSError, ValueError) as err:
-            print(
-                f"megatron-charm-sim calibrate: error: --from-raw {args.from_raw}: cannot read it "
-                f"({err}); pass the file an earlier calibrate wrote with --raw",
-                file=sys.stderr,
-            )
-            return 2
+            raw = read_raw(args.from_raw, args.run)
+        except ValueError as err:
+            return _error(err)
         provenance = {"refit": command, "command": raw.get("command", "not recorded")}
-        if args.run is not None:
-            runs = [raw, *raw.get("repeats", [])]
-            if not 1 <= args.run <= len(runs):
-                print(
-                    f"megatron-charm-sim calibrate: error: --run {args.run}: {args.from_raw} "
-                    f"holds {len(runs)} run(s); pass 1..{len(runs)}",
-                    file=sys.stderr,
-                )
-                return 2
-            labels = {k: raw[k] for k in RUN_LABELS if k in raw and k != "repeats"}
-            raw = {**runs[args.run - 1], **labels}
-            raw.pop("repeats", None)
     else:
         started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         raw = measure(args, cfg)
@@ -337,8 +345,7 @@ def main(argv: list[str]) -> int:
     try:
         profile, fitted = combine_runs(raw, args.combine, args.fabric)
     except ValueError as err:  # runs that measured different things, from a raw file
-        print(f"megatron-charm-sim calibrate: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
     samples = (
         "kernel",
         "merge",

@@ -41,6 +41,19 @@ import statistics
 #: How ``calibrate --repeat`` combines its runs (Note [Repeated calibrations]).
 COMBINE = ("pool", "median-run")
 
+#: Keys of a raw file that label its measurement rather than hold samples (the later runs of
+#: ``--repeat`` sit under ``"repeats"``).
+RUN_LABELS = ("date", "host", "command", "launcher", "repeats")
+
+
+def split_runs(raw: dict) -> list[dict]:
+    """Every run of a raw file (rank 0's samples, later runs under ``"repeats"``), each with the
+    file's labels (date, host, command, launcher) and without ``"repeats"``."""
+    labels = {k: raw[k] for k in RUN_LABELS if k in raw and k != "repeats"}
+    runs = [raw, *raw.get("repeats", [])]
+    return [{**{k: v for k, v in r.items() if k != "repeats"}, **labels} for r in runs]
+
+
 #: Integer samples that each run chooses from its own timings, so runs may differ in them: the
 #: messages streamed while the blocks are timed under traffic (sized from the run's link).
 CHOSEN_COUNTS = ("messages",)

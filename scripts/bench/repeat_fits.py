@@ -19,7 +19,8 @@ import json
 import statistics
 
 from megatron_charm.bench.report import emit
-from megatron_charm.sim.calibrate import RUN_LABELS, combine_runs
+from megatron_charm.sim.calibrate import combine_runs
+from megatron_charm.sim.repeats import split_runs
 from megatron_charm.sim.testbed import calibrate, compare, group_runs, profile_for
 
 
@@ -44,12 +45,8 @@ def slowest_rank(raw: dict) -> dict:
 
 def variants(raw: dict) -> list[tuple[str, dict, str]]:
     """``(label, raw samples, combine)`` for each run alone, then the median run and the pool."""
-    runs = [raw, *raw.get("repeats", [])]
-    labels = {k: raw[k] for k in RUN_LABELS if k in raw and k != "repeats"}
-    out = []
-    for i, run in enumerate(runs):
-        alone = {k: v for k, v in run.items() if k != "repeats"}
-        out.append((f"run {i + 1}", {**alone, **labels}, "pool"))
+    runs = split_runs(raw)
+    out = [(f"run {i + 1}", run, "pool") for i, run in enumerate(runs)]
     if len(runs) > 1:
         out += [("median run", raw, "median-run"), ("pooled", raw, "pool")]
     return out
