@@ -22,6 +22,7 @@ from dataclasses import replace
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, describe_compute
+from megatron_charm.sim.node_groups import per_rank_heads, shared_by
 from megatron_charm.sim.predict import (
     SIMPLICITY,
     Prediction,
@@ -96,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument(
         "--nics-per-node", type=int, help="cross links per node (overrides --cross-links)"
     )
+    hw.add_argument(
+        "--groups-per-node",
+        type=int,
+        help="CP groups whose ranks share each node, whose transfers meet on every link that is "
+        "not a GPU's own (Note [Groups sharing a node]): GPUs per node / CP ranks per node "
+        "(default: --tp)",
+    )
     hw.add_argument("--intra-lat-us", type=float, help="intra-node latency, us (default 5)")
     hw.add_argument("--cross-lat-us", type=float, help="cross-node latency, us (default 10)")
     hw.add_argument("--mem-bw", type=float, help="GPU memory bandwidth for merges, GB/s")
@@ -110,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--seq", type=int, required=True, help="global sequence length")
     pb.add_argument("--heads", type=int, required=True, help="query heads")
     pb.add_argument("--kv-heads", type=int, help="key/value heads (GQA; default --heads)")
+    pb.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: each CP rank holds heads / TP and kv heads / TP, and the TP "
+        "ranks' CP groups share the nodes (default 1)",
+    )
     pb.add_argument("--head-dim", type=int, required=True, help="head dimension")
     pb.add_argument("--causal", action="store_true", help="causal attention (zigzag layout)")
     pb.add_argument("--dtype-bytes", type=int, default=2, help="bytes per q/k/v element")
@@ -134,11 +149,35 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def groups_per_node(args: argparse.Namespace) -> int:
+    """CP groups sharing each node: ``--groups-per-node``, else the TP size (Note [Groups
+    sharing a node])."""
+    return args.groups_per_node if args.groups_per_node is not None else args.tp
+
+
+def sharing_line(args: argparse.Namespace) -> str | None:
+    """What ``--tp`` and ``--groups-per-node`` changed, for the output; ``None`` when neither
+    did."""
+    groups = groups_per_node(args)
+    if args.tp == 1 and groups == 1:
+        return None
+    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    return (
+        f"tensor parallel {args.tp}: each CP rank holds {args.heads // args.tp} of {args.heads} "
+        f"query heads and {kv // args.tp} of {kv} kv heads; {groups} CP group(s) per node share "
+        "its links: cross links that are not one per GPU, and a PCIe root complex, at "
+        f"1/{groups} of their rate (Note [Groups sharing a node])"
+    )
+
+
 def _resolve(
     args: argparse.Namespace,
 ) -> tuple[Topology, Problem, ComputeModel, list[str] | None, Profile | None]:
     if args.preset and args.profile:
         raise ValueError("--preset and --profile both describe the cluster; pass one of them")
+    heads, kv_heads = per_rank_heads(
+        args.heads, args.kv_heads if args.kv_heads is not None else args.heads, args.tp
+    )
     profile = load_profile(args.profile or args.preset) if (args.profile or args.preset) else None
     hw = PRESETS[args.preset] if args.preset else None
 
@@ -181,6 +220,7 @@ def _resolve(
     if args.cross_lat_us is not None:
         given["cross_lat"] = args.cross_lat_us * 1e-6
     topo = replace(base, **given) if base is not None else Topology(m, p, **given)
+    topo = shared_by(topo, groups_per_node(args))
     compute: ComputeModel
     if profile is not None and args.tflops is None and args.efficiency is None:
         compute = profile.compute_model()
@@ -210,13 +250,7 @@ def _resolve(
             )
         compute = replace(compute, enqueue=Enqueue.per_operation(e))
     problem = Problem(
-        args.batch,
-        args.seq,
-        args.heads,
-        args.head_dim,
-        args.kv_heads,
-        args.causal,
-        args.dtype_bytes,
+        args.batch, args.seq, heads, args.head_dim, kv_heads, args.causal, args.dtype_bytes
     )
     if args.methods is None:
         return topo, problem, compute, None, profile  # every method that fits (predict decides)
@@ -342,7 +376,8 @@ def _a2a_links(args: argparse.Namespace, topo: Topology) -> Topology | None:
         return None
     if _links_overridden(args):
         return None
-    return PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
+    links = PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
+    return shared_by(links, groups_per_node(args))
 
 
 def _paper_prediction(
@@ -443,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2
+    shared = sharing_line(args)
     if adv is not None:
+        if shared:
+            adv.reasons.append(shared)
         adv.reasons.append(uncertainty(pred, adv.method, profile))
         adv.reasons.extend(n for n in (fits, note, links_note) if n)
         if args.json:
@@ -469,10 +507,15 @@ def main(argv: list[str] | None = None) -> int:
             data["enqueue_note"] = note
         if links_note:
             data["links_note"] = links_note
+        data["node_groups"] = {"tp": args.tp, "groups_per_node": groups_per_node(args)}
+        if shared:
+            data["node_groups"]["note"] = shared
         print(json.dumps(data, indent=2, default=str))
     else:
         print(f"schedules: {replayed}")
         print(format_table(pred))
+        if shared:
+            print(shared)
         if tasp_note:
             print(tasp_note)
         print(uncertainty(pred, lead, profile))
