@@ -6,11 +6,15 @@ The choice is a pure function of data that every rank holds alike::
 
     profile (links, compute)  --+
     layout (m nodes x p ranks) -+-> simulate every candidate's    --> fastest fwd+bwd;
-    shape (b, s_local, h, h_kv, d, dtype), causal      real plans      ties (2%) go to
-    plan options (window, cross_return, ...)                           the simpler method
+    CP groups sharing a node  --+   real plans                        ties (2%) go to
+    shape (b, s_local, h, h_kv, d, dtype), causal                      the simpler method
+    plan options (window, cross_return, ...)
 
 The candidates are the zigzag methods that can split the shape (``a2a`` only when the heads
 divide over the CP group); masks are not simulated, so the choice is made for the dense shape.
+The CP groups sharing a node (tensor-parallel ranks and data-parallel replicas, counted by
+:meth:`megatron_charm.comm.topology.CPTopology.build`) share its links that are not one per GPU
+(Note [Groups sharing a node] in :mod:`megatron_charm.sim.node_groups`).
 It runs once per new shape and is cached; on CP groups of 64+ ranks the replay takes seconds
 (``bench planning``). With a preset as the profile, a shape whose time the host's assumed
 enqueue cost dominates replays its two leading methods twice more (Note [Enqueue sensitivity]
@@ -51,6 +55,8 @@ class AutoChoice:
     profile: str
     """The profile's name."""
     reasons: tuple[str, ...]
+    groups_per_node: int = 1
+    """CP groups counted as sharing each node's links (Note [Groups sharing a node])."""
 
     @property
     def margin(self) -> float:
@@ -64,7 +70,11 @@ class AutoChoice:
             why = f"predicted {self.margin:.2f}x faster than the next method"
         else:  # a tie within advise's 2% goes to the simpler method
             why = f"within {1 / self.margin - 1:.1%} of the fastest and simpler"
-        return f"cp method auto -> {self.method} ({why}; profile {self.profile}; fwd+bwd {times})"
+        shared = f", {self.groups_per_node} CP groups per node" if self.groups_per_node > 1 else ""
+        return (
+            f"cp method auto -> {self.method} ({why}; profile {self.profile}{shared}; fwd+bwd "
+            f"{times})"
+        )
 
 
 _CACHE: dict[tuple, tuple[object, AutoChoice]] = {}
@@ -99,6 +109,7 @@ def choose_method(
     shape: AttnShape,
     causal: bool,
     options: PlanOptions | None = None,
+    groups_per_node: int = 1,
 ) -> AutoChoice:
     """The method with the lowest predicted forward + backward time for this layer shape.
 
@@ -109,7 +120,12 @@ def choose_method(
         shape: the per-rank shape: ``b``, ``s_local``, ``h``, ``h_kv``, ``d``, input ``itemsize``.
         causal: causal attention (zigzag layout).
         options: the other plan options (their method is replaced per candidate).
+        groups_per_node: CP groups whose ranks share each node (tensor-parallel ranks and
+            data-parallel replicas): the profile's links that are not one per GPU are shared
+            by that many groups (Note [Groups sharing a node] in
+            :mod:`megatron_charm.sim.node_groups`).
     """
+    from megatron_charm.sim.node_groups import shared_by
     from megatron_charm.sim.predict import Problem, advise, predict
     from megatron_charm.sim.sensitivity import assumes_preset_costs, enqueue_note, intra_lat_note
 
@@ -117,7 +133,7 @@ def choose_method(
     # A path or preset is its own key; a Profile object is keyed by identity (the cache holds
     # it, so the id is not reused), which keeps the per-call lookup cheap.
     spec = profile if isinstance(profile, str) else ("profile object", id(profile))
-    key = (spec, layout, shape, causal, options)
+    key = (spec, layout, shape, causal, options, groups_per_node)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit[1]
@@ -127,7 +143,7 @@ def choose_method(
     problem = Problem(
         shape.b, shape.s_local * m * p, shape.h, shape.d, shape.h_kv, causal, shape.itemsize
     )
-    topo, compute = prof.topology(m, p), prof.compute_model()
+    topo, compute = shared_by(prof.topology(m, p), groups_per_node), prof.compute_model()
     pred = predict(topo, problem, compute, options=options)
     adv = advise(pred)
     # Note [Enqueue sensitivity]: a preset's host cost and fixed cost per intra-node transfer
@@ -145,7 +161,7 @@ def choose_method(
         )
         notes = [n for n in found if n]
     totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
-    choice = AutoChoice(adv.method, totals, prof.name, (*adv.reasons, *notes))
+    choice = AutoChoice(adv.method, totals, prof.name, (*adv.reasons, *notes), groups_per_node)
     _CACHE[key] = (profile, choice)
     log.info("megatron-charm: %s", choice.describe())
     for note in notes:

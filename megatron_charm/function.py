@@ -379,7 +379,9 @@ def cp_attention(
     shape = AttnShape(q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size())
     if auto:
         options = options.replace(
-            method=choose_method(profile, topo.layout, shape, causal, options).method
+            method=choose_method(
+                profile, topo.layout, shape, causal, options, topo.groups_per_node
+            ).method
         )
     model = _mask_model(mask, options, topo, q.shape[0], causal)
     order = model.local_order(q.shape[0]) if model is not None else None

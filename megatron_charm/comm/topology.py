@@ -86,6 +86,11 @@ class CPTopology:
     """A gloo group over the CP ranks for the per-call checks (Note [Call agreement] in
     :mod:`megatron_charm.comm.agreement`): they run in host memory, so that a CUDA job's host
     never waits for its GPU to drain. Built by :meth:`build` whatever the CP backend."""
+    groups_per_node: int = 1
+    """CP groups with a rank on this rank's node (its node identity, as :meth:`build` detects
+    it): this one and, in a Megatron job, those of the other tensor-parallel ranks and of the
+    data-parallel replicas on the node. ``auto`` counts them as sharing the node's links (Note
+    [Groups sharing a node] in :mod:`megatron_charm.sim.node_groups`)."""
     _busy: threading.Lock = field(repr=False, default_factory=threading.Lock)
 
     @property
@@ -109,6 +114,7 @@ class CPTopology:
             f"CP group of {self.cp_size} ranks (global ranks {self.global_ranks}), {lay.num_nodes} "
             f"node(s) x {lay.ranks_per_node} rank(s), backend {self.backend}, "
             f"{len({id(g) for g in self.channels.values() if g is not None})} channel groups"
+            + (f", {self.groups_per_node} CP groups per node" if self.groups_per_node > 1 else "")
         )
 
     def channel(self, name: str) -> dist.ProcessGroup:
@@ -157,8 +163,8 @@ class CPTopology:
         global_ranks = dist.get_process_group_ranks(group)
         backend = str(dist.get_backend(group))
         ids: list[str | None] = [None] * cp_size
-        mine = node_id if node_id is not None else socket.gethostname()
-        dist.all_gather_object(ids, mine, group=group)
+        node = node_id if node_id is not None else socket.gethostname()
+        dist.all_gather_object(ids, node, group=group)
         try:
             layout = layout_from_nodes([str(i) for i in ids], ranks_per_node)
             err = ""
@@ -166,7 +172,7 @@ class CPTopology:
             layout, err = Layout(1, cp_size), str(exc)
         # Every rank learns every CP group's layout, so all ranks create all groups in one order.
         everyone: list[tuple | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (tuple(global_ranks), layout.ranks_per_node, err))
+        dist.all_gather_object(everyone, (tuple(global_ranks), layout.ranks_per_node, err, node))
         errors = sorted({e[2] for e in everyone if e and e[2]})
         if errors:
             raise ValueError(errors[0])
@@ -192,7 +198,13 @@ class CPTopology:
             if tuple(global_ranks) == ranks:
                 mine, control = made, made_control
         _warm_up(mine, backend)
-        topo = cls(group, cp_rank, cp_size, global_ranks, layout, backend, timeout, mine, control)
+        # the CP groups with a rank on this node, this one among them (Note [Groups sharing a
+        # node]): one host that emulates several nodes with an explicit ranks_per_node still
+        # holds one group
+        sharing = len({e[0] for e in everyone if e and e[3] == node})
+        topo = cls(
+            group, cp_rank, cp_size, global_ranks, layout, backend, timeout, mine, control, sharing
+        )
         if dist.get_rank() == global_ranks[0]:
             log.info("megatron-charm topology: %s", topo.describe())
         return topo

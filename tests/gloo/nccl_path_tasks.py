@@ -57,6 +57,32 @@ def warm_up_contacts(ctx, ranks_per_node: int, timeout_s: float):
     return topo.cp_rank, ops, timeouts
 
 
+def groups_on_nodes(ctx):
+    """``CPTopology.build``'s count of the CP groups on each node (Note [Groups sharing a
+    node]), on 4 ranks: two CP groups interleaved over two node identities, as TP 2 places them
+    (global ranks 0, 1 on ``n0`` and 2, 3 on ``n1``; CP groups [0, 2] and [1, 3]), then the
+    whole job as one CP group on one host that emulates its nodes (``ranks_per_node=2``).
+
+    ``method="auto"`` on the interleaved group chooses with its count.
+
+    Returns ``(layout of the interleaved group, its groups_per_node, the whole job's, the
+    groups_per_node of auto's choices made here)``."""
+    import megatron_charm as mc
+    from megatron_charm.auto import _CACHE
+
+    r = ctx.global_rank
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both, in order
+    interleaved = mc.CPTopology.build(pairs[r % 2], node_id="n0" if r < 2 else "n1")
+    whole = mc.CPTopology.build(None, ranks_per_node=2)
+    _CACHE.clear()
+    q = torch.randn(1, 8, 2, 8)
+    mc.cp_attention(q, q, q, interleaved, method="auto", profile="H100", causal=True)
+    counts = sorted({choice.groups_per_node for _, choice in _CACHE.values()})
+    assert interleaved.describe().endswith(", 2 CP groups per node"), interleaved.describe()
+    assert "CP groups per node" not in whole.describe()
+    return interleaved.layout, interleaved.groups_per_node, whole.groups_per_node, counts
+
+
 def _kv_deliveries_used(program) -> int:
     """Distinct (kv owner, delivery) pairs that the program's computes read (each Wait that
     brings a kv starts a new delivery)."""

@@ -36,6 +36,16 @@ def test_build_connects_every_channel_pair_and_sets_timeouts(pools, p):
 
 
 @pytest.mark.gloo
+def test_build_counts_the_cp_groups_that_share_each_node(pools):
+    """TP 2 puts two CP groups on every node, and ``auto`` shares the node's links among them;
+    one host that emulates nodes for one CP group still holds one group."""
+    for layout, interleaved, whole, chosen in pools(4).run(nccl_path_tasks.groups_on_nodes):
+        assert layout == Layout(2, 1)
+        assert (interleaved, whole) == (2, 1)
+        assert chosen == [2]  # cp_attention's auto chose with the interleaved group's count
+
+
+@pytest.mark.gloo
 @pytest.mark.parametrize("method,p,h", [("charm", 2, 4), ("ring", 4, 4), ("a2a", 4, 8)])
 def test_gqa_kv_expanded_once_per_delivery_without_native_gqa(pools, method, p, h):
     h_kv = h // 2
