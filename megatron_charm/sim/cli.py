@@ -22,6 +22,7 @@ from dataclasses import replace
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, describe_compute
+from megatron_charm.sim.megatron_args import layer_from_megatron
 from megatron_charm.sim.node_groups import per_rank_heads, shared_by
 from megatron_charm.sim.predict import (
     SIMPLICITY,
@@ -114,20 +115,30 @@ def build_parser() -> argparse.ArgumentParser:
         f"{GPU_ENQUEUE.kernel * 1e6:g}; flags alone: 0); the device waits for it on small problems",
     )
     pb = ap.add_argument_group("problem")
-    pb.add_argument("--batch", type=int, default=1, help="micro-batch size")
-    pb.add_argument("--seq", type=int, required=True, help="global sequence length")
-    pb.add_argument("--heads", type=int, required=True, help="query heads")
+    pb.add_argument(
+        "--megatron",
+        metavar="ARGS",
+        help="the Megatron-LM arguments of the run, quoted as one string: the heads, kv heads, "
+        "head dim, sequence, micro-batch, dtype, TP and CP sizes come from them, and with "
+        "--gpus-per-node the CP group's nodes x ranks and the groups per node "
+        "(megatron_charm/sim/megatron_args.py); the problem flags below are then not given",
+    )
+    pb.add_argument(
+        "--gpus-per-node", type=int, help="with --megatron: GPUs per node of the cluster"
+    )
+    pb.add_argument("--batch", type=int, help="micro-batch size (default 1)")
+    pb.add_argument("--seq", type=int, help="global sequence length (required)")
+    pb.add_argument("--heads", type=int, help="query heads (required)")
     pb.add_argument("--kv-heads", type=int, help="key/value heads (GQA; default --heads)")
     pb.add_argument(
         "--tp",
         type=int,
-        default=1,
         help="tensor-parallel size: each CP rank holds heads / TP and kv heads / TP, and the TP "
         "ranks' CP groups share the nodes (default 1)",
     )
-    pb.add_argument("--head-dim", type=int, required=True, help="head dimension")
+    pb.add_argument("--head-dim", type=int, help="head dimension (required)")
     pb.add_argument("--causal", action="store_true", help="causal attention (zigzag layout)")
-    pb.add_argument("--dtype-bytes", type=int, default=2, help="bytes per q/k/v element")
+    pb.add_argument("--dtype-bytes", type=int, help="bytes per q/k/v element (default 2)")
     sim = ap.add_argument_group("simulation")
     sim.add_argument(
         "--methods",
@@ -147,6 +158,63 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(sim, keys=SIM_PLAN_OPTIONS)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap
+
+
+#: Problem flags that --megatron sets, and their defaults without it.
+PROBLEM_FLAGS = {
+    "gpus": None,
+    "batch": 1,
+    "seq": None,
+    "heads": None,
+    "kv_heads": None,
+    "head_dim": None,
+    "tp": 1,
+    "dtype_bytes": 2,
+}
+
+
+def apply_problem_source(args: argparse.Namespace) -> None:
+    """Fill the problem flags of ``args`` from ``--megatron`` (with ``--gpus-per-node``), or
+    their defaults without it; ``ValueError`` where both give one, or neither a required one."""
+    if args.megatron is None:
+        if args.gpus_per_node is not None:
+            raise ValueError(
+                "--gpus-per-node lays out the CP group of --megatron; pass --megatron too, or "
+                "--gpus NODESxRANKS"
+            )
+        required = ("seq", "heads", "head_dim")
+        missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
+        if missing:
+            raise ValueError(
+                f"{', '.join(missing)} missing: give the attention's shape with --seq, --heads "
+                "and --head-dim, or pass the run's Megatron-LM arguments with --megatron"
+            )
+        for key, default in PROBLEM_FLAGS.items():
+            if getattr(args, key) is None and default is not None:
+                setattr(args, key, default)
+        args.megatron_line = None
+        return
+    given = [f"--{k.replace('_', '-')}" for k in PROBLEM_FLAGS if getattr(args, k) is not None]
+    if given or args.causal:
+        flags = given + ["--causal"] * args.causal
+        raise ValueError(
+            f"{', '.join(flags)} and --megatron both give the problem; drop {', '.join(flags)} "
+            "(--megatron sets them, GPT attention causal) or drop --megatron"
+        )
+    layer = layer_from_megatron(args.megatron, args.gpus_per_node)
+    args.gpus = f"{layer.nodes}x{layer.ranks_per_node}"
+    args.batch, args.seq, args.head_dim = layer.batch, layer.seq, layer.head_dim
+    args.heads, args.kv_heads, args.tp = layer.heads, layer.kv_heads, layer.tp
+    args.dtype_bytes, args.causal = layer.dtype_bytes, True
+    if args.groups_per_node is None:
+        args.groups_per_node = layer.groups_per_node
+    args.megatron_line = (
+        f"from --megatron on {args.gpus_per_node} GPUs per node: CP "
+        f"{layer.nodes * layer.ranks_per_node} as {layer.nodes} node(s) x {layer.ranks_per_node} "
+        f"rank(s) (--gpus {args.gpus}), batch {layer.batch}, seq {layer.seq}, {layer.heads} "
+        f"heads ({layer.kv_heads} kv) of {layer.head_dim}, {layer.dtype_bytes} bytes per "
+        f"element, causal, TP {layer.tp}, {layer.groups_per_node} CP group(s) per node"
+    )
 
 
 def groups_per_node(args: argparse.Namespace) -> int:
@@ -175,6 +243,7 @@ def _resolve(
 ) -> tuple[Topology, Problem, ComputeModel, list[str] | None, Profile | None]:
     if args.preset and args.profile:
         raise ValueError("--preset and --profile both describe the cluster; pass one of them")
+    apply_problem_source(args)
     heads, kv_heads = per_rank_heads(
         args.heads, args.kv_heads if args.kv_heads is not None else args.heads, args.tp
     )
@@ -479,7 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2
     shared = sharing_line(args)
+    source = args.megatron_line
     if adv is not None:
+        if source:
+            adv.reasons.append(source)
         if shared:
             adv.reasons.append(shared)
         adv.reasons.append(uncertainty(pred, adv.method, profile))
@@ -510,9 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         data["node_groups"] = {"tp": args.tp, "groups_per_node": groups_per_node(args)}
         if shared:
             data["node_groups"]["note"] = shared
+        if source:
+            data["megatron"] = source
         print(json.dumps(data, indent=2, default=str))
     else:
         print(f"schedules: {replayed}")
+        if source:
+            print(source)
         print(format_table(pred))
         if shared:
             print(shared)

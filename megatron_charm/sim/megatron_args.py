@@ -1,0 +1,133 @@
+"""The attention layer and CP group of a Megatron-LM launch line, for ``megatron-charm-sim``.
+
+``megatron-charm-sim advise --preset H100 --gpus-per-node 8 --megatron "--num-attention-heads
+32 --group-query-attention --num-query-groups 8 --hidden-size 4096 --seq-length 131072
+--micro-batch-size 1 --tensor-model-parallel-size 2 --context-parallel-size 16 --bf16"`` reads
+the flags that shape one attention layer and its CP group, as Megatron-LM (``core_v0.16.1``'s
+``arguments.py``) reads them, and ignores the others:
+
+* heads: ``--num-attention-heads``; kv heads: ``--num-query-groups`` with
+  ``--group-query-attention`` (Megatron's default 1), else every head; head dim:
+  ``--kv-channels``, else ``--hidden-size / --num-attention-heads``;
+* tokens: ``--seq-length``, ``--micro-batch-size`` (1 if absent); GPT attention is causal;
+* bytes per element: 2 with ``--bf16`` or ``--fp16``, else 4;
+* the CP group: Megatron places ranks tensor-parallel first, then context-parallel
+  (``tp-cp-ep-dp-pp``), so a node of ``G`` GPUs holds ``p = min(CP, G / TP)`` ranks of a CP group,
+  which spans ``m = CP / p`` nodes, and ``G / p`` CP groups share the node (the TP ranks' and the
+  replicas': Note [Groups sharing a node] in :mod:`megatron_charm.sim.node_groups`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MegatronLayer:
+    """One attention layer and its CP group, as a Megatron-LM launch line sets them."""
+
+    batch: int
+    seq: int
+    heads: int
+    """Query heads of the model (all TP ranks)."""
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    tp: int
+    nodes: int
+    """``m``: nodes the CP group spans."""
+    ranks_per_node: int
+    """``p``: ranks of the CP group on each node."""
+    groups_per_node: int
+    """CP groups with ranks on each node (GPUs per node / ``p``)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="--megatron", add_help=False)
+    ap.add_argument("--num-attention-heads", type=int)
+    ap.add_argument("--group-query-attention", action="store_true")
+    ap.add_argument("--num-query-groups", type=int, default=1)
+    ap.add_argument("--kv-channels", type=int)
+    ap.add_argument("--hidden-size", type=int)
+    ap.add_argument("--seq-length", type=int)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    ap.add_argument("--context-parallel-size", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--fp16", action="store_true")
+    return ap
+
+
+def _positive(name: str, value: int | None) -> int:
+    if value is None or value < 1:
+        raise ValueError(
+            f"--megatron: {name} {value} must be given and >= 1; add it to the Megatron "
+            "arguments (megatron-charm-sim reads the attention's shape from them)"
+        )
+    return value
+
+
+def layer_from_megatron(text: str, gpus_per_node: int | None) -> MegatronLayer:
+    """The layer and CP group of the Megatron-LM arguments ``text`` (one string, shell quoting)
+    on nodes of ``gpus_per_node`` GPUs; ``ValueError`` naming the flag for what cannot be read."""
+    if gpus_per_node is None or gpus_per_node < 1:
+        raise ValueError(
+            f"--megatron needs --gpus-per-node (got {gpus_per_node}): the CP group's layout "
+            "over the nodes follows from it and the TP and CP sizes; pass e.g. --gpus-per-node 8"
+        )
+    try:
+        args, _ = _parser().parse_known_args(shlex.split(text))
+    except (ValueError, SystemExit) as err:  # argparse exits on a value it cannot convert
+        raise ValueError(f"--megatron {text!r}: cannot read it ({err}); check its flags") from None
+    heads = _positive("--num-attention-heads", args.num_attention_heads)
+    kv = _positive("--num-query-groups", args.num_query_groups)
+    kv = kv if args.group_query_attention else heads
+    if heads % kv:
+        raise ValueError(
+            f"--megatron: --num-attention-heads {heads} must be divisible by --num-query-groups "
+            f"{kv}, as Megatron requires"
+        )
+    if args.kv_channels is not None:
+        head_dim = _positive("--kv-channels", args.kv_channels)
+    else:
+        hidden = _positive("--hidden-size (or --kv-channels)", args.hidden_size)
+        if hidden % heads:
+            raise ValueError(
+                f"--megatron: --hidden-size {hidden} is not divisible by --num-attention-heads "
+                f"{heads}; pass --kv-channels, the head dim"
+            )
+        head_dim = hidden // heads
+    tp = _positive("--tensor-model-parallel-size", args.tensor_model_parallel_size)
+    cp = _positive("--context-parallel-size", args.context_parallel_size)
+    if cp == 1:
+        raise ValueError(
+            "--megatron: --context-parallel-size is 1 (Megatron's default): no context "
+            "parallelism to choose a method for; add the run's --context-parallel-size"
+        )
+    if gpus_per_node % tp:
+        raise ValueError(
+            f"--megatron: --tensor-model-parallel-size {tp} must divide --gpus-per-node "
+            f"{gpus_per_node}: tensor parallelism stays inside a node"
+        )
+    slots = gpus_per_node // tp
+    p = min(cp, slots)
+    if max(cp, slots) % p:
+        raise ValueError(
+            f"--megatron: --context-parallel-size {cp} and a node's {slots} CP ranks "
+            f"(--gpus-per-node {gpus_per_node} / TP {tp}) must divide one another, so that a "
+            "CP group holds as many ranks on each of its nodes"
+        )
+    return MegatronLayer(
+        batch=_positive("--micro-batch-size", args.micro_batch_size),
+        seq=_positive("--seq-length", args.seq_length),
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        dtype_bytes=2 if args.bf16 or args.fp16 else 4,
+        tp=tp,
+        nodes=cp // p,
+        ranks_per_node=p,
+        groups_per_node=gpus_per_node // p,
+    )
