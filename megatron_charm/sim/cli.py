@@ -8,6 +8,9 @@ Examples::
         --head-dim 128 --causal
     megatron-charm-sim --preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 \\
         --head-dim 192 --replay paper        # the paper's ring and CHARM+, next to its Table 5
+    megatron-charm-sim advise --preset H100 --gpus-per-node 8 --megatron "--num-attention-heads \
+        32 --hidden-size 4096 --seq-length 131072 --tensor-model-parallel-size 2 \
+        --context-parallel-size 16 --bf16"    # a Megatron-LM run's own arguments
     megatron-charm-sim calibrate --launcher loopback --out mine.json
     megatron-charm-sim advise --profile mine.json --gpus 4x2 --seq 65536 --heads 8 --head-dim 64
 """
