@@ -8,8 +8,8 @@ Examples::
         --head-dim 128 --causal
     megatron-charm-sim --preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 \\
         --head-dim 192 --replay paper        # the paper's ring and CHARM+, next to its Table 5
-    megatron-charm-sim advise --preset H100 --gpus-per-node 8 --megatron "--num-attention-heads \
-        32 --hidden-size 4096 --seq-length 131072 --tensor-model-parallel-size 2 \
+    megatron-charm-sim advise --preset H100 --gpus-per-node 8 --megatron "--num-attention-heads \\
+        32 --hidden-size 4096 --seq-length 131072 --tensor-model-parallel-size 2 \\
         --context-parallel-size 16 --bf16"    # a Megatron-LM run's own arguments
     megatron-charm-sim calibrate --launcher loopback --out mine.json
     megatron-charm-sim advise --profile mine.json --gpus 4x2 --seq 65536 --heads 8 --head-dim 64
@@ -25,7 +25,7 @@ from dataclasses import replace
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, describe_compute
-from megatron_charm.sim.megatron_args import layer_from_megatron
+from megatron_charm.sim.megatron_args import apply_problem_source
 from megatron_charm.sim.node_groups import per_rank_heads, shared_by
 from megatron_charm.sim.predict import (
     SIMPLICITY,
@@ -161,63 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(sim, keys=SIM_PLAN_OPTIONS)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap
-
-
-#: Problem flags that --megatron sets, and their defaults without it.
-PROBLEM_FLAGS = {
-    "gpus": None,
-    "batch": 1,
-    "seq": None,
-    "heads": None,
-    "kv_heads": None,
-    "head_dim": None,
-    "tp": 1,
-    "dtype_bytes": 2,
-}
-
-
-def apply_problem_source(args: argparse.Namespace) -> None:
-    """Fill the problem flags of ``args`` from ``--megatron`` (with ``--gpus-per-node``), or
-    their defaults without it; ``ValueError`` where both give one, or neither a required one."""
-    if args.megatron is None:
-        if args.gpus_per_node is not None:
-            raise ValueError(
-                "--gpus-per-node lays out the CP group of --megatron; pass --megatron too, or "
-                "--gpus NODESxRANKS"
-            )
-        required = ("seq", "heads", "head_dim")
-        missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
-        if missing:
-            raise ValueError(
-                f"{', '.join(missing)} missing: give the attention's shape with --seq, --heads "
-                "and --head-dim, or pass the run's Megatron-LM arguments with --megatron"
-            )
-        for key, default in PROBLEM_FLAGS.items():
-            if getattr(args, key) is None and default is not None:
-                setattr(args, key, default)
-        args.megatron_line = None
-        return
-    given = [f"--{k.replace('_', '-')}" for k in PROBLEM_FLAGS if getattr(args, k) is not None]
-    if given or args.causal:
-        flags = given + ["--causal"] * args.causal
-        raise ValueError(
-            f"{', '.join(flags)} and --megatron both give the problem; drop {', '.join(flags)} "
-            "(--megatron sets them, GPT attention causal) or drop --megatron"
-        )
-    layer = layer_from_megatron(args.megatron, args.gpus_per_node)
-    args.gpus = f"{layer.nodes}x{layer.ranks_per_node}"
-    args.batch, args.seq, args.head_dim = layer.batch, layer.seq, layer.head_dim
-    args.heads, args.kv_heads, args.tp = layer.heads, layer.kv_heads, layer.tp
-    args.dtype_bytes, args.causal = layer.dtype_bytes, True
-    if args.groups_per_node is None:
-        args.groups_per_node = layer.groups_per_node
-    args.megatron_line = (
-        f"from --megatron on {args.gpus_per_node} GPUs per node: CP "
-        f"{layer.nodes * layer.ranks_per_node} as {layer.nodes} node(s) x {layer.ranks_per_node} "
-        f"rank(s) (--gpus {args.gpus}), batch {layer.batch}, seq {layer.seq}, {layer.heads} "
-        f"heads ({layer.kv_heads} kv) of {layer.head_dim}, {layer.dtype_bytes} bytes per "
-        f"element, causal, TP {layer.tp}, {layer.groups_per_node} CP group(s) per node"
-    )
 
 
 def groups_per_node(args: argparse.Namespace) -> int:

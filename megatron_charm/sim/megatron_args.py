@@ -15,6 +15,9 @@ the flags that shape one attention layer and its CP group, as Megatron-LM (``cor
   (``tp-cp-ep-dp-pp``), so a node of ``G`` GPUs holds ``p = min(CP, G / TP)`` ranks of a CP group,
   which spans ``m = CP / p`` nodes, and ``G / p`` CP groups share the node (the TP ranks' and the
   replicas': Note [Groups sharing a node] in :mod:`megatron_charm.sim.node_groups`).
+
+:func:`apply_problem_source` fills the CLI's problem flags from it, or their defaults without
+``--megatron``.
 """
 
 from __future__ import annotations
@@ -130,4 +133,61 @@ def layer_from_megatron(text: str, gpus_per_node: int | None) -> MegatronLayer:
         nodes=cp // p,
         ranks_per_node=p,
         groups_per_node=gpus_per_node // p,
+    )
+
+
+#: Problem flags that --megatron sets, and their defaults without it.
+PROBLEM_FLAGS = {
+    "gpus": None,
+    "batch": 1,
+    "seq": None,
+    "heads": None,
+    "kv_heads": None,
+    "head_dim": None,
+    "tp": 1,
+    "dtype_bytes": 2,
+}
+
+
+def apply_problem_source(args: argparse.Namespace) -> None:
+    """Fill the problem flags of ``args`` from ``--megatron`` (with ``--gpus-per-node``), or
+    their defaults without it; ``ValueError`` where both give one, or neither a required one."""
+    if args.megatron is None:
+        if args.gpus_per_node is not None:
+            raise ValueError(
+                "--gpus-per-node lays out the CP group of --megatron; pass --megatron too, or "
+                "--gpus NODESxRANKS"
+            )
+        required = ("seq", "heads", "head_dim")
+        missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
+        if missing:
+            raise ValueError(
+                f"{', '.join(missing)} missing: give the attention's shape with --seq, --heads "
+                "and --head-dim, or pass the run's Megatron-LM arguments with --megatron"
+            )
+        for key, default in PROBLEM_FLAGS.items():
+            if getattr(args, key) is None and default is not None:
+                setattr(args, key, default)
+        args.megatron_line = None
+        return
+    given = [f"--{k.replace('_', '-')}" for k in PROBLEM_FLAGS if getattr(args, k) is not None]
+    if given or args.causal:
+        flags = given + ["--causal"] * args.causal
+        raise ValueError(
+            f"{', '.join(flags)} and --megatron both give the problem; drop {', '.join(flags)} "
+            "(--megatron sets them, GPT attention causal) or drop --megatron"
+        )
+    layer = layer_from_megatron(args.megatron, args.gpus_per_node)
+    args.gpus = f"{layer.nodes}x{layer.ranks_per_node}"
+    args.batch, args.seq, args.head_dim = layer.batch, layer.seq, layer.head_dim
+    args.heads, args.kv_heads, args.tp = layer.heads, layer.kv_heads, layer.tp
+    args.dtype_bytes, args.causal = layer.dtype_bytes, True
+    if args.groups_per_node is None:
+        args.groups_per_node = layer.groups_per_node
+    args.megatron_line = (
+        f"from --megatron on {args.gpus_per_node} GPUs per node: CP "
+        f"{layer.nodes * layer.ranks_per_node} as {layer.nodes} node(s) x {layer.ranks_per_node} "
+        f"rank(s) (--gpus {args.gpus}), batch {layer.batch}, seq {layer.seq}, {layer.heads} "
+        f"heads ({layer.kv_heads} kv) of {layer.head_dim}, {layer.dtype_bytes} bytes per "
+        f"element, causal, TP {layer.tp}, {layer.groups_per_node} CP group(s) per node"
     )
