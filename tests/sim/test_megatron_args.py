@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from megatron_charm.sim.cli import main
 from megatron_charm.sim.megatron_args import MegatronLayer, layer_from_megatron
+from tests.sim.cli_json import run_json
 
 LLAMA = (
     "--num-layers 32 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
@@ -124,16 +123,11 @@ def test_what_cannot_be_read_names_its_flag(text: str, gpus: int | None, message
     assert message in str(info.value)
 
 
-def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
-    assert main([*argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
 def test_cli_megatron_is_the_same_prediction_as_its_flags(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    via = _json(capsys, ["--preset", "H100", "--gpus-per-node", "8", "--megatron", LLAMA])
-    flags = _json(
+    via = run_json(capsys, ["--preset", "H100", "--gpus-per-node", "8", "--megatron", LLAMA])
+    flags = run_json(
         capsys,
         "--preset H100 --gpus 4x4 --batch 2 --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 "
         "--causal --tp 2 --groups-per-node 2 --dtype-bytes 2".split(),

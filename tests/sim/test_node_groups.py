@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from megatron_charm.sim import FlopsCompute, Problem, Topology, predict
 from megatron_charm.sim.cli import main
 from megatron_charm.sim.node_groups import per_rank_heads, shared_by
 from megatron_charm.sim.topology import PRESETS
+from tests.sim.cli_json import run_json
 
 
 def test_one_group_is_the_topology_itself() -> None:
@@ -79,16 +78,11 @@ def test_shared_links_slow_the_cross_bound_methods() -> None:
 ARGS = ["--preset", "H100", "--gpus", "2x4", "--batch", "1", "--seq", "32768", "--head-dim", "128"]
 
 
-def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
-    assert main([*argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
 def test_cli_tp_divides_the_heads_and_shares_the_nodes_links(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    alone = _json(capsys, [*ARGS, "--heads", "16", "--kv-heads", "8"])
-    tp = _json(capsys, [*ARGS, "--heads", "32", "--kv-heads", "16", "--tp", "2"])
+    alone = run_json(capsys, [*ARGS, "--heads", "16", "--kv-heads", "8"])
+    tp = run_json(capsys, [*ARGS, "--heads", "32", "--kv-heads", "16", "--tp", "2"])
     assert alone["node_groups"] == {"tp": 1, "groups_per_node": 1}
     assert tp["node_groups"]["groups_per_node"] == 2
     assert "16 of 32 query heads and 8 of 16 kv heads" in tp["node_groups"]["note"]
@@ -102,7 +96,7 @@ def test_cli_tp_divides_the_heads_and_shares_the_nodes_links(
     assert ring[0]["forward"]["bytes_per_link"] == ring[1]["forward"]["bytes_per_link"]
     for method in ("ring", "charm"):
         assert ms(tp, method) > ms(alone, method)
-    more = _json(capsys, [*ARGS, "--heads", "32", "--tp", "2", "--groups-per-node", "4"])
+    more = run_json(capsys, [*ARGS, "--heads", "32", "--tp", "2", "--groups-per-node", "4"])
     assert more["node_groups"]["groups_per_node"] == 4
     assert ms(more, "ring") > ms(tp, "ring")
 

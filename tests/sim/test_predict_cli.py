@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from megatron_charm.plan import METHODS
 from megatron_charm.sim import FlopsCompute, Problem, Topology, advise, predict
 from megatron_charm.sim.cli import main
 from megatron_charm.sim.topology import PRESETS, parse_gpus
-
-
-def _run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
-    """The CLI's ``--json`` output for ``argv``, after checking that it exits 0."""
-    assert main(argv) == 0
-    return json.loads(capsys.readouterr().out)
-
+from tests.sim.cli_json import run_json
 
 PROBLEM = Problem(batch=2, seq=8192, heads=8, head_dim=64, causal=True)
 
@@ -73,9 +65,9 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     for m in METHODS:
         assert (f"\n{m} " in out) == (m in fits), m
     assert "CCR forward" in out
-    data = _run_json(capsys, [*args.split(), "--json"])
+    data = run_json(capsys, [*args.split(), "--json"])
     assert set(data["methods"]) == fits
-    sixteen = _run_json(capsys, [*args.split(), "--heads", "16", "--json"])
+    sixteen = run_json(capsys, [*args.split(), "--heads", "16", "--json"])
     assert set(sixteen["methods"]) == set(METHODS) - {"tasp"}
     assert data["methods"]["ring"]["forward"]["speedup_vs_ring"] == pytest.approx(1.0)
     assert data["s_local"] == 1024
@@ -91,7 +83,7 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
     args = "advise --preset H100 --gpus 4x8 --batch 1 --seq 65536 --heads 16 --head-dim 128"
-    data = _run_json(capsys, [*args.split(), "--causal", "--json"])
+    data = run_json(capsys, [*args.split(), "--causal", "--json"])
     # four nodes of H100 at 64K tokens: CHARM+ wins by a wide margin (2.59x over a2a+p2p when
     # this was written), and the first reason says so with its predicted time
     assert data["cp_comm_type"] == "charm"
@@ -146,8 +138,8 @@ def test_cli_l20_shares_one_pcie_domain_per_node(capsys: pytest.CaptureFixture[s
     # Note [One PCIe domain]: the L20 preset (and its profile) shares 24 GB/s per NUMA domain;
     # --pcie-domain-bw 0 gives each GPU its own link only, and ring's transfers speed up
     argv = "--preset L20 --gpus 1x4 --batch 4 --seq 8192 --heads 8 --head-dim 128 --methods ring"
-    shared = _run_json(capsys, [*argv.split(), "--json"])
-    alone = _run_json(capsys, [*argv.split(), "--pcie-domain-bw", "0", "--json"])
+    shared = run_json(capsys, [*argv.split(), "--json"])
+    alone = run_json(capsys, [*argv.split(), "--pcie-domain-bw", "0", "--json"])
     assert "24 GB/s per node and direction" in shared["links"]
     assert "per node and direction" not in alone["links"]
     fwd = [r["methods"]["ring"]["forward"]["time_ms"] for r in (shared, alone)]
@@ -202,10 +194,10 @@ def test_cli_runs_a_presets_tasp_on_its_all_to_all_links(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     base = "--preset H100 --gpus 2x8 --batch 1 --seq 3360 --heads 12 --head-dim 192 --json"
-    data = _run_json(capsys, [*base.split(), "--methods", "ring,tasp"])
+    data = run_json(capsys, [*base.split(), "--methods", "ring,tasp"])
     assert "one NIC per GPU" in data["tasp_links"]
     # the same preset with its links given by a flag: tasp on those links, slower
-    flagged = _run_json(capsys, [*base.split(), "--methods", "ring,tasp", "--cross-bw", "26.35"])
+    flagged = run_json(capsys, [*base.split(), "--methods", "ring,tasp", "--cross-bw", "26.35"])
     assert "tasp_links" not in flagged
     on_a2a, on_flags = (d["methods"]["tasp"]["forward"]["time_ms"] for d in (data, flagged))
     assert on_a2a < on_flags
@@ -216,7 +208,7 @@ def test_cli_replays_the_papers_schedules_next_to_its_table_5(
 ) -> None:
     # Table 5's first 2 x 8 row: ring 149.97 ms, CHARM+ 2.35x forward / 3.18x backward
     base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
-    paper = _run_json(capsys, [*base.split(), "--replay", "paper"])
+    paper = run_json(capsys, [*base.split(), "--replay", "paper"])
     assert paper["replay"]["schedules"] == "paper"
     assert set(paper["methods"]) == {"ring", "charm"}  # its default methods
     speedups = (paper["methods"]["charm"][p]["speedup_vs_ring"] for p in ("forward", "backward"))
@@ -224,7 +216,7 @@ def test_cli_replays_the_papers_schedules_next_to_its_table_5(
     assert next(speedups) == pytest.approx(3.18, rel=0.1)
     assert paper["methods"]["ring"]["forward"]["time_ms"] == pytest.approx(149.97, rel=0.06)
     # our schedules: a ring forward that overlaps, a charm that keeps its crossed queries
-    ours = _run_json(capsys, [*base.split(), "--methods", "ring,charm"])
+    ours = run_json(capsys, [*base.split(), "--methods", "ring,charm"])
     assert ours["replay"]["schedules"] == "ours"
     for name in ("ring", "charm"):
         assert (
@@ -259,7 +251,7 @@ def test_cli_prints_the_ccrs_two_sums_as_table_5_gives_them(
     # Table 5's 2 x 8 ring forward rows 1 and 3 (same bytes, FLOPs 8 : 2) give its blocks 10.96
     # ms and its transfers 139.0 ms at batch 16 and 26,880 tokens (Note [The paper's baselines])
     base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
-    ccr = _run_json(capsys, [*base.split(), "--replay", "paper"])["ccr"]
+    ccr = run_json(capsys, [*base.split(), "--replay", "paper"])["ccr"]
     comp, comm = ccr["t_comp_ms"]["forward"], ccr["t_comm_ms"]["forward"]
     assert comp == pytest.approx(10.96, rel=0.12) and comm == pytest.approx(139.0, rel=0.05)
     assert ccr["forward"] == pytest.approx(comp / comm)
@@ -274,7 +266,7 @@ def test_cli_prints_the_ccr_at_table_2s_rates_where_a_preset_runs_below_them(
     # the paper's Eq. 9 takes a transfer as its bytes over Table 2's bandwidth: Table 5's first
     # 2 x 8 row moves 15 kv of 16 x 1,680 tokens x 12 x 192 (k and v, bf16) at 42.5 GB/s
     base = "--preset H100 --gpus 2x8 --batch 16 --seq 26880 --heads 12 --head-dim 192 --json"
-    ccr = _run_json(capsys, base.split())["ccr"]
+    ccr = run_json(capsys, base.split())["ccr"]
     kv = 16 * 1680 * 12 * 192 * 2 * 2
     table2 = ccr["table2"]
     assert table2["t_comm_ms"]["forward"] == pytest.approx(15 * kv / 42.5e9 * 1e3, rel=1e-6)
@@ -292,7 +284,7 @@ def test_cli_prints_the_ccr_at_table_2s_rates_where_a_preset_runs_below_them(
     # none where the preset's transfers run at Table 2's rate, or the links are given
     for other in ("--preset L20 --gpus 2x4", "--preset H100 --gpus 2x8 --cross-bw 30"):
         args = f"{other} --batch 2 --seq 8192 --heads 8 --head-dim 64 --json --methods ring"
-        assert "table2" not in _run_json(capsys, args.split())["ccr"]
+        assert "table2" not in run_json(capsys, args.split())["ccr"]
 
 
 def test_cli_replays_the_papers_ring_attention_and_ring_zigzag(
@@ -304,7 +296,7 @@ def test_cli_replays_the_papers_ring_attention_and_ring_zigzag(
     base += " --methods ring,ring-contig --json"
     times = {}
     for replay in ("paper", "ours"):
-        got = _run_json(capsys, [*base.split(), "--replay", replay])["methods"]
+        got = run_json(capsys, [*base.split(), "--replay", replay])["methods"]
         times[replay] = {m: got[m]["forward"]["time_ms"] for m in ("ring", "ring-contig")}
     assert times["paper"]["ring-contig"] > times["paper"]["ring"] * 1.05
     for method in ("ring", "ring-contig"):  # without overlap: slower than our own
