@@ -25,7 +25,7 @@ from dataclasses import replace
 from megatron_charm.plan import METHODS, PlanOptions
 from megatron_charm.plan.options import BASELINES, add_plan_arguments, plan_values_from_args
 from megatron_charm.sim.compute import ComputeModel, Enqueue, FlopsCompute, describe_compute
-from megatron_charm.sim.megatron_args import apply_problem_source
+from megatron_charm.sim.megatron_args import against_current, apply_problem_source
 from megatron_charm.sim.node_groups import per_rank_heads, shared_by
 from megatron_charm.sim.predict import (
     SIMPLICITY,
@@ -495,9 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shared = sharing_line(args)
     source = args.megatron_line
+    totals = {m: mp.total for m, mp in pred.methods.items()}
+    current = against_current(args.megatron_types, totals, lead)
     if adv is not None:
         if source:
             adv.reasons.append(source)
+        if current:
+            adv.reasons.append(current)
         if shared:
             adv.reasons.append(shared)
         adv.reasons.append(uncertainty(pred, adv.method, profile))
@@ -530,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
             data["node_groups"]["note"] = shared
         if source:
             data["megatron"] = source
+        if current:
+            data["current_cp_comm_type"] = current
         print(json.dumps(data, indent=2, default=str))
     else:
         print(f"schedules: {replayed}")
@@ -538,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(pred))
         if shared:
             print(shared)
+        if current:
+            print(current)
         if tasp_note:
             print(tasp_note)
         print(uncertainty(pred, lead, profile))

@@ -26,6 +26,8 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
+from megatron_charm.plan import METHODS
+
 
 @dataclass(frozen=True)
 class MegatronLayer:
@@ -45,6 +47,9 @@ class MegatronLayer:
     """``p``: ranks of the CP group on each node."""
     groups_per_node: int
     """CP groups with ranks on each node (GPUs per node / ``p``)."""
+    cp_comm_types: tuple[str, ...] = ("p2p",)
+    """The run's ``--cp-comm-type`` (one per layer where it lists several; Megatron's default
+    ``p2p``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--context-parallel-size", type=int, default=1)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--fp16", action="store_true")
+    ap.add_argument("--cp-comm-type", nargs="+", default=["p2p"])
     return ap
 
 
@@ -133,7 +139,36 @@ def layer_from_megatron(text: str, gpus_per_node: int | None) -> MegatronLayer:
         nodes=cp // p,
         ranks_per_node=p,
         groups_per_node=gpus_per_node // p,
+        cp_comm_types=tuple(dict.fromkeys(args.cp_comm_type)),
     )
+
+
+#: The simulator's stand-in for a ``--cp-comm-type`` of Transformer Engine: its ``p2p`` is ring
+#: attention on the zigzag layout, our ``ring``; its other names are ours too.
+SIM_METHOD_OF = {"p2p": "ring"}
+
+
+def against_current(types: tuple[str, ...], totals: dict[str, float], lead: str) -> str | None:
+    """One line on the run's own ``--cp-comm-type`` ``types`` against ``lead``, from the
+    predicted forward + backward seconds ``totals`` per method; ``None`` when the run already
+    uses ``lead``."""
+    parts = []
+    for name in types:
+        method = SIM_METHOD_OF.get(name, name)
+        if method == lead:
+            continue
+        if name == "auto":
+            parts.append("auto picks per layer shape at run time, on --charm-profile")
+            continue
+        if method not in totals:
+            why = "cannot split this shape" if method in METHODS else "is not a method we know"
+            parts.append(f"{name} {why}")
+            continue
+        parts.append(
+            f"{name} ({method} here) {totals[method] * 1e3:.3g} ms forward+backward, "
+            f"{lead} {totals[lead] * 1e3:.3g} ms: {totals[method] / totals[lead]:.2f}x"
+        )
+    return f"your run's --cp-comm-type: {'; '.join(parts)}" if parts else None
 
 
 #: Problem flags that --megatron sets, and their defaults without it.
@@ -168,7 +203,7 @@ def apply_problem_source(args: argparse.Namespace) -> None:
         for key, default in PROBLEM_FLAGS.items():
             if getattr(args, key) is None and default is not None:
                 setattr(args, key, default)
-        args.megatron_line = None
+        args.megatron_line, args.megatron_types = None, ()
         return
     given = [f"--{k.replace('_', '-')}" for k in PROBLEM_FLAGS if getattr(args, k) is not None]
     if given or args.causal:
@@ -184,6 +219,7 @@ def apply_problem_source(args: argparse.Namespace) -> None:
     args.dtype_bytes, args.causal = layer.dtype_bytes, True
     if args.groups_per_node is None:
         args.groups_per_node = layer.groups_per_node
+    args.megatron_types = layer.cp_comm_types
     args.megatron_line = (
         f"from --megatron on {args.gpus_per_node} GPUs per node: CP "
         f"{layer.nodes * layer.ranks_per_node} as {layer.nodes} node(s) x {layer.ranks_per_node} "

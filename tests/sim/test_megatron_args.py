@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_charm.sim.cli import main
-from megatron_charm.sim.megatron_args import MegatronLayer, layer_from_megatron
+from megatron_charm.sim.megatron_args import MegatronLayer, against_current, layer_from_megatron
 from tests.sim.cli_json import run_json
 
 LLAMA = (
@@ -13,6 +13,12 @@ LLAMA = (
     "--hidden-size 4096 --seq-length 131072 --micro-batch-size 2 --tensor-model-parallel-size 2 "
     "--context-parallel-size 16 --bf16 --use-distributed-optimizer"
 )
+
+#: LLAMA's problem as the simulator's own flags.
+FLAGS = (
+    "--gpus 4x4 --batch 2 --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 --causal --tp 2 "
+    "--groups-per-node 2 --dtype-bytes 2"
+).split()
 
 
 def test_a_llama_launch_line() -> None:
@@ -127,12 +133,9 @@ def test_cli_megatron_is_the_same_prediction_as_its_flags(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     via = run_json(capsys, ["--preset", "H100", "--gpus-per-node", "8", "--megatron", LLAMA])
-    flags = run_json(
-        capsys,
-        "--preset H100 --gpus 4x4 --batch 2 --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 "
-        "--causal --tp 2 --groups-per-node 2 --dtype-bytes 2".split(),
-    )
+    flags = run_json(capsys, ["--preset", "H100", *FLAGS])
     assert "CP 16 as 4 node(s) x 4 rank(s) (--gpus 4x4)" in via.pop("megatron")
+    assert via.pop("current_cp_comm_type").startswith("your run's --cp-comm-type: p2p (ring")
     assert via == flags
 
 
@@ -158,3 +161,35 @@ def test_cli_refuses_a_problem_given_twice_or_not_at_all(
 ) -> None:
     assert main(["--preset", "H100", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_runs_own_cp_comm_type() -> None:
+    assert layer_from_megatron(LLAMA, 8).cp_comm_types == ("p2p",)  # Megatron's default
+    per_layer = layer_from_megatron(f"{LLAMA} --cp-comm-type p2p a2a p2p", 8)
+    assert per_layer.cp_comm_types == ("p2p", "a2a")
+    totals = {"ring": 0.09, "charm": 0.03, "a2a+p2p": 0.045}
+    line = against_current(("p2p", "a2a+p2p"), totals, "charm")
+    assert line == (
+        "your run's --cp-comm-type: p2p (ring here) 90 ms forward+backward, charm 30 ms: 3.00x; "
+        "a2a+p2p (a2a+p2p here) 45 ms forward+backward, charm 30 ms: 1.50x"
+    )
+    assert against_current(("charm",), totals, "charm") is None
+    odd = against_current(("auto", "a2a", "ringg"), totals, "charm")
+    assert odd is not None
+    assert "auto picks per layer shape at run time" in odd
+    assert "a2a cannot split this shape" in odd and "ringg is not a method we know" in odd
+
+
+def test_cli_compares_the_runs_own_method(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--preset", "H100", "--gpus-per-node", "8", "--megatron"]
+    data = run_json(capsys, [*argv, f"{LLAMA} --cp-comm-type a2a+p2p"])
+    times = {
+        m: sum(data["methods"][m][p]["time_ms"] for p in ("forward", "backward"))
+        for m in ("a2a+p2p", "charm")
+    }
+    want = f"a2a+p2p (a2a+p2p here) {times['a2a+p2p']:.3g} ms forward+backward"
+    assert want in data["current_cp_comm_type"]
+    assert main(["advise", *argv, LLAMA]) == 0
+    assert "  - your run's --cp-comm-type: p2p (ring here)" in capsys.readouterr().out
+    # a run without --megatron has no such line
+    assert "current_cp_comm_type" not in run_json(capsys, ["--preset", "H100", *FLAGS])
