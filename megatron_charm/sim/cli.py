@@ -176,9 +176,10 @@ def sharing_line(args: argparse.Namespace) -> str | None:
     if args.tp == 1 and groups == 1:
         return None
     kv = args.kv_heads if args.kv_heads is not None else args.heads
+    heads, kv_heads = per_rank_heads(args.heads, kv, args.tp)
     return (
-        f"tensor parallel {args.tp}: each CP rank holds {args.heads // args.tp} of {args.heads} "
-        f"query heads and {kv // args.tp} of {kv} kv heads; {groups} CP group(s) per node share "
+        f"tensor parallel {args.tp}: each CP rank holds {heads} of {args.heads} query heads and "
+        f"{kv_heads} of {kv} kv heads; {groups} CP group(s) per node share "
         "its links: cross links that are not one per GPU, and a PCIe root complex, at "
         f"1/{groups} of their rate (Note [Groups sharing a node])"
     )

@@ -11,6 +11,8 @@ the flags that shape one attention layer and its CP group, as Megatron-LM (``cor
   ``--kv-channels``, else ``--hidden-size / --num-attention-heads``;
 * tokens: ``--seq-length``, ``--micro-batch-size`` (1 if absent); GPT attention is causal;
 * bytes per element: 2 with ``--bf16`` or ``--fp16``, else 4;
+* per TP rank (:func:`megatron_charm.sim.node_groups.per_rank_heads`): heads / TP, and kv
+  heads / TP, or one where the query groups divide TP (Megatron core 0.16's attention);
 * the CP group: Megatron places ranks tensor-parallel first, then context-parallel
   (``tp-cp-ep-dp-pp``), so a node of ``G`` GPUs holds ``p = min(CP, G / TP)`` ranks of a CP group,
   which spans ``m = CP / p`` nodes, and ``G / p`` CP groups share the node (the TP ranks' and the

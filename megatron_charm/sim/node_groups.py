@@ -56,14 +56,16 @@ def shared_by(topo: Topology, groups: int) -> Topology:
 
 
 def per_rank_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
-    """``(heads, kv_heads)`` of one tensor-parallel rank: Megatron splits both by ``tp`` and
-    requires that both divide (``num_query_groups`` a multiple of the TP size)."""
+    """``(heads, kv_heads)`` of one tensor-parallel rank's attention, as Megatron core splits
+    them: ``heads / tp`` query heads; ``kv_heads / tp`` kv heads, or one (replicated) where
+    ``kv_heads`` divides ``tp`` (``num_query_groups`` a multiple or divisor of the TP size)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp {tp!r} must be an integer >= 1 (the tensor-parallel size)")
-    if heads % tp or kv_heads % tp:
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise ValueError(
-            f"--heads {heads} and --kv-heads {kv_heads} must both be divisible by --tp {tp}: "
-            "Megatron gives each tensor-parallel rank heads / TP query heads and kv heads / TP "
-            "kv heads; pass the model's head counts and a TP size that divides them"
+            f"--heads {heads} must be divisible by --tp {tp}, and --kv-heads {kv_heads} a "
+            "multiple or a divisor of it: Megatron gives each tensor-parallel rank heads / TP "
+            "query heads and kv heads / TP kv heads (one where TP is larger); pass the model's "
+            "head counts and a TP size that fits them"
         )
-    return heads // tp, kv_heads // tp
+    return heads // tp, max(1, kv_heads // tp)

@@ -57,8 +57,13 @@ def test_bad_group_counts_raise(groups: object) -> None:
 def test_heads_per_tensor_parallel_rank() -> None:
     assert per_rank_heads(32, 8, 1) == (32, 8)
     assert per_rank_heads(32, 8, 4) == (8, 2)
-    with pytest.raises(ValueError, match="--kv-heads 8 must both be divisible by --tp 16"):
-        per_rank_heads(32, 8, 16)
+    # fewer query groups than TP ranks: each rank holds one kv head (Megatron core 0.16)
+    assert per_rank_heads(32, 8, 16) == (2, 1)
+    assert per_rank_heads(32, 1, 4) == (8, 1)
+    with pytest.raises(ValueError, match="--kv-heads 6 a multiple or a divisor of it"):
+        per_rank_heads(48, 6, 4)
+    with pytest.raises(ValueError, match="--heads 12 must be divisible by --tp 8"):
+        per_rank_heads(12, 4, 8)
     with pytest.raises(ValueError, match="--tp 0 must be an integer >= 1"):
         per_rank_heads(32, 8, 0)
 
@@ -110,12 +115,14 @@ def test_cli_says_what_tp_changed(capsys: pytest.CaptureFixture[str]) -> None:
     assert "  - tensor parallel 2:" in capsys.readouterr().out
     assert main([*ARGS, "--heads", "32"]) == 0
     assert "tensor parallel" not in capsys.readouterr().out
+    assert main([*ARGS, "--heads", "32", "--kv-heads", "2", "--tp", "4"]) == 0
+    assert "8 of 32 query heads and 1 of 2 kv heads" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--heads", "32", "--kv-heads", "8", "--tp", "16"], "must both be divisible by --tp 16"),
+        (["--heads", "48", "--kv-heads", "6", "--tp", "4"], "a multiple or a divisor of it"),
         (["--heads", "32", "--tp", "0"], "--tp 0 must be an integer >= 1"),
         (["--heads", "32", "--groups-per-node", "0"], "groups per node 0 must be an integer"),
     ],
