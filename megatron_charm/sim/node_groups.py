@@ -21,6 +21,10 @@ group's transfer in turn, so it grows ``g`` times. This is the bandwidth-bound b
 groups are in lockstep, as data-parallel replicas and TP ranks of one layer are; on a link that
 one group leaves idle part of the time the others use less of it.
 
+On a CPU testbed profile, whose ranks share one host's cores (``shared_slots``), the other
+groups' blocks would share those cores too; the replay does not add them, so there the count
+covers the links only.
+
 So with ``g > 1``, ``rails`` means one NIC per GPU, and ``shared`` or ``nics_per_node=k`` count
 the node's own links, which every group's ranks share. Presets keep their links per node
 (H100's two links, L20's NUMA link): a CP group of 4 on an H100 node with TP 2 gets half of
