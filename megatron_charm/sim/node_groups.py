@@ -17,9 +17,9 @@ the same layer at the same time, so their transfers meet on every link that is n
 With ``g`` groups a link that is not a GPU's own carries ``g`` flows where one group's replay
 sees one, so each of its flows gets ``1 / g`` of the link: the replay divides the link's rate
 by ``g``. A fixed cost that is time on the link (``cross_lat_on_link``, H20) is paid by every
-group's transfer in turn, so it grows ``g`` times. This is the bandwidth-bound bound: the
-groups are in lockstep, as data-parallel replicas and TP ranks of one layer are; on a link that
-one group leaves idle part of the time the others use less of it.
+group's transfer in turn, so it grows ``g`` times. This is the pessimistic case, the groups'
+transfers all at once, as data-parallel replicas and the TP ranks of one layer run in lockstep;
+where they do not all overlap, each group gets more than ``1 / g`` of the link.
 
 On a CPU testbed profile, whose ranks share one host's cores (``shared_slots``), the other
 groups' blocks would share those cores too; the replay does not add them, so there the count
