@@ -392,8 +392,9 @@ def _a2a_links(args: argparse.Namespace, topo: Topology) -> Topology | None:
         return None
     if _links_overridden(args):
         return None
-    links = PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
-    return shared_by(links, groups_per_node(args))
+    # one NIC per GPU: not shared with the other CP groups on the node (Note [Groups sharing a
+    # node]), so --tp and --groups-per-node leave these links as they are
+    return PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
 
 
 def _paper_prediction(

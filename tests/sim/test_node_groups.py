@@ -149,3 +149,16 @@ def test_auto_chooses_on_the_links_its_groups_leave_it() -> None:
     # predicts slower; a choice cached for one count is not reused for the other
     for method, seconds in alone.predicted_s.items():
         assert shared.predicted_s[method] > seconds, method
+
+
+def test_cli_leaves_the_all_to_alls_nic_per_gpu_unshared(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--preset", "H100", "--gpus", "2x8", "--seq", "26880", "--head-dim", "192"]
+    argv += ["--methods", "ring,tasp"]
+    lines = []
+    for extra in (["--heads", "12"], ["--heads", "24", "--tp", "2"]):
+        assert main([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        lines.append(next(x for x in out.splitlines() if x.startswith("tasp: its all-to-all")))
+    assert lines[0] == lines[1] and "20.4 GB/s each" in lines[0]
