@@ -32,7 +32,6 @@ from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, fit_profile
 from megatron_charm.sim.repeats import (
     COMBINE,
-    RUN_LABELS,
     pick_repeat,
     pool_runs,
     repeat_summary,
@@ -216,7 +215,7 @@ def combine_runs(raw: dict, combine: str, fabric: str) -> tuple[Profile, dict]:
     it was fitted on: one run fitted as it is; several combined by ``combine`` (Note [Repeated
     calibrations]), their spread in ``fit_error["repeat"]``, a summary of each run in
     ``provenance["repeats"]``."""
-    runs = [{k: v for k, v in r.items() if k not in RUN_LABELS} for r in split_runs(raw)]
+    runs = split_runs(raw, labels=False)
     if len(runs) == 1:
         return fit_profile(runs[0], fabric=fabric), runs[0]
     if combine not in COMBINE:

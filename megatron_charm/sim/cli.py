@@ -169,17 +169,16 @@ def groups_per_node(args: argparse.Namespace) -> int:
     return args.groups_per_node if args.groups_per_node is not None else args.tp
 
 
-def sharing_line(args: argparse.Namespace) -> str | None:
-    """What ``--tp`` and ``--groups-per-node`` changed, for the output; ``None`` when neither
-    did."""
+def sharing_line(args: argparse.Namespace, problem: Problem) -> str | None:
+    """What ``--tp`` and ``--groups-per-node`` changed, for the output (``problem``: per CP
+    rank, as :func:`_resolve` built it); ``None`` when neither did."""
     groups = groups_per_node(args)
     if args.tp == 1 and groups == 1:
         return None
     kv = args.kv_heads if args.kv_heads is not None else args.heads
-    heads, kv_heads = per_rank_heads(args.heads, kv, args.tp)
     return (
-        f"tensor parallel {args.tp}: each CP rank holds {heads} of {args.heads} query heads and "
-        f"{kv_heads} of {kv} kv heads; {groups} CP group(s) per node share "
+        f"tensor parallel {args.tp}: each CP rank holds {problem.heads} of {args.heads} query "
+        f"heads and {problem.kv_heads} of {kv} kv heads; {groups} CP group(s) per node share "
         "its links: cross links that are not one per GPU, and a PCIe root complex, at "
         f"1/{groups} of their rate (Note [Groups sharing a node])"
     )
@@ -495,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2
-    shared = sharing_line(args)
+    shared = sharing_line(args, problem)
     source = args.megatron_line
     totals = {m: mp.total for m, mp in pred.methods.items()}
     current = against_current(args.megatron_types, totals, lead)

@@ -46,12 +46,13 @@ COMBINE = ("pool", "median-run")
 RUN_LABELS = ("date", "host", "command", "launcher", "repeats")
 
 
-def split_runs(raw: dict) -> list[dict]:
-    """Every run of a raw file (rank 0's samples, later runs under ``"repeats"``), each with the
-    file's labels (date, host, command, launcher) and without ``"repeats"``."""
-    labels = {k: raw[k] for k in RUN_LABELS if k in raw and k != "repeats"}
+def split_runs(raw: dict, labels: bool = True) -> list[dict]:
+    """Every run of a raw file (rank 0's samples, later runs under ``"repeats"``), without
+    ``"repeats"``; each with the file's labels (date, host, command, launcher) where ``labels``,
+    else its samples alone."""
+    keep = {k: raw[k] for k in RUN_LABELS if labels and k in raw and k != "repeats"}
     runs = [raw, *raw.get("repeats", [])]
-    return [{**{k: v for k, v in r.items() if k != "repeats"}, **labels} for r in runs]
+    return [{**{k: v for k, v in r.items() if k not in RUN_LABELS}, **keep} for r in runs]
 
 
 #: Integer samples that each run chooses from its own timings, so runs may differ in them: the

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_charm.sim.calibrate import combine_runs
 from megatron_charm.sim.profile import fit_profile
-from megatron_charm.sim.repeats import pick_repeat, pool_runs, repeat_summary
+from megatron_charm.sim.repeats import pick_repeat, pool_runs, repeat_summary, split_runs
 from tests.sim.test_profile import _raw
 
 
@@ -104,6 +104,19 @@ def test_combine_fits_the_pooled_samples_and_states_the_runs_spread() -> None:
     assert "repeat" not in single.fit_error
     with pytest.raises(ValueError, match="--combine 'mean'"):
         combine_runs(raw, "mean", "nvlink")
+
+
+def test_split_runs_gives_each_run_the_files_labels_or_none() -> None:
+    runs = [_run(1.0), _run(1.3)]
+    raw = dict(copy.deepcopy(runs[0]), repeats=copy.deepcopy(runs[1:]), date="D", host={"x": 1})
+    labelled = split_runs(raw)
+    # each run as measured, with the file's labels (what --from-raw --run N reads)
+    assert [r["kernel"] for r in labelled] == [r["kernel"] for r in runs]
+    assert all(r["date"] == "D" and r["host"] == {"x": 1} for r in labelled)
+    assert all("repeats" not in r for r in labelled)
+    # samples alone (what the fit pools): nothing that labels the file
+    bare = split_runs(raw, labels=False)
+    assert bare == runs
 
 
 def test_ranks_taking_turns_on_one_host_count_their_median() -> None:
