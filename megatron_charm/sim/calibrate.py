@@ -32,6 +32,7 @@ from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, fit_profile
 from megatron_charm.sim.repeats import (
     COMBINE,
+    DRIFT_WARN,
     pick_repeat,
     pool_runs,
     repeat_summary,
@@ -291,8 +292,23 @@ def describe(profile: Profile) -> str:
             f"{c.get('transport_post_s', 0) * 1e3:.3g} ms per exchange + "
             f"{c.get('transport_byte_s', 0) * 1e9:.3g} ns per byte",
             f"  largest fit residuals: {err}",
+            *drift_warning(profile),
         ]
     )
+
+
+def drift_warning(profile: Profile) -> list[str]:
+    """A warning line where the profile's blocks moved by :data:`DRIFT_WARN` or more within its
+    run (Note [A calibration's drift]); none otherwise."""
+    drift = profile.fit_error.get("drift")
+    if drift is None or drift < DRIFT_WARN:
+        return []
+    return [
+        f"  warning: the largest block's time moved by {drift:.0%} between the start and the end "
+        "of the calibration: this machine's speed moved while it was measured, and predictions "
+        "from this profile can be off by as much; calibrate again when it is quiet, or with "
+        "--repeat 3"
+    ]
 
 
 def _error(err: ValueError) -> int:
@@ -352,6 +368,7 @@ def main(argv: list[str]) -> int:
         "concurrent_cross",
         "concurrent_intra",
         "kernel_under_traffic",
+        "kernel_again",
         "one_host",
         "host_cores",
         "threads",

@@ -592,4 +592,23 @@ def _measure(cfg: dict, device: torch.device, topo) -> dict:
         raw["kernel_under_traffic"] = time_kernels_under_traffic(
             cfg, device, topo.global_ranks, m, p, largest, raw
         )
+    raw["kernel_again"] = time_largest_again(cfg, device, raw["kernel"])
     return raw
+
+
+def time_largest_again(cfg: dict, device: torch.device, kernel: list[dict]) -> dict:
+    """The largest block of ``kernel`` (the run's first timings) timed again at the run's end,
+    alone, as :func:`time_kernels` timed it: how far the host's speed moved during the run (Note
+    [A calibration's drift] in :mod:`megatron_charm.sim.repeats`)."""
+    largest = max(kernel, key=lambda k: (k["tokens"], k["heads"]))
+    fwd_call, bwd_call = _block_calls(cfg, device, largest["tokens"], 0, heads=largest["heads"])
+    dist.barrier()
+    fwd = _timed(fwd_call, cfg, device)
+    dist.barrier()
+    bwd = _timed(bwd_call, cfg, device)
+    return {
+        "tokens": largest["tokens"],
+        "heads": largest["heads"],
+        "fwd_s": _across_ranks(fwd, cfg)[0],
+        "bwd_s": _across_ranks(bwd, cfg)[0],
+    }

@@ -46,7 +46,9 @@ than a delay does at the link count the large timing gives (``cross_sharing``;
 ``cross_lat_on_link``; calibrations before 2026-12-05 have no small timing: a delay). The
 largest relative
 residual of each fit is kept in the profile (``fit_error``): it is how far the model is known to
-miss its own measurements, and predictions made with the profile quote it.
+miss its own measurements, and predictions made with the profile quote it. So is how far the
+largest block's time moved between the run's start and end (``drift``, Note [A calibration's
+drift] in megatron_charm/sim/repeats.py).
 
 ``calibrate --repeat N`` measures ``N`` times and fits the median run, or the median of each
 timing (Note [Repeated calibrations] in megatron_charm/sim/repeats.py).
@@ -72,6 +74,7 @@ from megatron_charm.sim.compute import (
     kernel_flops,
 )
 from megatron_charm.sim.in_pass import fit_in_pass
+from megatron_charm.sim.repeats import speed_drift
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
 
 FORMAT = "megatron-charm-profile/1"
@@ -699,6 +702,9 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         enqueue=enqueue_work(raw),
         sms=sms,
     )
+    drift = speed_drift(raw)  # Note [A calibration's drift]
+    if drift is not None:
+        err["drift"] = drift
     passes = raw.get("blocks_in_passes")
     if passes and raw.get("device") != "cuda":  # Note [Blocks in a pass]
         widest = max(ks, key=lambda k: k["heads"])

@@ -32,6 +32,19 @@ Either way each run's own fit predicts ring's and charm's forward and backward a
 calibration's own layout and largest block, and the largest relative difference of any run's
 prediction from the profile's joins ``fit_error`` as ``repeat`` (what a prediction moves by from
 one calibration to the next, where a raw timing's noise may not matter at all).
+
+Note [A calibration's drift]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+One run takes minutes, and the host's speed can move within them as it does between runs. Each
+run times its largest block once more at its end, alone and as it timed it first
+(``kernel_again``; every rank in turn on one host). :func:`speed_drift` compares the two, forward
+and backward: ``max(a / b, b / a) - 1`` of the larger. It joins ``fit_error`` as ``drift``, so the
+profile's known error and ``advise``'s ``fits:`` line (which replays the blocks that much faster
+and slower, Note [What a fit's error moves]) count it, and ``calibrate`` warns at
+:data:`DRIFT_WARN` or more: the machine did not hold still while it was measured, and
+predictions from the profile can be off by as much. A run that drifts little can still sit in a
+slow or fast hour; only runs at other times (``--repeat``, or a calibration next to the runs it
+predicts) show that.
 """
 
 from __future__ import annotations
@@ -53,6 +66,30 @@ def split_runs(raw: dict, labels: bool = True) -> list[dict]:
     keep = {k: raw[k] for k in RUN_LABELS if labels and k in raw and k != "repeats"}
     runs = [raw, *raw.get("repeats", [])]
     return [{**{k: v for k, v in r.items() if k not in RUN_LABELS}, **keep} for r in runs]
+
+
+#: ``fit_error["drift"]`` at which ``calibrate`` warns (Note [A calibration's drift]).
+DRIFT_WARN = 0.10
+
+
+def speed_drift(raw: dict) -> float | None:
+    """How far the largest block's time moved within one run (``raw``: its samples): ``max(a / b,
+    b / a) - 1`` of its forward and backward timings at the run's start (``kernel``) and end
+    (``kernel_again``), the larger; ``None`` for samples taken before 2026-12-06, which have no
+    second timing (Note [A calibration's drift])."""
+    again = raw.get("kernel_again")
+    if not again:
+        return None
+    shape = (again["tokens"], again["heads"])
+    first = [k for k in raw["kernel"] if (k["tokens"], k["heads"]) == shape]
+    if len(first) != 1:
+        raise ValueError(
+            f"kernel_again times a block of {again['tokens']} tokens and {again['heads']} heads "
+            "that the samples' kernel timings do not hold once; rerun megatron-charm-sim calibrate"
+        )
+    return max(
+        max(again[t] / first[0][t], first[0][t] / again[t]) - 1.0 for t in ("fwd_s", "bwd_s")
+    )
 
 
 #: Integer samples that each run chooses from its own timings, so runs may differ in them: the

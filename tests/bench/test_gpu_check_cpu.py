@@ -61,6 +61,7 @@ def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     cal = report["checks"]["calibrate"]
     assert cal["ran"] and cal["auto_picks"] in METHODS and cal["forward_tflops"] > 0
     assert {"compute", "fit_error", "provenance"} <= set(cal["profile_keys"])
+    assert "drift" in cal["profile"]  # the run's drift, in its description
     assert cal["host"]["cores"] == os.cpu_count() and cal["host"]["gpu"] is None
 
     over = report["checks"]["overlap"]["breakdown"]
@@ -188,6 +189,8 @@ def test_calibrate_check_fails_on_a_bad_profile(monkeypatch):
     assert cc._problems(good) == []
     problems = cc._problems(replace(good, fit_error={"kernel_fwd": 1.5, "cross": 0.1}))
     assert problems == ["fit of kernel_fwd misses its samples by 150% (> 100%)"]
+    # a machine whose speed moved during the run is reported, not a failed fit
+    assert cc._problems(replace(good, fit_error={"drift": 1.5, "cross": 0.1})) == []
 
     def no_fit(raw, fabric="nvlink"):
         raise ValueError("fitted rates must be > 0")

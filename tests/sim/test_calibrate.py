@@ -29,7 +29,7 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert "cross links per node" in done.stdout
     prof = load_profile(str(out))
     assert prof.measured and prof.gpus == "2x2"
-    want = {"kernel_fwd", "kernel_bwd", "intra", "cross", "host_cpu", "blocks_in_pass"}
+    want = {"kernel_fwd", "kernel_bwd", "intra", "cross", "host_cpu", "blocks_in_pass", "drift"}
     assert set(prof.fit_error) == want
     assert prof.provenance["command"].startswith("megatron-charm-sim calibrate --launcher")
     assert prof.provenance["host"]["cores"] == os.cpu_count()  # the machine it describes
@@ -43,6 +43,9 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     small = samples["concurrent_cross"]["small"]
     assert small["flows"] == 2 and small["bytes"] == 4096 and small["s"] > 0
     assert all(k["fwd_s"] > 0 and k["bwd_s"] > 0 for k in samples["kernel"])
+    # the largest block timed again at the run's end (Note [A calibration's drift])
+    again = samples["kernel_again"]
+    assert (again["tokens"], again["heads"]) == (128, 2) and min(again["fwd_s"], again["bwd_s"]) > 0
     # the ranks took turns on this host: each rank's timing kept, their median counts
     for k in samples["kernel"]:
         for name in ("fwd", "bwd", "fwd_masked", "bwd_masked"):
@@ -113,6 +116,7 @@ def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path)
         "intra",
         "host_cpu",
         "blocks_in_pass",
+        "drift",
         "repeat",
     }
     assert all(0 <= e < math.inf for e in prof.fit_error.values())

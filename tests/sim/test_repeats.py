@@ -9,7 +9,14 @@ import pytest
 
 from megatron_charm.sim.calibrate import combine_runs
 from megatron_charm.sim.profile import fit_profile
-from megatron_charm.sim.repeats import pick_repeat, pool_runs, repeat_summary, split_runs
+from megatron_charm.sim.repeats import (
+    DRIFT_WARN,
+    pick_repeat,
+    pool_runs,
+    repeat_summary,
+    speed_drift,
+    split_runs,
+)
 from tests.sim.test_profile import _raw
 
 
@@ -117,6 +124,45 @@ def test_split_runs_gives_each_run_the_files_labels_or_none() -> None:
     # samples alone (what the fit pools): nothing that labels the file
     bare = split_runs(raw, labels=False)
     assert bare == runs
+
+
+def _again(raw: dict, fwd: float, bwd: float) -> dict:
+    """``raw`` with its largest block timed again at the end, ``fwd`` / ``bwd`` times the first."""
+    first = max(raw["kernel"], key=lambda k: (k["tokens"], k["heads"]))
+    again = {"tokens": first["tokens"], "heads": first["heads"]}
+    again.update(fwd_s=first["fwd_s"] * fwd, bwd_s=first["bwd_s"] * bwd)
+    return {**raw, "kernel_again": again}
+
+
+def test_drift_is_how_far_the_largest_block_moved_within_the_run() -> None:
+    # Note [A calibration's drift]: the larger of forward and backward, slower or faster alike
+    assert speed_drift(_run(1.0)) is None  # samples from before the second timing
+    assert speed_drift(_again(_run(1.0), 1.0, 1.0)) == pytest.approx(0.0)
+    assert speed_drift(_again(_run(1.0), 1.15, 1.05)) == pytest.approx(0.15)
+    assert speed_drift(_again(_run(1.0), 1.0, 1 / 1.25)) == pytest.approx(0.25)
+    # it joins the profile's fit errors, and so its known error
+    prof = fit_profile(_again(_run(1.0), 1.3, 1.0))
+    assert prof.fit_error["drift"] == pytest.approx(0.3)
+    assert prof.known_error >= 0.3
+    assert "drift" not in fit_profile(_run(1.0)).fit_error
+    # a second timing of a block the run never timed: the samples are broken
+    broken = _again(_run(1.0), 1.0, 1.0)
+    broken["kernel_again"]["tokens"] = 3
+    with pytest.raises(ValueError, match="3 tokens"):
+        speed_drift(broken)
+    # pooled runs keep it, as the median of the runs' second timings
+    runs = [_again(_run(1.0), f, 1.0) for f in (1.0, 1.3, 1.1)]
+    assert speed_drift(pool_runs(copy.deepcopy(runs))) == pytest.approx(0.1)
+
+
+def test_calibrate_warns_of_a_drifting_machine() -> None:
+    from megatron_charm.sim.calibrate import describe
+
+    moved = describe(fit_profile(_again(_run(1.0), 1.0 + DRIFT_WARN, 1.0)))
+    assert "warning: the largest block's time moved by 10%" in moved
+    assert "calibrate again when it is quiet" in moved
+    still = describe(fit_profile(_again(_run(1.0), 1.0 + DRIFT_WARN / 2, 1.0)))
+    assert "warning" not in still and "drift 5%" in still
 
 
 def test_ranks_taking_turns_on_one_host_count_their_median() -> None:

@@ -219,6 +219,12 @@ def test_a_fit_is_scaled_where_it_prices() -> None:
         assert in_pass.block_time(block, shape, backward) == pytest.approx(
             1.5 * fitted.block_time(block, shape, backward), rel=1e-12
         )
+    # so does the host's speed moving during the calibration (Note [A calibration's drift])
+    drift, _ = scaled_fit("drift", 1.2, fitted, topo)
+    for backward in (False, True):
+        assert drift.block_time(block, shape, backward) == pytest.approx(
+            1.2 * fitted.block_time(block, shape, backward), rel=1e-12
+        )
     host, _ = scaled_fit("host_cpu", 2.0, fitted, topo)
     assert host.host_work() == pytest.approx((0.0, 2e-3))
     kept, links = scaled_fit("cross", 2.0, fitted, topo)

@@ -55,11 +55,13 @@ def calibrate_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict
 
 
 def _problems(profile) -> list[str]:
-    """What a valid profile can still get wrong: fits that miss their own samples."""
+    """What a valid profile can still get wrong: fits that miss their own samples. The
+    machine's speed moving during the run (``drift``, Note [A calibration's drift]) is no fit:
+    the report shows it, and it fails nothing."""
     return [
         f"fit of {k} misses its samples by {v:.0%} (> {MAX_FIT_ERROR:.0%})"
         for k, v in profile.fit_error.items()
-        if not v <= MAX_FIT_ERROR
+        if k != "drift" and not v <= MAX_FIT_ERROR
     ]
 
 
