@@ -36,6 +36,7 @@ from megatron_charm.sim.repeats import (
     pick_repeat,
     pool_runs,
     repeat_summary,
+    speed_drift,
     split_runs,
 )
 from megatron_charm.sim.topology import FABRICS, parse_gpus
@@ -232,9 +233,16 @@ def combine_runs(raw: dict, combine: str, fabric: str) -> tuple[Profile, dict]:
     summary = repeat_summary(runs, keep)
     for row, t in zip(summary, times, strict=True):
         row["predicted_s"] = t
+    # Note [A calibration's drift]: the machine moved as much as its least steady run saw
+    drifts = [speed_drift(r) for r in runs]
+    known = [d for d in drifts if d is not None]
+    moved = {"drift": max(known)} if known else {}
+    for row, d in zip(summary, drifts, strict=True):
+        if d is not None:
+            row["drift"] = d
     profile = replace(
         profile,
-        fit_error={**profile.fit_error, "repeat": spread},
+        fit_error={**profile.fit_error, **moved, "repeat": spread},
         provenance={**profile.provenance, "repeats": summary, "combine": combine},
     )
     return profile, samples

@@ -44,7 +44,8 @@ and slower, Note [What a fit's error moves]) count it, and ``calibrate`` warns a
 :data:`DRIFT_WARN` or more: the machine did not hold still while it was measured, and
 predictions from the profile can be off by as much. A run that drifts little can still sit in a
 slow or fast hour; only runs at other times (``--repeat``, or a calibration next to the runs it
-predicts) show that.
+predicts) show that. With ``--repeat`` the profile's ``drift`` is the largest of its runs', and
+``provenance.repeats`` lists each run's.
 """
 
 from __future__ import annotations

@@ -153,6 +153,17 @@ def test_drift_is_how_far_the_largest_block_moved_within_the_run() -> None:
     # pooled runs keep it, as the median of the runs' second timings
     runs = [_again(_run(1.0), f, 1.0) for f in (1.0, 1.3, 1.1)]
     assert speed_drift(pool_runs(copy.deepcopy(runs))) == pytest.approx(0.1)
+    # a calibration of several runs moved as much as its least steady run, kept or pooled: here
+    # the run that moved 30% is neither the median run nor what the pool's timings give (18%)
+    runs = [_again(_run(1.0), 1.3, 1.0), _again(_run(1.3), 1.0, 1.0), _again(_run(1.1), 1.0, 1.0)]
+    raw = dict(copy.deepcopy(runs[0]), repeats=copy.deepcopy(runs[1:]))
+    assert speed_drift(runs[pick_repeat(runs)]) == 0.0
+    assert speed_drift(pool_runs(copy.deepcopy(runs))) == pytest.approx(1.3 / 1.1 - 1.0)
+    for how in ("median-run", "pool"):
+        profile, _ = combine_runs(raw, how, "nvlink")
+        assert profile.fit_error["drift"] == pytest.approx(0.3)
+        rows = profile.provenance["repeats"]
+        assert [r["drift"] for r in rows] == pytest.approx([0.3, 0.0, 0.0])
 
 
 def test_calibrate_warns_of_a_drifting_machine() -> None:
