@@ -33,6 +33,7 @@ from megatron_charm.sim.profile import Profile, fit_profile
 from megatron_charm.sim.repeats import (
     COMBINE,
     DRIFT_WARN,
+    REPEAT_WARN,
     pick_repeat,
     pool_runs,
     repeat_summary,
@@ -300,23 +301,33 @@ def describe(profile: Profile) -> str:
             f"{c.get('transport_post_s', 0) * 1e3:.3g} ms per exchange + "
             f"{c.get('transport_byte_s', 0) * 1e9:.3g} ns per byte",
             f"  largest fit residuals: {err}",
-            *drift_warning(profile),
+            *stability_warnings(profile),
         ]
     )
 
 
-def drift_warning(profile: Profile) -> list[str]:
-    """A warning line where the profile's blocks moved by :data:`DRIFT_WARN` or more within its
-    run (Note [A calibration's drift]); none otherwise."""
+def stability_warnings(profile: Profile) -> list[str]:
+    """A warning line for each sign that the machine's speed moved while it was calibrated: the
+    largest block moving by :data:`DRIFT_WARN` or more within a run (Note [A calibration's
+    drift]), the runs' own profiles predicting :data:`REPEAT_WARN` or more apart (Note [Repeated
+    calibrations]); none otherwise."""
+    out = []
     drift = profile.fit_error.get("drift")
-    if drift is None or drift < DRIFT_WARN:
-        return []
-    return [
-        f"  warning: the largest block's time moved by {drift:.0%} between the start and the end "
-        "of the calibration: this machine's speed moved while it was measured, and predictions "
-        "from this profile can be off by as much; calibrate again when it is quiet, or with "
-        "--repeat 3"
-    ]
+    if drift is not None and drift >= DRIFT_WARN:
+        out.append(
+            f"  warning: the largest block's time moved by {drift:.0%} between the start and the "
+            "end of a run: this machine's speed moved while it was measured, and predictions "
+            "from this profile can be off by as much; calibrate again when it is quiet, or with "
+            "--repeat 3"
+        )
+    repeat = profile.fit_error.get("repeat")
+    if repeat is not None and repeat >= REPEAT_WARN:
+        out.append(
+            f"  warning: the runs' own profiles predict up to {repeat:.0%} apart: this machine's "
+            "speed moved between the runs, and predictions from this profile can be off by as "
+            "much; calibrate again when it is quiet"
+        )
+    return out
 
 
 def _error(err: ValueError) -> int:

@@ -31,7 +31,12 @@ and the passes from another. So the default stays the median run.
 Either way each run's own fit predicts ring's and charm's forward and backward at the
 calibration's own layout and largest block, and the largest relative difference of any run's
 prediction from the profile's joins ``fit_error`` as ``repeat`` (what a prediction moves by from
-one calibration to the next, where a raw timing's noise may not matter at all).
+one calibration to the next, where a raw timing's noise may not matter at all). ``calibrate``
+warns at :data:`REPEAT_WARN` or more. On the testbed the ten profiles of 2026-12-06 predicted
+that day's five sweeps (docs/results/calibrated-2x2.md, "One quiet profile against the day's
+sweeps"): those with a ``repeat`` of 5% put 174-195 of each sweep's 196 times within +-20%, the
+one at 11% 162-185, and those at 21-25% 85-190, three of the four far worse than the rest (two
+of those three fitted the slowest rank's block timings, the rule until that morning).
 
 Note [A calibration's drift]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -71,6 +76,9 @@ def split_runs(raw: dict, labels: bool = True) -> list[dict]:
 
 #: ``fit_error["drift"]`` at which ``calibrate`` warns (Note [A calibration's drift]).
 DRIFT_WARN = 0.10
+
+#: ``fit_error["repeat"]`` at which ``calibrate`` warns (Note [Repeated calibrations]).
+REPEAT_WARN = 0.10
 
 
 def speed_drift(raw: dict) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,7 @@ from megatron_charm.sim.calibrate import combine_runs
 from megatron_charm.sim.profile import fit_profile
 from megatron_charm.sim.repeats import (
     DRIFT_WARN,
+    REPEAT_WARN,
     pick_repeat,
     pool_runs,
     repeat_summary,
@@ -174,6 +176,12 @@ def test_calibrate_warns_of_a_drifting_machine() -> None:
     assert "calibrate again when it is quiet" in moved
     still = describe(fit_profile(_again(_run(1.0), 1.0 + DRIFT_WARN / 2, 1.0)))
     assert "warning" not in still and "drift 5%" in still
+    # and of runs whose own profiles disagree (Note [Repeated calibrations])
+    steady = fit_profile(_run(1.0))
+    apart = replace(steady, fit_error={**steady.fit_error, "repeat": REPEAT_WARN})
+    assert "warning: the runs' own profiles predict up to 10% apart" in describe(apart)
+    close = replace(steady, fit_error={**steady.fit_error, "repeat": REPEAT_WARN / 2})
+    assert "warning" not in describe(close)
 
 
 def test_ranks_taking_turns_on_one_host_count_their_median() -> None:
