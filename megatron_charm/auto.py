@@ -103,6 +103,22 @@ def _warn_other_gpu(prof: Profile) -> None:
         )
 
 
+def _warn_unsteady(prof: Profile) -> None:
+    """Log once per profile when the machine's speed moved while ``prof`` was calibrated (Note
+    [A calibration's drift], Note [Repeated calibrations]): its choices can be off by as much."""
+    from megatron_charm.sim.repeats import unsteady
+
+    reasons = unsteady(prof.fit_error) if prof.measured else []
+    if reasons and (prof.name, "unsteady") not in _WARNED:
+        _WARNED.add((prof.name, "unsteady"))
+        log.warning(
+            "megatron-charm: cp method auto: profile %r: %s; its choices can be off by as much. "
+            "Run `megatron-charm-sim calibrate --repeat 3` again when the cluster is quiet",
+            prof.name,
+            "; ".join(reasons),
+        )
+
+
 def choose_method(
     profile: Profile | str,
     layout: Layout,
@@ -139,6 +155,7 @@ def choose_method(
         return hit[1]
     prof = load_profile(profile)
     _warn_other_gpu(prof)
+    _warn_unsteady(prof)
     m, p = layout.num_nodes, layout.ranks_per_node
     problem = Problem(
         shape.b, shape.s_local * m * p, shape.h, shape.d, shape.h_kv, causal, shape.itemsize

@@ -32,13 +32,12 @@ from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, fit_profile
 from megatron_charm.sim.repeats import (
     COMBINE,
-    DRIFT_WARN,
-    REPEAT_WARN,
     pick_repeat,
     pool_runs,
     repeat_summary,
     speed_drift,
     split_runs,
+    unsteady,
 )
 from megatron_charm.sim.topology import FABRICS, parse_gpus
 
@@ -307,27 +306,13 @@ def describe(profile: Profile) -> str:
 
 
 def stability_warnings(profile: Profile) -> list[str]:
-    """A warning line for each sign that the machine's speed moved while it was calibrated: the
-    largest block moving by :data:`DRIFT_WARN` or more within a run (Note [A calibration's
-    drift]), the runs' own profiles predicting :data:`REPEAT_WARN` or more apart (Note [Repeated
-    calibrations]); none otherwise."""
-    out = []
-    drift = profile.fit_error.get("drift")
-    if drift is not None and drift >= DRIFT_WARN:
-        out.append(
-            f"  warning: the largest block's time moved by {drift:.0%} between the start and the "
-            "end of a run: this machine's speed moved while it was measured, and predictions "
-            "from this profile can be off by as much; calibrate again when it is quiet, or with "
-            "--repeat 3"
-        )
-    repeat = profile.fit_error.get("repeat")
-    if repeat is not None and repeat >= REPEAT_WARN:
-        out.append(
-            f"  warning: the runs' own profiles predict up to {repeat:.0%} apart: this machine's "
-            "speed moved between the runs, and predictions from this profile can be off by as "
-            "much; calibrate again when it is quiet"
-        )
-    return out
+    """A warning line for each sign that the machine's speed moved while it was calibrated
+    (:func:`~megatron_charm.sim.repeats.unsteady`); none otherwise."""
+    return [
+        f"  warning: {why}; predictions from this profile can be off by as much; calibrate "
+        "again when it is quiet"
+        for why in unsteady(profile.fit_error)
+    ]
 
 
 def _error(err: ValueError) -> int:

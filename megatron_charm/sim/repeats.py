@@ -101,6 +101,27 @@ def speed_drift(raw: dict) -> float | None:
     )
 
 
+def unsteady(fit_error: dict[str, float]) -> list[str]:
+    """Why a profile with these fit errors may not describe its machine: each sign that the
+    machine's speed moved while it was calibrated (``drift`` of :data:`DRIFT_WARN` or more, Note
+    [A calibration's drift]; ``repeat`` of :data:`REPEAT_WARN` or more, Note [Repeated
+    calibrations]), as a clause; none where it held still."""
+    out = []
+    drift = fit_error.get("drift")
+    if drift is not None and drift >= DRIFT_WARN:
+        out.append(
+            f"the largest block's time moved by {drift:.0%} between the start and the end of a "
+            "run: the machine's speed moved while it was measured"
+        )
+    repeat = fit_error.get("repeat")
+    if repeat is not None and repeat >= REPEAT_WARN:
+        out.append(
+            f"the runs' own profiles predict up to {repeat:.0%} apart: the machine's speed moved "
+            "between the runs"
+        )
+    return out
+
+
 #: Integer samples that each run chooses from its own timings, so runs may differ in them: the
 #: messages streamed while the blocks are timed under traffic (sized from the run's link).
 CHOSEN_COUNTS = ("messages",)

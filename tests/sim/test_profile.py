@@ -275,6 +275,29 @@ def test_auto_warns_once_when_the_profile_was_calibrated_on_another_gpu(
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
+def test_auto_warns_once_of_a_profile_calibrated_on_a_moving_machine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Note [Repeated calibrations], Note [A calibration's drift]: runs that predict 21% apart
+    from dataclasses import replace
+
+    prof = fit_profile(_raw())
+    moving = replace(prof, name="moving", fit_error={**prof.fit_error, "repeat": 0.21})
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(moving, Layout(2, 2), SHAPE, True)
+        choose_method(moving, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
+    assert "profile 'moving': the runs' own profiles predict up to 21% apart" in warned[0]
+    assert "calibrate --repeat 3` again" in warned[0]
+    caplog.clear()
+    steady = replace(prof, name="steady", fit_error={**prof.fit_error, "repeat": 0.05})
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(steady, Layout(2, 2), SHAPE, True)
+        choose_method("H100", Layout(2, 2), SHAPE, True)  # a preset: nothing measured
+    assert not [r for r in caplog.records if "speed moved" in r.getMessage()]
+
+
 def test_auto_names_a_missing_profile() -> None:
     with pytest.raises(ValueError, match="megatron-charm-sim calibrate"):
         choose_method("no-such-profile.json", Layout(2, 2), SHAPE, True)
