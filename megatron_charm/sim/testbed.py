@@ -84,6 +84,7 @@ from megatron_charm.plan.types import Kind, Layout, Part, Payload, Wire
 from megatron_charm.sim.compute import CalibratedCompute, ComputeModel
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, load_profile
+from megatron_charm.sim.repeats import unsteady
 from megatron_charm.sim.topology import Topology, parse_gpus
 from megatron_charm.testbed.config import parse_rate
 
@@ -509,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             f"on the profile's, {hosts['differ']} on another, {hosts['not recorded']} not "
             "recorded."
         )
+        moved = unsteady(kw["profile"].fit_error) if kw["profile"].measured else []
+        if moved:  # Note [A calibration's drift], Note [Repeated calibrations]
+            head += f" The profile's own calibration says: {'; '.join(moved)}."
     head += " " + error_summary(every)
     if spreads:
         head += (

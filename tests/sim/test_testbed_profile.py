@@ -119,6 +119,16 @@ def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys
     assert "1 of the results on the profile's, 1 on another, 1 not recorded" in out
     assert out.count("Measured on another host than the profile's") == 1
     assert "(isa: ['avx2', 'avx512_bf16'] vs ['avx2'])" in out
+    assert "calibration says" not in out  # a profile calibrated on a steady machine
+    # one whose runs predicted 21% apart: the header says so (Note [Repeated calibrations])
+    moved = json.loads(profile.read_text())
+    moved["fit_error"]["repeat"] = 0.21
+    profile.write_text(json.dumps(moved))
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert (
+        "The profile's own calibration says: the runs' own profiles predict up to 21% apart" in out
+    )
 
 
 def test_runs_of_one_point_from_another_host_are_marked_once(tmp_path, capsys):
