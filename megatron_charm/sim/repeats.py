@@ -32,9 +32,9 @@ Either way each run's own fit predicts ring's and charm's forward and backward a
 calibration's own layout and largest block, and the largest relative difference of any run's
 prediction from the profile's joins ``fit_error`` as ``repeat`` (what a prediction moves by from
 one calibration to the next, where a raw timing's noise may not matter at all). ``calibrate``
-warns at :data:`REPEAT_WARN` or more. On the testbed the ten profiles of 2026-12-06 predicted
-that day's five sweeps (docs/results/calibrated-2x2.md, "One quiet profile against the day's
-sweeps"): those with a ``repeat`` of 5% put 174-195 of each sweep's 196 times within +-20%, the
+warns at :data:`REPEAT_WARN` or more. On the testbed the eleven profiles of 2026-12-06 predicted
+that day's five sweeps (docs/results/calibrated-2x2.md, "Quiet profiles against the day's
+sweeps"): those with a ``repeat`` of 4-5% put 174-195 of each sweep's 196 times within +-20%, the
 one at 11% 162-185, and those at 21-25% 85-190, three of the four far worse than the rest (two
 of those three fitted the slowest rank's block timings, the rule until that morning).
 
