@@ -149,15 +149,24 @@ def time_kernels(cfg: dict, device: torch.device) -> list[dict]:
             "tokens": tokens,
         }
         for causal, tag in ((False, ""), (True, "_masked")):
-            fwd_call, bwd_call = _block_calls(cfg, device, tokens, 0, causal, heads)
-            dist.barrier()
-            fwd = _timed(fwd_call, cfg, device)
-            dist.barrier()
-            bwd = _timed(bwd_call, cfg, device)
-            for name, value in ((f"fwd{tag}", fwd), (f"bwd{tag}", bwd)):
-                sample[f"{name}_s"], sample[f"{name}_ranks_s"] = _across_ranks(value, cfg)
+            for name, (typical, ranks) in _time_block(cfg, device, tokens, heads, causal).items():
+                sample[f"{name}{tag}_s"], sample[f"{name}{tag}_ranks_s"] = typical, ranks
         samples.append(sample)
     return samples
+
+
+def _time_block(
+    cfg: dict, device: torch.device, tokens: int, heads: int, causal: bool = False
+) -> dict[str, tuple[float, list[float]]]:
+    """``{"fwd": ..., "bwd": ...}``: one ``tokens x tokens`` block's timing over the ranks and
+    each rank's (:func:`_across_ranks`), its forward and then its backward, every rank after a
+    barrier."""
+    fwd_call, bwd_call = _block_calls(cfg, device, tokens, 0, causal, heads)
+    dist.barrier()
+    fwd = _timed(fwd_call, cfg, device)
+    dist.barrier()
+    bwd = _timed(bwd_call, cfg, device)
+    return {"fwd": _across_ranks(fwd, cfg), "bwd": _across_ranks(bwd, cfg)}
 
 
 def time_merges(cfg: dict, device: torch.device) -> list[dict]:
@@ -601,14 +610,10 @@ def time_largest_again(cfg: dict, device: torch.device, kernel: list[dict]) -> d
     alone, as :func:`time_kernels` timed it: how far the host's speed moved during the run (Note
     [A calibration's drift] in :mod:`megatron_charm.sim.repeats`)."""
     largest = max(kernel, key=lambda k: (k["tokens"], k["heads"]))
-    fwd_call, bwd_call = _block_calls(cfg, device, largest["tokens"], 0, heads=largest["heads"])
-    dist.barrier()
-    fwd = _timed(fwd_call, cfg, device)
-    dist.barrier()
-    bwd = _timed(bwd_call, cfg, device)
+    timed = _time_block(cfg, device, largest["tokens"], largest["heads"])
     return {
         "tokens": largest["tokens"],
         "heads": largest["heads"],
-        "fwd_s": _across_ranks(fwd, cfg)[0],
-        "bwd_s": _across_ranks(bwd, cfg)[0],
+        "fwd_s": timed["fwd"][0],
+        "bwd_s": timed["bwd"][0],
     }

@@ -175,11 +175,10 @@ def sharing_line(args: argparse.Namespace, problem: Problem) -> str | None:
     groups = groups_per_node(args)
     if args.tp == 1 and groups == 1:
         return None
-    kv = args.kv_heads if args.kv_heads is not None else args.heads
     return (
         f"tensor parallel {args.tp}: each CP rank holds {problem.heads} of {args.heads} query "
-        f"heads and {problem.kv_heads} of {kv} kv heads; {groups} CP group(s) per node share "
-        "its links: cross links that are not one per GPU, and a PCIe root complex, at "
+        f"heads and {problem.kv_heads} of {args.kv_heads} kv heads; {groups} CP group(s) per "
+        "node share its links: cross links that are not one per GPU, and a PCIe root complex, at "
         f"1/{groups} of their rate (Note [Groups sharing a node])"
     )
 
@@ -190,9 +189,7 @@ def _resolve(
     if args.preset and args.profile:
         raise ValueError("--preset and --profile both describe the cluster; pass one of them")
     apply_problem_source(args)
-    heads, kv_heads = per_rank_heads(
-        args.heads, args.kv_heads if args.kv_heads is not None else args.heads, args.tp
-    )
+    heads, kv_heads = per_rank_heads(args.heads, args.kv_heads, args.tp)
     profile = load_profile(args.profile or args.preset) if (args.profile or args.preset) else None
     hw = PRESETS[args.preset] if args.preset else None
 

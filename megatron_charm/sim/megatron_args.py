@@ -179,7 +179,7 @@ PROBLEM_FLAGS = {
     "batch": 1,
     "seq": None,
     "heads": None,
-    "kv_heads": None,
+    "kv_heads": None,  # --heads
     "head_dim": None,
     "tp": 1,
     "dtype_bytes": 2,
@@ -205,6 +205,8 @@ def apply_problem_source(args: argparse.Namespace) -> None:
         for key, default in PROBLEM_FLAGS.items():
             if getattr(args, key) is None and default is not None:
                 setattr(args, key, default)
+        if args.kv_heads is None:  # multi-head attention
+            args.kv_heads = args.heads
         args.megatron_line, args.megatron_types = None, ()
         return
     given = [f"--{k.replace('_', '-')}" for k in PROBLEM_FLAGS if getattr(args, k) is not None]
