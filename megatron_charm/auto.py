@@ -78,28 +78,48 @@ class AutoChoice:
 
 
 _CACHE: dict[tuple, tuple[object, AutoChoice]] = {}
-_WARNED: set[tuple[str, str]] = set()
+_WARNED: set[tuple[str, object]] = set()
 
 
-def _warn_other_gpu(prof: Profile) -> None:
-    """Log once per profile and GPU when ``prof`` was calibrated on another GPU than this
-    process runs on: its kernel and link numbers describe that one. Profiles that record no
-    GPU (CPU testbeds, calibrations before the host was recorded) are not checked."""
+def _other_host(theirs: dict, ours: dict) -> list[str]:
+    """What differs between the host a profile was calibrated on and this rank's, as
+    ``"key: THEIRS vs OURS"``: a GPU profile describes its GPU alone; a CPU profile (no GPU, the
+    testbed's) describes the CPU model, its instruction sets and its cores, and no GPU."""
+    from megatron_charm.bench.provenance import host_differences
+
+    if theirs.get("gpu") or ours.get("gpu"):
+        mine, yours = theirs.get("gpu"), ours.get("gpu")
+        if mine == yours:
+            return []
+        return [f"gpu: {mine or 'none (CPU ranks)'} vs {yours or 'none (CPU ranks)'}"]
+    return host_differences(
+        {k: theirs.get(k) for k in ("cpu", "isa", "cores")},
+        {k: ours.get(k) for k in ("cpu", "isa", "cores")},
+    )
+
+
+def _warn_other_host(prof: Profile) -> None:
+    """Log once per profile and difference when ``prof`` was calibrated on another host than
+    this rank runs on: another GPU, or for a CPU profile another CPU model, instruction sets or
+    number of cores (an AMD EPYC profile of 2026-12-06 put 87 of 196 times of the same
+    testbed's sweep on an Intel Xeon with AMX within +-20%, its charm 41% too slow in the
+    median; a profile calibrated on that Xeon put 181 of them; results/calibrated-2x2.md, "A
+    third host"). Profiles that record no host (calibrated before 2026-12-04) and presets are
+    not checked."""
     from megatron_charm.bench.provenance import host
 
-    theirs = (prof.provenance.get("host") or {}).get("gpu")
-    if not theirs:
+    theirs = prof.provenance.get("host")
+    if not isinstance(theirs, dict) or not prof.measured:  # "not recorded", or a preset
         return
-    ours = host()["gpu"]
-    if ours and ours != theirs and (prof.name, ours) not in _WARNED:
-        _WARNED.add((prof.name, ours))
+    diff = _other_host(theirs, host())
+    if diff and (prof.name, tuple(diff)) not in _WARNED:
+        _WARNED.add((prof.name, tuple(diff)))
         log.warning(
-            "megatron-charm: cp method auto: profile %r was calibrated on %s, this rank runs on "
-            "%s; its predictions describe the other GPU. Run `megatron-charm-sim calibrate "
-            "--launcher env --device cuda` on this cluster and pass its profile",
+            "megatron-charm: cp method auto: profile %r was calibrated on another host (%s); its "
+            "predictions describe that one. Run `megatron-charm-sim calibrate` on this cluster "
+            "(`--launcher env --device cuda` on GPUs) and pass its profile",
             prof.name,
-            theirs,
-            ours,
+            "; ".join(diff),
         )
 
 
@@ -154,7 +174,7 @@ def choose_method(
     if hit is not None:
         return hit[1]
     prof = load_profile(profile)
-    _warn_other_gpu(prof)
+    _warn_other_host(prof)
     _warn_unsteady(prof)
     m, p = layout.num_nodes, layout.ranks_per_node
     problem = Problem(

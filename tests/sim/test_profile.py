@@ -264,15 +264,59 @@ def test_auto_warns_once_when_the_profile_was_calibrated_on_another_gpu(
         choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)  # a new shape
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1, warned
-    assert "calibrated on NVIDIA H100 80GB HBM3, this rank runs on NVIDIA H200" in warned[0]
+    assert "calibrated on another host (gpu: NVIDIA H100 80GB HBM3 vs NVIDIA H200)" in warned[0]
     caplog.clear()
-    # the same GPU, or a profile without one (a CPU testbed's): nothing to say
-    for gpu in ("NVIDIA H100 80GB HBM3", None):
-        other = replace(prof, name=f"same-{gpu}", provenance={"host": {"gpu": gpu}})
-        monkeypatch.setattr(provenance, "host", lambda: dict(here, gpu="NVIDIA H100 80GB HBM3"))
+    # the same GPU, whatever the CPU next to it: nothing to say
+    same = dict(here, cpu="y", cores=64, gpu="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(provenance, "host", lambda: same)
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(replace(prof, name="same-gpu"), Layout(2, 2), SHAPE, True)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # a CPU testbed's profile on a GPU rank describes neither its kernels nor its links
+    cpu_prof = replace(prof, name="cpu-prof", provenance={"host": dict(here, gpu=None)})
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(cpu_prof, Layout(2, 2), SHAPE, True)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert ["gpu: none (CPU ranks) vs NVIDIA H100 80GB HBM3" in w for w in warned] == [True]
+
+
+def test_auto_warns_once_when_a_cpu_profile_was_calibrated_on_another_cpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # results/calibrated-2x2.md, "A third host": an EPYC profile on a Xeon with AMX
+    from dataclasses import replace
+
+    import megatron_charm.bench.provenance as provenance
+
+    epyc = {"cpu": "AMD EPYC", "cores": 2, "isa": ["avx2"], "torch": "2.13.0", "gpu": None}
+    prof = replace(fit_profile(_raw()), name="epyc", provenance={"host": epyc})
+    xeon = dict(epyc, cpu="Intel(R) Xeon(R) Processor", isa=["avx2", "amx_bf16"], torch="2.14")
+    monkeypatch.setattr(provenance, "host", lambda: xeon)
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(prof, Layout(2, 2), SHAPE, True)
+        choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
+    assert "profile 'epyc' was calibrated on another host (cpu: AMD EPYC vs Intel" in warned[0]
+    assert "isa: ['avx2'] vs ['avx2', 'amx_bf16']" in warned[0] and "torch" not in warned[0]
+    caplog.clear()
+    # the same CPU (torch's version aside), a profile that records no host, or a preset
+    for other, here in (
+        (replace(prof, name="same-cpu"), dict(epyc, torch="2.14")),
+        (replace(prof, name="unrecorded", provenance={"host": "not recorded"}), xeon),
+        ("H100", xeon),
+    ):
+        monkeypatch.setattr(provenance, "host", lambda here=here: here)
         with caplog.at_level("WARNING", logger="megatron_charm"):
             choose_method(other, Layout(2, 2), SHAPE, True)
-        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        assert not [r for r in caplog.records if "another host" in r.getMessage()], other
+    # more cores on the same CPU model: the ranks share fewer of them there
+    monkeypatch.setattr(provenance, "host", lambda: dict(epyc, cores=16))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(replace(prof, name="epyc-16"), Layout(2, 2), SHAPE, True)
+    warned = [r.getMessage() for r in caplog.records if "another host" in r.getMessage()]
+    assert ["cores: 2 vs 16" in w for w in warned] == [True]
 
 
 def test_auto_warns_once_of_a_profile_calibrated_on_a_moving_machine(
