@@ -14,6 +14,7 @@ from megatron_charm.plan.types import Layout
 from megatron_charm.sim.cli import main
 from megatron_charm.sim.compute import FittedCompute
 from megatron_charm.sim.profile import (
+    Profile,
     block_flops_full,
     fit_line,
     fit_link,
@@ -248,6 +249,15 @@ def test_the_gloo_tiers_profiles_pick_charm_and_all_gather() -> None:
     assert fast.method == "all_gather" and "simpler" in fast.describe()
 
 
+def _warned_at_two_shapes(caplog: pytest.LogCaptureFixture, prof: Profile) -> list[str]:
+    """The WARNINGs that ``auto`` logs choosing for ``prof`` at two shapes: a profile's warning
+    comes once, not once per shape."""
+    with caplog.at_level("WARNING", logger="megatron_charm"):
+        choose_method(prof, Layout(2, 2), SHAPE, True)
+        choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_auto_warns_once_when_the_profile_was_calibrated_on_another_gpu(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -259,10 +269,7 @@ def test_auto_warns_once_when_the_profile_was_calibrated_on_another_gpu(
     prof = replace(prof, provenance={**prof.provenance, "host": {"gpu": "NVIDIA H100 80GB HBM3"}})
     here = {"cpu": "x", "cores": 2, "isa": [], "torch": "2.13.0", "gpu": "NVIDIA H200"}
     monkeypatch.setattr(provenance, "host", lambda: here)
-    with caplog.at_level("WARNING", logger="megatron_charm"):
-        choose_method(prof, Layout(2, 2), SHAPE, True)
-        choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)  # a new shape
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warned = _warned_at_two_shapes(caplog, prof)
     assert len(warned) == 1, warned
     assert "calibrated on another host (gpu: NVIDIA H100 80GB HBM3 vs NVIDIA H200)" in warned[0]
     caplog.clear()
@@ -292,10 +299,7 @@ def test_auto_warns_once_when_a_cpu_profile_was_calibrated_on_another_cpu(
     prof = replace(fit_profile(_raw()), name="epyc", provenance={"host": epyc})
     xeon = dict(epyc, cpu="Intel(R) Xeon(R) Processor", isa=["avx2", "amx_bf16"], torch="2.14")
     monkeypatch.setattr(provenance, "host", lambda: xeon)
-    with caplog.at_level("WARNING", logger="megatron_charm"):
-        choose_method(prof, Layout(2, 2), SHAPE, True)
-        choose_method(prof, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warned = _warned_at_two_shapes(caplog, prof)
     assert len(warned) == 1, warned
     assert "profile 'epyc' was calibrated on another host (cpu: AMD EPYC vs Intel" in warned[0]
     assert "isa: ['avx2'] vs ['avx2', 'amx_bf16']" in warned[0] and "torch" not in warned[0]
@@ -327,10 +331,7 @@ def test_auto_warns_once_of_a_profile_calibrated_on_a_moving_machine(
 
     prof = fit_profile(_raw())
     moving = replace(prof, name="moving", fit_error={**prof.fit_error, "repeat": 0.21})
-    with caplog.at_level("WARNING", logger="megatron_charm"):
-        choose_method(moving, Layout(2, 2), SHAPE, True)
-        choose_method(moving, Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warned = _warned_at_two_shapes(caplog, moving)
     assert len(warned) == 1, warned
     assert "profile 'moving': the runs' own profiles predict up to 21% apart" in warned[0]
     assert "calibrate --repeat 3` again" in warned[0]
