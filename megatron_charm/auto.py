@@ -81,6 +81,14 @@ _CACHE: dict[tuple, tuple[object, AutoChoice]] = {}
 _WARNED: set[tuple[str, object]] = set()
 
 
+def _warn_once(key: tuple[str, object], message: str) -> None:
+    """Log ``message`` as a WARNING the first time ``key`` (a profile's name and what is wrong
+    with it) comes up in this process: ``auto`` runs once per new shape."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("megatron-charm: cp method auto: %s", message)
+
+
 def _other_host(theirs: dict, ours: dict) -> list[str]:
     """What differs between the host a profile was calibrated on and this rank's, as
     ``"key: THEIRS vs OURS"``: a GPU profile describes its GPU alone; a CPU profile (no GPU, the
@@ -92,10 +100,7 @@ def _other_host(theirs: dict, ours: dict) -> list[str]:
         if mine == yours:
             return []
         return [f"gpu: {mine or 'none (CPU ranks)'} vs {yours or 'none (CPU ranks)'}"]
-    return host_differences(
-        {k: theirs.get(k) for k in ("cpu", "isa", "cores")},
-        {k: ours.get(k) for k in ("cpu", "isa", "cores")},
-    )
+    return host_differences(theirs, ours, keys=("cpu", "isa", "cores"))
 
 
 def _warn_other_host(prof: Profile) -> None:
@@ -112,14 +117,12 @@ def _warn_other_host(prof: Profile) -> None:
     if not isinstance(theirs, dict) or not prof.measured:  # "not recorded", or a preset
         return
     diff = _other_host(theirs, host())
-    if diff and (prof.name, tuple(diff)) not in _WARNED:
-        _WARNED.add((prof.name, tuple(diff)))
-        log.warning(
-            "megatron-charm: cp method auto: profile %r was calibrated on another host (%s); its "
+    if diff:
+        _warn_once(
+            (prof.name, tuple(diff)),
+            f"profile {prof.name!r} was calibrated on another host ({'; '.join(diff)}); its "
             "predictions describe that one. Run `megatron-charm-sim calibrate` on this cluster "
             "(`--launcher env --device cuda` on GPUs) and pass its profile",
-            prof.name,
-            "; ".join(diff),
         )
 
 
@@ -129,13 +132,11 @@ def _warn_unsteady(prof: Profile) -> None:
     from megatron_charm.sim.repeats import unsteady
 
     reasons = unsteady(prof.fit_error) if prof.measured else []
-    if reasons and (prof.name, "unsteady") not in _WARNED:
-        _WARNED.add((prof.name, "unsteady"))
-        log.warning(
-            "megatron-charm: cp method auto: profile %r: %s; its choices can be off by as much. "
+    if reasons:
+        _warn_once(
+            (prof.name, "unsteady"),
+            f"profile {prof.name!r}: {'; '.join(reasons)}; its choices can be off by as much. "
             "Run `megatron-charm-sim calibrate --repeat 3` again when the cluster is quiet",
-            prof.name,
-            "; ".join(reasons),
         )
 
 

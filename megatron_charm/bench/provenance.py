@@ -69,14 +69,20 @@ def host() -> dict:
     }
 
 
-def host_differences(a: dict | None, b: dict | None) -> list[str]:
-    """What differs between two :func:`host` records, as ``"key: A vs B"``; a key either
-    record lacks (or holds as ``None``) is not compared. ``["not recorded"]`` when either
+#: The keys of a :func:`host` record, in the order :func:`host_differences` reports them.
+HOST_KEYS = ("cpu", "cores", "isa", "gpu", "torch")
+
+
+def host_differences(
+    a: dict | None, b: dict | None, keys: tuple[str, ...] = HOST_KEYS
+) -> list[str]:
+    """What differs between two :func:`host` records in ``keys``, as ``"key: A vs B"``; a key
+    either record lacks (or holds as ``None``) is not compared. ``["not recorded"]`` when either
     record is missing (results and profiles from before 2026-12-04 23:00 UTC)."""
     if not a or not b:
         return ["not recorded"]
     out = []
-    for key in ("cpu", "cores", "isa", "gpu", "torch"):
+    for key in keys:
         x, y = a.get(key), b.get(key)
         if x is not None and y is not None and x != y:
             out.append(f"{key}: {x} vs {y}")
