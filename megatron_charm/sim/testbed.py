@@ -40,6 +40,29 @@ the three others at the full rate each, where one NIC per node would split it. E
 queue serves transfers in the order they arrive, so the replay's cross links do too
 (``cross_fifo``).
 
+Note [A profile per rank count]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``calibrate`` measures a CPU host's work around the kernels (Note [Host work of a call] in
+megatron_charm/sim/profile.py) and its kernels inside passes (Note [Blocks in a pass]) with every
+rank of its own layout at once, and what it measures holds for that many processes on the host.
+On the 2-core testbed (Intel Xeon, 2026-12-06 15:00 UTC, ``scripts/bench/blocks_in_pass.py``,
+200 Mbit/s, 512 tokens per rank, non-causal, each against the same 2 x 2 profile): a charm pass's
+calling thread outside its kernel took 1.6 times what the profile charges on 2 x 2, 2.5 times
+on 4 x 2 and 2.2 times on 2 x 4 (ring on 4 x 2: 2.4); its transport 1.9, 2.2 and 2.0 times;
+its kernel 1.22, 1.30 and 1.24 times. So a 2 x 2 profile charged eight ranks for four's work,
+and the sweeps' eight-rank points came out too fast: 7-12% on average over a sweep, charm's 13-26%
+at every link rate, where four-rank points lay within 1-3% (docs/results/calibrated-2x2.md,
+"A profile per rank count"). Processes crowding two cores evict each other's caches and wake
+cold, and work outside the kernel, memory- and interpreter-bound, suffers most. A synthetic
+probe of that (a pool of processes running a merge, buffer packing and small tensor operations,
+``k`` at a time, each against its own time alone) did not reproduce it: eight processes over four
+came out at 0.99-1.15 times, noisy from one process to the next, where the passes say 1.4-1.6.
+
+So the replay takes one profile per rank count, each calibrated on as many ranks as the results
+it predicts (``--profile`` more than once: each result takes the first profile calibrated on
+as many ranks as it ran, else the first of the nearest count), as a GPU cluster is calibrated
+as one job of the CP group's shape.
+
 Repeated runs. A sweep names each point's file after the point (``scripts/bench/sweep.py``), so
 result files with the same name from several sweep folders are runs of one point; they must
 have the same configuration (``ValueError`` otherwise). The point is predicted once (from the
@@ -132,6 +155,33 @@ def profile_for(profile: Profile, result: dict, profile_rate: str | None = None)
         for key in ("fwd_overhead", "bwd_overhead"):
             compute[key] = compute[key] * share
     return replace(profile, cross_bw=cross, nics_per_node=nics, compute=compute)
+
+
+def pick_profile(profiles: Sequence[Profile], result: dict) -> int:
+    """Index of the profile of ``profiles`` (non-empty) for ``result``: the first calibrated on
+    as many ranks as the result ran, else the first of the nearest count (Note [A profile per
+    rank count])."""
+    m, p = result["layout"]
+
+    def ranks(prof: Profile) -> int:
+        pm, pp = parse_gpus(prof.gpus)
+        return pm * pp
+
+    return min(range(len(profiles)), key=lambda i: (abs(ranks(profiles[i]) - m * p), i))
+
+
+def profile_rates(count: int, rates: Sequence[str]) -> list[str | None]:
+    """``--profile-rate`` for each of ``count`` profiles: none, one for all, or one each."""
+    if rates and not count:
+        raise ValueError("--profile-rate scales a profile's cross link: pass --profile too")
+    if len(rates) in (0, 1):
+        return [rates[0] if rates else None] * count
+    if len(rates) != count:
+        raise ValueError(
+            f"{len(rates)} --profile-rate for {count} --profile: give one rate for every "
+            "profile, or one per profile in the same order"
+        )
+    return list(rates)
 
 
 def calibrate(
@@ -420,11 +470,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intra-lat-us", type=float, default=50.0)
     ap.add_argument("--cross-lat-us", type=float, default=200.0)
     ap.add_argument("--merge-gbps", type=float, default=5.0)
-    ap.add_argument("--profile", help="predict from this calibrate profile alone (no per-row data)")
+    ap.add_argument(
+        "--profile",
+        action="append",
+        help="predict from this calibrate profile alone (no per-row data); given more than "
+        "once, each result takes the profile calibrated on its number of ranks (else the "
+        "nearest; Note [A profile per rank count])",
+    )
     ap.add_argument(
         "--profile-rate",
+        action="append",
         help="tc rate the profile was calibrated at (e.g. 100mbit): scale its cross link to "
-        "each result's configured rate",
+        "each result's configured rate; once for every profile, or once per --profile in order",
     )
     ap.add_argument("--out", help="write the Markdown here")
     ap.add_argument(
@@ -442,21 +499,23 @@ def main(argv: list[str] | None = None) -> int:
         intra_lat_us=args.intra_lat_us,
         cross_lat_us=args.cross_lat_us,
         merge_gbps=args.merge_gbps,
-        profile=load_profile(args.profile) if args.profile else None,
+        profile=None,
     )
+    profiles = [load_profile(p) for p in args.profile or ()]
+    rates = profile_rates(len(profiles), args.profile_rate or [])
     parts: list[str] = []
     n_auto = 0
     hosts = {"same": 0, "differ": 0, "not recorded": 0}
-    base = kw["profile"]
-    if args.profile_rate and base is None:
-        raise ValueError("--profile-rate scales a profile's cross link: pass --profile too")
     groups = group_runs(args.results)
     every: list[dict] = []
     for name, runs in groups:
         result = runs[0][1]
         repeats = [r for _, r in runs[1:]]
-        if base is not None:
-            kw["profile"] = profile_for(base, result, args.profile_rate)
+        base = None
+        if profiles:
+            chosen = pick_profile(profiles, result)
+            base = profiles[chosen]
+            kw["profile"] = profile_for(base, result, rates[chosen])
         cal = calibrate(result, probe, **kw)
         if args.timeline:
             print(f"### {name}\n{replay_timeline(result, cal, args.timeline)}")
@@ -466,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         every += [dict(r, ranks=ranks) for r in rows]
         title = name if not repeats else f"{name} ({len(runs)} runs)"
         part = markdown(title, result, rows, cal)
+        if len(profiles) > 1 and base is not None:
+            part += f"\n\nProfile: {base.name} ({base.gpus})."
         if base is not None:
             others: list[str] = []  # each differing run's differences, once per point
             for _, run in runs:
@@ -502,17 +563,21 @@ def main(argv: list[str] | None = None) -> int:
         "slowest rank's time per iteration (median over the iterations); each configuration "
         "states its links and compute."
     )
-    if kw["profile"] is not None:
+    if profiles:
+        names = ", ".join(f"{p.name} ({p.gpus})" for p in profiles)
         head += (
-            f" Profile: {kw['profile'].name} (nothing taken from the results). auto's pick is "
+            f" Profile{'s' if len(profiles) > 1 else ''}: {names} (nothing taken from the "
+            "results; each result on the profile of its rank count, else the nearest). "
+            "auto's pick is "
             f"within 5% of the measured fastest at {n_auto} of {len(groups)} points. "
             f"Hosts (CPU, cores, instruction sets, GPU, torch): {hosts['same']} of the results "
             f"on the profile's, {hosts['differ']} on another, {hosts['not recorded']} not "
             "recorded."
         )
-        moved = unsteady(kw["profile"].fit_error) if kw["profile"].measured else []
-        if moved:  # Note [A calibration's drift], Note [Repeated calibrations]
-            head += f" The profile's own calibration says: {'; '.join(moved)}."
+        for prof in profiles:
+            moved = unsteady(prof.fit_error) if prof.measured else []
+            if moved:  # Note [A calibration's drift], Note [Repeated calibrations]
+                head += f" The calibration of {prof.gpus} says: {'; '.join(moved)}."
     head += " " + error_summary(every)
     if spreads:
         head += (

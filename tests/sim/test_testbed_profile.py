@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from megatron_charm.sim.profile import Profile
-from megatron_charm.sim.testbed import profile_for
+from megatron_charm.sim.testbed import pick_profile, profile_for, profile_rates
 
 PROFILE = Profile(
     name="measured 2x2 gloo cpu bf16",
@@ -126,9 +127,7 @@ def test_a_result_from_another_host_than_the_profiles_is_marked(tmp_path, capsys
     profile.write_text(json.dumps(moved))
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert (
-        "The profile's own calibration says: the runs' own profiles predict up to 21% apart" in out
-    )
+    assert "The calibration of 2x2 says: the runs' own profiles predict up to 21% apart" in out
 
 
 def test_runs_of_one_point_from_another_host_are_marked_once(tmp_path, capsys):
@@ -147,3 +146,57 @@ def test_runs_of_one_point_from_another_host_are_marked_once(tmp_path, capsys):
     # one warning for the point, counting its runs, its differences named once
     assert out.count("Measured on another host than the profile's") == 1
     assert "(2 of 3 runs; cores: 4 vs 2)" in out
+
+
+def test_each_result_takes_the_profile_of_its_rank_count() -> None:
+    # Note [A profile per rank count]: the first of the same count, else of the nearest
+    four, eight = PROFILE, replace(PROFILE, gpus="2x4")
+    profiles = [eight, four, replace(PROFILE, gpus="4x2")]
+    picks = {(m, p): pick_profile(profiles, _result(m, p)) for m, p in ((2, 2), (2, 4), (4, 2))}
+    assert picks == {(2, 2): 1, (2, 4): 0, (4, 2): 0}
+    assert pick_profile(profiles, _result(1, 2)) == 1  # two ranks: four is nearest
+    assert pick_profile(profiles, _result(4, 4)) == 0
+    assert pick_profile([four, eight], _result(2, 3)) == 0  # a tie: the first given
+    assert profile_rates(2, []) == [None, None]
+    assert profile_rates(2, ["100mbit"]) == ["100mbit", "100mbit"]
+    assert profile_rates(2, ["100mbit", "1gbit"]) == ["100mbit", "1gbit"]
+    with pytest.raises(ValueError, match="3 --profile-rate for 2 --profile"):
+        profile_rates(2, ["1mbit", "2mbit", "3mbit"])
+    with pytest.raises(ValueError, match="pass --profile too"):
+        profile_rates(0, ["100mbit"])
+
+
+def test_a_sweep_on_two_profiles_predicts_each_point_on_its_own(tmp_path, capsys):
+    from megatron_charm.sim.testbed import main
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "results"
+    four = docs / "sweep-xeon-20261206-c" / "2x2-shared-full-b1-s512-h4-200mbit.json"
+    eight = docs / "sweep-xeon-20261206-c" / "2x4-rails-full-b1-s512-h4-100mbit.json"
+    prof = json.loads((docs / "calibrate" / "profile-2x2-shared-1gbit-xeon-d.json").read_text())
+    slow = dict(prof, gpus="2x4", compute=dict(prof["compute"], host_post_s=0.05))
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    (tmp_path / "four.json").write_text(json.dumps(prof))
+
+    def tables(*profiles: str) -> dict[str, str]:
+        args = [str(four), str(eight), "--profile-rate", "1gbit"]
+        for p in profiles:
+            args += ["--profile", str(tmp_path / p)]
+        assert main(args) == 0
+        parts = capsys.readouterr().out.split("### ")[1:]
+        return {part.split()[0]: part.split("auto picks")[0] for part in parts}
+
+    def table(part: str) -> str:
+        return part.split("\n\nProfile:")[0].strip()
+
+    alone, both = tables("four.json"), tables("slow.json", "four.json")
+    assert table(both[four.name]) == table(alone[four.name])  # on the 2x2 profile, as alone
+    assert "Profile: measured 2x2 gloo cpu bf16 (2x2)" in both[four.name]
+    assert "Profile: measured 2x2 gloo cpu bf16 (2x4)" in both[eight.name]
+
+    def predicted_ms(part: str) -> list[float]:
+        rows = [line.split("|") for line in part.splitlines() if line.startswith("| ")]
+        return [float(r[4]) for r in rows if r[2].strip() in ("fwd", "fwdbwd")]
+
+    slower, before = predicted_ms(both[eight.name]), predicted_ms(alone[eight.name])
+    assert len(slower) == len(before) >= 8
+    assert all(s > b for s, b in zip(slower, before, strict=True))  # 50 ms per exchange
