@@ -45,18 +45,18 @@ Note [A profile per rank count]
 ``calibrate`` measures a CPU host's work around the kernels (Note [Host work of a call] in
 megatron_charm/sim/profile.py) and its kernels inside passes (Note [Blocks in a pass]) with every
 rank of its own layout at once, and what it measures holds for that many processes on the host.
-On the 2-core testbed (Intel Xeon, 2026-12-06 15:00 UTC, ``scripts/bench/blocks_in_pass.py``,
-200 Mbit/s, 512 tokens per rank, non-causal, each against the same 2 x 2 profile): a charm pass's
-calling thread outside its kernel took 1.6 times what the profile charges on 2 x 2, 2.5 times
-on 4 x 2 and 2.2 times on 2 x 4 (ring on 4 x 2: 2.4); its transport 1.9, 2.2 and 2.0 times;
-its kernel 1.22, 1.30 and 1.24 times. So a 2 x 2 profile charged eight ranks for four's work,
-and the sweeps' eight-rank points came out too fast: 7-12% on average over a sweep, charm's 13-26%
-at every link rate, where four-rank points lay within 1-3% (docs/results/calibrated-2x2.md,
-"A profile per rank count"). Processes crowding two cores evict each other's caches and wake
-cold, and work outside the kernel, memory- and interpreter-bound, suffers most. A synthetic
-probe of that (a pool of processes running a merge, buffer packing and small tensor operations,
-``k`` at a time, each against its own time alone) did not reproduce it: eight processes over four
-came out at 0.99-1.15 times, noisy from one process to the next, where the passes say 1.4-1.6.
+On the 2-core testbed (an Intel Xeon, 2026-12-06 15:50 UTC, ``scripts/bench/blocks_in_pass.py``,
+charm at 200 Mbit/s, 512 tokens per rank, non-causal), against one 2 x 2 profile, a pass's
+calling thread outside its kernel took 1.07 times what the profile charges on 2 x 2, 1.86 times
+on 4 x 2 and 1.57 times on 2 x 4; the whole pass 1.00, 1.27 and 1.13 times. So a 2 x 2 profile
+charged eight ranks for four's work, and the sweeps' eight-rank points came out too fast: their
+mean error 8-13 points below the four-rank points' on three sweeps, charm's eight-rank times 16%
+too fast in the median (docs/results/calibrated-2x2.md, "A profile per rank count"). Processes
+crowding two cores evict each other's caches and wake cold; work outside the kernel, memory-
+and interpreter-bound, suffers most. A synthetic probe of that (processes running a merge,
+buffer packing and small tensor operations, ``k`` at a time) did not reproduce what the passes
+pay, and was not kept. A profile calibrated on 2 x 4 charges the same eight-rank passes within
+3% (2 x 4) and 12% (4 x 2).
 
 So the replay takes one profile per rank count, each calibrated on as many ranks as the results
 it predicts (``--profile`` more than once: each result takes the first profile calibrated on
@@ -565,10 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if profiles:
         names = ", ".join(f"{p.name} ({p.gpus})" for p in profiles)
+        each = "; each result on the profile of its rank count, else the nearest"
         head += (
             f" Profile{'s' if len(profiles) > 1 else ''}: {names} (nothing taken from the "
-            "results; each result on the profile of its rank count, else the nearest). "
-            "auto's pick is "
+            f"results{each if len(profiles) > 1 else ''}). auto's pick is "
             f"within 5% of the measured fastest at {n_auto} of {len(groups)} points. "
             f"Hosts (CPU, cores, instruction sets, GPU, torch): {hosts['same']} of the results "
             f"on the profile's, {hosts['differ']} on another, {hosts['not recorded']} not "
