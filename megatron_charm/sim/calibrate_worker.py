@@ -401,7 +401,8 @@ def _per_exchange(events: list[tuple[str, str, float, float]]) -> list[float]:
 def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
     """Host seconds of the real attention's calls outside kernels and transfers, from its own
     trace (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): per pass, from the
-    call to its first instruction (``call_s``), and per posted exchange (``post_s``). Calls of
+    call to its first instruction (``call_s``; ``call_fwd_s`` and ``call_bwd_s`` per pass
+    direction, Note [Where a call's host work runs]), and per posted exchange (``post_s``). Calls of
     ``HOST_METHODS`` at ``s_local`` 512, every rank at once as in training; medians over the
     calls and exchanges, then the slowest rank's.
 
@@ -411,6 +412,7 @@ def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
     and the profile does not use them."""
     gen = torch.Generator().manual_seed(2)
     calls: list[float] = []
+    per_pass: dict[bool, list[float]] = {False: [], True: []}
     per_kind: dict[str, list[float]] = {"Exchange": [], "Compute": [], "Merge": []}
     for method in HOST_METHODS:
         for trace, starts, *_ in _attention_calls(
@@ -419,6 +421,7 @@ def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
             for run in trace:
                 events = run.events
                 calls.append(events[0][2] - starts[run.backward])
+                per_pass[run.backward].append(calls[-1])
                 for kind, _, start, end in events:
                     if kind in ("Compute", "Merge"):
                         per_kind[kind].append(end - start)
@@ -426,6 +429,8 @@ def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
     return {
         "s_local": 512,
         "call_s": _slowest(statistics.median(calls)),
+        "call_fwd_s": _slowest(statistics.median(per_pass[False])),
+        "call_bwd_s": _slowest(statistics.median(per_pass[True])),
         "post_s": _slowest(statistics.median(per_kind["Exchange"])),
         "kernel_s": _slowest(statistics.median(per_kind["Compute"])),
         "merge_s": _slowest(statistics.median(per_kind["Merge"])),

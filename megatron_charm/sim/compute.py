@@ -219,10 +219,16 @@ class _MergeCost:
         return 0.0
 
     def host_call_time(self, shape: AttnShape, backward: bool) -> float:
-        """Host seconds of one pass of ``shape`` before its first instruction: the per-pass
-        part of :meth:`host_work` plus any part that grows with the rank's problem (Note [Host
-        work of a call])."""
+        """Host seconds of one pass of ``shape`` on the rank's thread outside its instructions:
+        the per-pass part of :meth:`host_work` plus any part that grows with the rank's problem
+        (Note [Host work of a call])."""
         return self.host_work()[0]
+
+    def host_call_split(self, shape: AttnShape, backward: bool) -> tuple[float, float]:
+        """:meth:`host_call_time` as ``(before the first instruction, after the last)`` (Note
+        [Where a call's host work runs] in :mod:`megatron_charm.sim.profile`): all before
+        unless measured."""
+        return self.host_call_time(shape, backward), 0.0
 
     def transport_work(self) -> tuple[float, float]:
         """Seconds ``(per exchange, per byte sent)`` of the transport's own threads, which run
@@ -385,6 +391,13 @@ class FittedCompute(_MergeCost):
     profiles fitted before it was measured."""
     host_element_bwd_s: float = 0.0
     """The same for a backward pass."""
+    host_first_fwd: float = 1.0
+    """Share of a forward pass's call work (``host_call_s`` and the per-element part) that runs
+    before its first instruction; the rest runs after its last (Note [Where a call's host work
+    runs] in :mod:`megatron_charm.sim.profile`). 1 in profiles fitted before 2026-12-06 16:30
+    UTC."""
+    host_first_bwd: float = 1.0
+    """The same for a backward pass."""
     masked_cost: tuple[tuple[int, float, float], ...] = ()
     """``(tokens, forward, backward)`` per measured size: the time of a causal-masked ``tokens x
     tokens`` block over the unmasked one's (Note [Masked blocks]). Empty: half, the masked
@@ -452,6 +465,13 @@ class FittedCompute(_MergeCost):
                 f"transport's per exchange {self.transport_post_s} s and per byte "
                 f"{self.transport_byte_s} s must be >= 0; fix the profile"
             )
+        firsts = (self.host_first_fwd, self.host_first_bwd)
+        if not all(0.0 <= x <= 1.0 for x in firsts):
+            raise ValueError(
+                f"host_first_fwd/host_first_bwd {firsts}: the share of a call's host work before "
+                "its first instruction must lie in [0, 1]; fix the profile or rerun "
+                "megatron-charm-sim calibrate"
+            )
         if not self.shared_slots >= 0:
             raise ValueError(
                 f"shared_slots={self.shared_slots}: expected >= 0 ranks (0: no shared host); "
@@ -470,6 +490,11 @@ class FittedCompute(_MergeCost):
     def host_call_time(self, shape: AttnShape, backward: bool) -> float:
         per_element = self.host_element_bwd_s if backward else self.host_element_fwd_s
         return self.host_call_s + per_element * shape.b * shape.s_local * shape.h * shape.d
+
+    def host_call_split(self, shape: AttnShape, backward: bool) -> tuple[float, float]:
+        total = self.host_call_time(shape, backward)
+        first = total * (self.host_first_bwd if backward else self.host_first_fwd)
+        return first, total - first
 
     def transport_work(self) -> tuple[float, float]:
         return self.transport_post_s, self.transport_byte_s

@@ -243,7 +243,8 @@ class Engine:
         self.backward = backward
         self.record = record
         self.host_post = compute.host_work()[1]
-        self.host_call = compute.host_call_time(shape, backward)
+        # Note [Where a call's host work runs] in megatron_charm/sim/profile.py
+        self.host_call, self.host_tail = compute.host_call_split(shape, backward)
         self.host_byte = compute.host_per_byte()
         self.transport_post, self.transport_byte = compute.transport_work()
         # blocks while their rank's exchanges hold k: slowdown(k), computed once per k
@@ -416,6 +417,7 @@ class Engine:
         self.finished = [False] * n
         self.compute_start = [0.0] * n
         self.paid = [False] * n  # the host work of the exchange at pc is done
+        self.tail_paid = [False] * n  # the call's host work after its last instruction is done
         # exchange_order "pair": a run's exchanges not yet posted (Note [Runs posted together])
         self.staged: list[list[tuple[Exchange, object]]] = [[] for _ in range(n)]
         for i in range(n):
@@ -512,6 +514,10 @@ class Engine:
                 self._push(now + dur, _RESUME, i)
                 return
         self.pc[i] = pc
+        if self.host_tail > 0 and not self.tail_paid[i]:
+            self.tail_paid[i] = True
+            self._host_busy(i, self.host_tail, now)
+            return
         self.finished[i] = True
         rr.finish = now
 

@@ -472,9 +472,9 @@ def host_work(raw: dict, slots: float) -> HostWork:
     term charges the buffers the pass allocates, casts and merges on its own thread.
 
     CPU seconds are one rank's alone: no scaling for the sharing. The engine charges the
-    thread's part on the rank's stream (``call`` and ``element`` at the start of every pass,
-    ``post`` and ``byte`` before every exchange is posted), and the transport's part as a flow
-    on the shared
+    thread's part on the rank's stream (``call`` and ``element`` around every pass's
+    instructions, Note [Where a call's host work runs]; ``post`` and ``byte`` before every
+    exchange is posted), and the transport's part as a flow on the shared
     host while the exchange is in flight: it takes its share of the cores, slowing every rank's
     blocks, and nothing waits for it (Note [Ranks sharing a host] in
     :mod:`megatron_charm.sim.engine`).
@@ -520,6 +520,48 @@ def host_work(raw: dict, slots: float) -> HostWork:
         return HostWork()
     alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
     return HostWork(got["call_s"] * alone, got["post_s"] * alone)
+
+
+def call_first(raw: dict, work: HostWork, slots: float) -> tuple[float, float]:
+    """Note [Where a call's host work runs]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    The fit of Note [Host work of a call] says how much CPU a call spends on its own thread
+    outside its instructions (per pass and per query element), not when. The replay charged all
+    of it before the first instruction, so every exchange of the pass was posted that much
+    later. Most of it comes after: the call's first instruction starts after the plan lookup
+    and its buffers, and the output's casts and the saved tensors come after the last. On the
+    testbed (an Intel Xeon, 2026-12-06) charm's forward at 1,024 tokens per rank started its first
+    instruction 1.4-1.9 ms after the call (a measured timeline, docs/results/calibrated-2x2.md,
+    "A third host"), where the replay charged 4.6 ms alone, 9 ms with four ranks on two cores,
+    before it; and link-bound passes came out up to 30% too slow.
+
+    ``calibrate`` traces the same calls (``time_host_work``: the time from the call to its
+    first instruction, every rank at once, per pass direction since 2026-12-06 16:30 UTC, both
+    directions' median before), scaled to one rank alone as the trace of Note [Host work of a
+    call] is. Its share of what the fit charges the same call is the part charged before the
+    first instruction; the rest runs after the last, on the rank's thread (and on the shared
+    host):
+
+        first = min(1, traced seconds alone / (call + element x elements of the traced call))
+
+        stream  |first|post| block |post| ... | block |rest|
+
+    ``(1, 1)`` (all before, as until then) without both measurements or on a GPU, whose host
+    work is enqueue work (Note [Enqueue ahead])."""
+    trace, cpu = raw.get("host_work"), raw.get("host_cpu")
+    if raw.get("device") == "cuda" or not trace or not cpu:
+        return 1.0, 1.0
+    traced = [c for c in cpu if c["s_local"] == trace["s_local"] and "elements" in c]
+    if not traced:
+        return 1.0, 1.0
+    elements = traced[0]["elements"]
+    alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
+    firsts = []
+    for backward, key in ((False, "call_fwd_s"), (True, "call_bwd_s")):
+        seconds = trace.get(key, trace["call_s"]) * alone
+        charged = work.call + (work.element_bwd if backward else work.element_fwd) * elements
+        firsts.append(min(1.0, seconds / charged) if charged > 0 else 1.0)
+    return firsts[0], firsts[1]
 
 
 def host_cpu_residual(raw: dict, work: HostWork) -> float | None:
@@ -669,6 +711,7 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
     if raw.get("one_host"):
         slots = raw.get("host_cores", 1) / max(1, raw.get("threads", 1))
     work = host_work(raw, slots)
+    first_fwd, first_bwd = call_first(raw, work, slots)
     miss = host_cpu_residual(raw, work)
     if miss is not None:
         err["host_cpu"] = miss
@@ -698,6 +741,8 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         transport_byte_s=work.transport_byte,
         host_element_fwd_s=work.element_fwd,
         host_element_bwd_s=work.element_bwd,
+        host_first_fwd=first_fwd,
+        host_first_bwd=first_bwd,
         masked_cost=masked,
         enqueue=enqueue_work(raw),
         sms=sms,

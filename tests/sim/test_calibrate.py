@@ -60,6 +60,10 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     assert samples["one_host"] and compute.host_slots() == samples["host_cores"] >= 1
     # and the host work of whole calls, from the attention's own trace
     assert samples["host_work"]["call_s"] > 0 and samples["host_work"]["post_s"] > 0
+    # per pass direction, whose share of the call's work runs first (Note [Where a call's
+    # host work runs])
+    assert min(samples["host_work"]["call_fwd_s"], samples["host_work"]["call_bwd_s"]) > 0
+    assert 0 < compute.host_first_fwd <= 1 and 0 < compute.host_first_bwd <= 1
     # and the CPU time of whole calls outside kernels, per method, size and pass
     cpu = samples["host_cpu"]
     # (a2a needs the heads to divide over the 4 ranks; here they do not)

@@ -392,6 +392,33 @@ def test_host_work_is_charged_per_pass_and_per_posted_exchange() -> None:
         FittedCompute(1e10, 1e10, host_post_s=-1.0)
 
 
+def test_the_calls_host_work_runs_its_measured_share_first_and_the_rest_last() -> None:
+    # Note [Where a call's host work runs]: the same ring as above, a quarter of the call's
+    # 2 ms before the first instruction and the rest after the last; on a rank's own stream the
+    # pass takes as long, its transfers start 1.5 ms earlier
+    from megatron_charm.sim.compute import FittedCompute
+
+    shape = AttnShape(b=1, s_local=64, h=1, h_kv=1, d=64)
+    progs = programs(PlanOptions(method="ring"), Layout(1, 4), False, mode="full")
+    t = Topology(1, 4, 1e9, 1e9, intra_lat=0.0, cross_lat=0.0)
+    whole = FittedCompute(1e30, 1e30, mem_bw=1e30, host_call_s=2e-3, host_post_s=1e-3)
+    split = dataclasses.replace(whole, host_first_fwd=0.25, host_first_bwd=0.5)
+    assert split.host_call_split(shape, False) == pytest.approx((0.5e-3, 1.5e-3))
+    assert split.host_call_split(shape, True) == pytest.approx((1e-3, 1e-3))
+    assert whole.host_call_split(shape, False) == (2e-3, 0.0)
+    before = simulate_pass(progs, t, shape, whole, False, record=True)
+    after = simulate_pass(progs, t, shape, split, False, record=True)
+    assert after.makespan == pytest.approx(before.makespan, rel=1e-9)
+    for rank in after.ranks:
+        hosted = [x for x in rank.timeline if x[2] == "H"]
+        assert hosted[0][:2] == pytest.approx((0.0, 0.5e-3))
+        assert hosted[-1][1] - hosted[-1][0] == pytest.approx(1.5e-3)
+        assert hosted[-1][1] == pytest.approx(rank.finish)
+        assert rank.transfers[0][0] == pytest.approx(0.5e-3 + 1e-3)
+    with pytest.raises(ValueError, match="must lie in"):
+        dataclasses.replace(whole, host_first_bwd=1.5)
+
+
 def test_the_transports_work_shares_the_host_without_blocking_the_rank() -> None:
     # Note [Host work of a call]: ring on 1 x 2 forward on one host of two slots. Each rank
     # posts its kv, then computes a 4 ms block while the transfer (instant) is in flight; the

@@ -504,6 +504,28 @@ def test_host_work_grows_with_the_elements_of_the_ranks_queries() -> None:
     shape = AttnShape(1, 1024, 8, 8, 64)
     assert model.host_call_time(shape, True) == pytest.approx(1e-3 + 3e-8 * 1024 * 8 * 64)
     assert model.host_call_time(shape, False) == pytest.approx(1e-3 + 1e-8 * 1024 * 8 * 64)
+    # no trace of the call: all of it before the first instruction, as before it was traced
+    assert (model.host_first_fwd, model.host_first_bwd) == (1.0, 1.0)
+    # Note [Where a call's host work runs]: the traced time to the first instruction at 512
+    # tokens (every rank at once: four ranks on two slots, so half of it alone), per direction
+    # or (older raw samples) both directions' median, over what the fit charges that call
+    charged = {b: 1e-3 + (3e-8 if b else 1e-8) * 512 * 8 * 64 for b in (False, True)}
+    raw["host_work"] = {"s_local": 512, "call_s": 2e-3, "post_s": 1e-3, "kernel_s": 0, "merge_s": 0}
+    raw["host_work"].update(call_fwd_s=2 * 0.4 * charged[False], call_bwd_s=2 * 0.1 * charged[True])
+    first = fit_profile(raw).compute_model()
+    assert (first.host_first_fwd, first.host_first_bwd) == pytest.approx((0.4, 0.1))
+    for key in ("call_fwd_s", "call_bwd_s"):
+        del raw["host_work"][key]
+    mixed = fit_profile(raw).compute_model()
+    assert (mixed.host_first_fwd, mixed.host_first_bwd) == pytest.approx(
+        (1e-3 / charged[False], 1e-3 / charged[True])
+    )
+    raw["host_work"]["call_s"] = 1.0  # longer than the fit charges: all of it first
+    assert fit_profile(raw).compute_model().host_first_bwd == 1.0
+    raw.update(device="cuda", one_host=False)  # a GPU's trace is enqueue work
+    assert fit_profile(raw).compute_model().host_first_fwd == 1.0
+    raw.update(device="cpu", one_host=True)
+    del raw["host_work"]
     # without the elements (older samples) the same host is fitted per byte, and misses
     for sample in raw["host_cpu"]:
         del sample["elements"]
