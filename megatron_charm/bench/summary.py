@@ -200,9 +200,14 @@ def summarise(raw: dict, cfg: dict) -> dict:
 
 
 def timelines(raw: dict, method: str, mode: str = "fwd", iteration: int = -1) -> list[dict]:
-    """Per-rank instruction events ``(pass, kind, channel, start, end)`` of one timed call."""
+    """Per-rank instruction events ``(pass, kind, channel, start, end)`` of one timed call, and
+    the seconds from the call's start to its return (``wall``; ``None`` where not recorded)."""
     return [
-        {"cp_rank": r["cp_rank"], "events": r["recs"][method][mode][iteration].get("events", [])}
+        {
+            "cp_rank": r["cp_rank"],
+            "events": r["recs"][method][mode][iteration].get("events", []),
+            "wall": r["recs"][method][mode][iteration].get("wall"),
+        }
         for r in sorted(raw["ranks"], key=lambda r: r["cp_rank"])
     ]
 
@@ -337,4 +342,10 @@ def format_timeline(raw: dict, method: str, mode: str, iteration: int | None = N
             f"  compute {compute * 1e3:.0f} ms; waits "
             + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in waits.items())
         )
+        if tl["wall"] is not None:  # the call's own work after its last instruction
+            last = max(e for *_, e in evs)
+            lines.append(
+                f"  returned at {tl['wall'] * 1e3:.1f} ms, {(tl['wall'] - last) * 1e3:.1f} ms "
+                "after its last instruction"
+            )
     return "\n".join(lines) + "\n"

@@ -225,8 +225,8 @@ class _MergeCost:
         return self.host_work()[0]
 
     def host_call_split(self, shape: AttnShape, backward: bool) -> tuple[float, float]:
-        """:meth:`host_call_time` as ``(before the first instruction, after the last)`` (Note
-        [Where a call's host work runs] in :mod:`megatron_charm.sim.profile`): all before
+        """:meth:`host_call_time` as ``(before the first instruction, with the pass's blocks)``
+        (Note [Where a call's host work runs] in :mod:`megatron_charm.sim.profile`): all before
         unless measured."""
         return self.host_call_time(shape, backward), 0.0
 
@@ -393,9 +393,9 @@ class FittedCompute(_MergeCost):
     """The same for a backward pass."""
     host_first_fwd: float = 1.0
     """Share of a forward pass's call work (``host_call_s`` and the per-element part) that runs
-    before its first instruction; the rest runs after its last (Note [Where a call's host work
-    runs] in :mod:`megatron_charm.sim.profile`). 1 in profiles fitted before 2026-12-06 16:30
-    UTC."""
+    before its first instruction; the rest runs with the pass's blocks (Note [Where a call's
+    host work runs] in :mod:`megatron_charm.sim.profile`). 1 in profiles fitted before
+    2026-12-06 16:30 UTC."""
     host_first_bwd: float = 1.0
     """The same for a backward pass."""
     masked_cost: tuple[tuple[int, float, float], ...] = ()

@@ -244,7 +244,7 @@ class Engine:
         self.record = record
         self.host_post = compute.host_work()[1]
         # Note [Where a call's host work runs] in megatron_charm/sim/profile.py
-        self.host_call, self.host_tail = compute.host_call_split(shape, backward)
+        self.host_call, self.host_rest = compute.host_call_split(shape, backward)
         self.host_byte = compute.host_per_byte()
         self.transport_post, self.transport_byte = compute.transport_work()
         # blocks while their rank's exchanges hold k: slowdown(k), computed once per k
@@ -269,6 +269,11 @@ class Engine:
         self._blocks: dict[tuple, float] = {}
         self._merges: dict[Payload, float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
+        if self.host_rest > 0:  # Note [Where a call's host work runs]: the rest with the blocks
+            for prog, costs in zip(programs, self.costs, strict=True):
+                blocks = [k for k, ins in enumerate(prog.instrs) if isinstance(ins, Compute)]
+                for k in blocks:
+                    costs[k] += self.host_rest / len(blocks)
         # Note [Enqueue ahead]: when the host has enqueued each instruction (None: no gate)
         self.enqueued = [self._enqueued(p) for p in programs] if self.enqueue else None
         if self.enqueued is not None and self.enqueue is not None:
@@ -417,7 +422,6 @@ class Engine:
         self.finished = [False] * n
         self.compute_start = [0.0] * n
         self.paid = [False] * n  # the host work of the exchange at pc is done
-        self.tail_paid = [False] * n  # the call's host work after its last instruction is done
         # exchange_order "pair": a run's exchanges not yet posted (Note [Runs posted together])
         self.staged: list[list[tuple[Exchange, object]]] = [[] for _ in range(n)]
         for i in range(n):
@@ -514,10 +518,6 @@ class Engine:
                 self._push(now + dur, _RESUME, i)
                 return
         self.pc[i] = pc
-        if self.host_tail > 0 and not self.tail_paid[i]:
-            self.tail_paid[i] = True
-            self._host_busy(i, self.host_tail, now)
-            return
         self.finished[i] = True
         rr.finish = now
 

@@ -526,25 +526,26 @@ def call_first(raw: dict, work: HostWork, slots: float) -> tuple[float, float]:
     """Note [Where a call's host work runs]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     The fit of Note [Host work of a call] says how much CPU a call spends on its own thread
-    outside its instructions (per pass and per query element), not when. The replay charged all
-    of it before the first instruction, so every exchange of the pass was posted that much
-    later. Most of it comes after: the call's first instruction starts after the plan lookup
-    and its buffers, and the output's casts and the saved tensors come after the last. On the
-    testbed (an Intel Xeon, 2026-12-06) charm's forward at 1,024 tokens per rank started its first
-    instruction 1.4-1.9 ms after the call (a measured timeline, docs/results/calibrated-2x2.md,
-    "A third host"), where the replay charged 4.6 ms alone, 9 ms with four ranks on two cores,
-    before it; and link-bound passes came out up to 30% too slow.
+    outside its instructions' kernels and transfers (per pass and per query element), not when.
+    The replay charged all of it before the first instruction, so every exchange of the pass was
+    posted that much later. Little of it comes first or last. On the testbed (an Intel Xeon,
+    2026-12-06 16:40 UTC, 2 x 2 at 1 Gbit/s, 1,024 tokens per rank, 4 heads of 64; the
+    timelines of docs/results/calibrate/call-edges-xeon-2x2-1gbit/) charm's and ring's forward
+    started their first instruction 1.1-7.1 ms after the call and returned 0.2-3.6 ms (mostly
+    0.3) after their last; where the replay charged 4.6 ms alone before the first, 9 ms with four
+    ranks on two cores. The rest runs inside the instructions: the buffers each block reads and
+    the partial results it merges.
 
     ``calibrate`` traces the same calls (``time_host_work``: the time from the call to its
     first instruction, every rank at once, per pass direction since 2026-12-06 16:30 UTC, both
     directions' median before), scaled to one rank alone as the trace of Note [Host work of a
     call] is. Its share of what the fit charges the same call is the part charged before the
-    first instruction; the rest runs after the last, on the rank's thread (and on the shared
-    host):
+    first instruction; the rest is shared equally by the pass's blocks, each of which runs that
+    much longer (a rank without blocks has none of it):
 
         first = min(1, traced seconds alone / (call + element x elements of the traced call))
 
-        stream  |first|post| block |post| ... | block |rest|
+        stream  |first|post| block + rest/n |post| ... | block + rest/n |
 
     ``(1, 1)`` (all before, as until then) without both measurements or on a GPU, whose host
     work is enqueue work (Note [Enqueue ahead])."""
