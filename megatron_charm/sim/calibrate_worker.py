@@ -411,8 +411,7 @@ def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
     ahead] in :mod:`megatron_charm.sim.engine`); on a CPU host they include the work itself,
     and the profile does not use them."""
     gen = torch.Generator().manual_seed(2)
-    calls: list[float] = []
-    per_pass: dict[bool, list[float]] = {False: [], True: []}
+    calls: dict[bool, list[float]] = {False: [], True: []}  # per pass direction (backward)
     per_kind: dict[str, list[float]] = {"Exchange": [], "Compute": [], "Merge": []}
     for method in HOST_METHODS:
         for trace, starts, *_ in _attention_calls(
@@ -420,17 +419,16 @@ def time_host_work(cfg: dict, device: torch.device, topo: CPTopology) -> dict:
         ):
             for run in trace:
                 events = run.events
-                calls.append(events[0][2] - starts[run.backward])
-                per_pass[run.backward].append(calls[-1])
+                calls[run.backward].append(events[0][2] - starts[run.backward])
                 for kind, _, start, end in events:
                     if kind in ("Compute", "Merge"):
                         per_kind[kind].append(end - start)
                 per_kind["Exchange"] += _per_exchange(events)
     return {
         "s_local": 512,
-        "call_s": _slowest(statistics.median(calls)),
-        "call_fwd_s": _slowest(statistics.median(per_pass[False])),
-        "call_bwd_s": _slowest(statistics.median(per_pass[True])),
+        "call_s": _slowest(statistics.median(calls[False] + calls[True])),
+        "call_fwd_s": _slowest(statistics.median(calls[False])),
+        "call_bwd_s": _slowest(statistics.median(calls[True])),
         "post_s": _slowest(statistics.median(per_kind["Exchange"])),
         "kernel_s": _slowest(statistics.median(per_kind["Compute"])),
         "merge_s": _slowest(statistics.median(per_kind["Merge"])),

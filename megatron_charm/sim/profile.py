@@ -518,8 +518,14 @@ def host_work(raw: dict, slots: float) -> HostWork:
     got = raw.get("host_work")
     if not got:
         return HostWork()
-    alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
+    alone = _alone_share(raw, slots)
     return HostWork(got["call_s"] * alone, got["post_s"] * alone)
+
+
+def _alone_share(raw: dict, slots: float) -> float:
+    """One rank's share of a wall time traced with every rank of ``raw``'s layout at once on a
+    host of ``slots`` (at most 1; 1 without a shared host)."""
+    return min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
 
 
 def call_first(raw: dict, work: HostWork, slots: float) -> tuple[float, float]:
@@ -552,11 +558,13 @@ def call_first(raw: dict, work: HostWork, slots: float) -> tuple[float, float]:
     trace, cpu = raw.get("host_work"), raw.get("host_cpu")
     if raw.get("device") == "cuda" or not trace or not cpu:
         return 1.0, 1.0
-    traced = [c for c in cpu if c["s_local"] == trace["s_local"] and "elements" in c]
-    if not traced:
+    elements = next(
+        (c["elements"] for c in cpu if c["s_local"] == trace["s_local"] and "elements" in c),
+        None,
+    )
+    if elements is None:
         return 1.0, 1.0
-    elements = traced[0]["elements"]
-    alone = min(1.0, slots / (raw["nodes"] * raw["ranks_per_node"])) if slots > 0 else 1.0
+    alone = _alone_share(raw, slots)
     firsts = []
     for backward, key in ((False, "call_fwd_s"), (True, "call_bwd_s")):
         seconds = trace.get(key, trace["call_s"]) * alone

@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         every += [dict(r, ranks=ranks) for r in rows]
         title = name if not repeats else f"{name} ({len(runs)} runs)"
         part = markdown(title, result, rows, cal)
-        if len(profiles) > 1 and base is not None:
+        if len(profiles) > 1:  # which one this point took
             part += f"\n\nProfile: {base.name} ({base.gpus})."
         if base is not None:
             others: list[str] = []  # each differing run's differences, once per point
