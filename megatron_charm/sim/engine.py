@@ -269,11 +269,13 @@ class Engine:
         self._blocks: dict[tuple, float] = {}
         self._merges: dict[Payload, float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
-        if self.host_rest > 0:  # Note [Where a call's host work runs]: the rest with the blocks
-            for prog, costs in zip(programs, self.costs, strict=True):
-                blocks = [k for k, ins in enumerate(prog.instrs) if isinstance(ins, Compute)]
-                for k in blocks:
-                    costs[k] += self.host_rest / len(blocks)
+        # Note [Where a call's host work runs]: the rest of the call's host work, each rank's
+        # share per block; the blocks' own costs stay theirs (the in-pass fit reads them)
+        self.rest_per_block = [0.0] * len(programs)
+        if self.host_rest > 0:
+            for i, prog in enumerate(programs):
+                blocks = sum(1 for ins in prog.instrs if isinstance(ins, Compute))
+                self.rest_per_block[i] = self.host_rest / blocks if blocks else 0.0
         # Note [Enqueue ahead]: when the host has enqueued each instruction (None: no gate)
         self.enqueued = [self._enqueued(p) for p in programs] if self.enqueue else None
         if self.enqueued is not None and self.enqueue is not None:
@@ -507,6 +509,8 @@ class Engine:
                         if slow is None:
                             slow = self.slowdowns[k] = self.compute.slowdown(self.backward, k)
                         dur *= slow
+                if self.host_rest and isinstance(ins, Compute):
+                    dur += self.rest_per_block[i]
                 self.pc[i] = pc
                 if self.host is not None:  # Note [Ranks sharing a host]
                     self.compute_start[i] = now

@@ -99,7 +99,7 @@ def charged(cfg: dict, profile: str) -> dict[str, float]:
     for backward in (False, True):
         eng = Engine(progs, prof.topology(m, p), shape, compute, backward)
         scale = compute.in_pass(backward) if hasattr(compute, "in_pass") else 1.0
-        for instrs, costs in zip(eng.instrs, eng.costs, strict=True):
+        for instrs, costs, rest in zip(eng.instrs, eng.costs, eng.rest_per_block, strict=True):
             got["host"] += eng.host_call
             for ins, cost in zip(instrs, costs, strict=True):
                 if isinstance(ins, Exchange):
@@ -109,6 +109,7 @@ def charged(cfg: dict, profile: str) -> dict[str, float]:
                 elif isinstance(ins, Compute):
                     got["blocks"] += cost
                     got["blocks_alone"] += cost / scale
+                    got["host"] += rest  # the call's own work that runs with its blocks
     return got
 
 

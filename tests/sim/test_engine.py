@@ -418,6 +418,13 @@ def test_the_calls_host_work_runs_its_measured_share_first_and_the_rest_last() -
         computed = [x for x in rank.timeline if x[2].startswith("C")]
         assert [x[1] - x[0] for x in computed] == pytest.approx([1.5e-3 / blocks] * blocks)
         assert rank.transfers[0][0] == pytest.approx(0.5e-3 + 1e-3)
+    # the blocks' own costs stay theirs: what Note [Blocks in a pass] compares with the kernel
+    from megatron_charm.sim.in_pass import pass_block_seconds
+
+    priced = dataclasses.replace(whole, fwd_flops_per_s=1e10)
+    assert pass_block_seconds(
+        dataclasses.replace(priced, host_first_fwd=0.25), "ring", Layout(1, 4), shape, False
+    ) == pytest.approx(pass_block_seconds(priced, "ring", Layout(1, 4), shape, False), rel=1e-12)
     with pytest.raises(ValueError, match="must lie in"):
         dataclasses.replace(whole, host_first_bwd=1.5)
 
