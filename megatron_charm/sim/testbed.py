@@ -85,7 +85,9 @@ same point can: a miss outside the runs' spread is the model's, one inside it ma
 Run: ``python -m megatron_charm.sim.testbed docs/results/attention-*.json
 [--probe PROBE.json] [--out docs/results/sim_validation_testbed.md]``; ``--timeline METHOD``
 prints the replayed forward of one method per rank instead, to set beside the measured one
-(``megatron-charm-bench timeline RAW.json`` of an ``attention --raw`` run).
+(``megatron-charm-bench timeline RAW.json`` of an ``attention --raw`` run); with ``--measured
+RAW.json`` as well it prints each rank's edges of that pass, measured against replayed (Note
+[Edges of a pass] in :mod:`megatron_charm.sim.timeline_edges`).
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ from megatron_charm.sim.compute import CalibratedCompute, ComputeModel
 from megatron_charm.sim.predict import Problem, predict
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.repeats import unsteady
+from megatron_charm.sim.timeline_edges import format_edges, measured_edges, replayed_edges
 from megatron_charm.sim.topology import Topology, parse_gpus
 from megatron_charm.testbed.config import parse_rate
 
@@ -331,11 +334,8 @@ def compare(
     return rows
 
 
-def replay_timeline(result: dict, cal: Calibration, method: str) -> str:
-    """The replayed forward of ``method`` on ``result``'s point, per rank: each block (``C``),
-    merge (``M``), host work (``H``) and wait (``W``), and each exchange's transfers (``X``, from
-    its start to its completion), in ms from the call's start; the replay's side of
-    ``megatron-charm-bench timeline``."""
+def _replayed_forward(result: dict, cal: Calibration, method: str):
+    """The replayed forward of ``method`` on ``result``'s point, recorded per rank."""
     if method not in result["methods"]:
         raise ValueError(
             f"--timeline {method!r}: the result has no such method (it has "
@@ -349,7 +349,15 @@ def replay_timeline(result: dict, cal: Calibration, method: str) -> str:
         options=_plan_options(result),
         record=True,
     )
-    fwd = pred.methods[method].forward
+    return pred.methods[method].forward
+
+
+def replay_timeline(result: dict, cal: Calibration, method: str) -> str:
+    """The replayed forward of ``method`` on ``result``'s point, per rank: each block (``C``),
+    merge (``M``), host work (``H``) and wait (``W``), and each exchange's transfers (``X``, from
+    its start to its completion), in ms from the call's start; the replay's side of
+    ``megatron-charm-bench timeline``."""
+    fwd = _replayed_forward(result, cal, method)
     lines = [f"{method} fwd, replayed: {fwd.makespan * 1e3:.1f} ms"]
     for r in fwd.ranks:
         events = [*r.timeline, *((s, e, f"X {ch}") for s, e, ch in r.transfers)]
@@ -359,6 +367,20 @@ def replay_timeline(result: dict, cal: Calibration, method: str) -> str:
             for s, e, label in sorted(events, key=lambda x: (x[0], x[1]))
         ]
     return "\n".join(lines) + "\n"
+
+
+def compare_edges(result: dict, cal: Calibration, method: str, raw: dict) -> str:
+    """Each rank's edges of ``method``'s forward, measured in ``raw`` (a ``--raw`` file of the
+    same point) against replayed (Note [Edges of a pass] in
+    :mod:`megatron_charm.sim.timeline_edges`)."""
+    fwd = _replayed_forward(result, cal, method)
+    measured = measured_edges(raw, method)
+    table = format_edges(measured, replayed_edges(fwd.ranks))
+    wall = max(e.end for e in measured)
+    return (
+        f"{method} fwd: measured {wall * 1e3:.1f} ms (this call), replayed "
+        f"{fwd.makespan * 1e3:.1f} ms\n\n{table}"
+    )
 
 
 #: Config keys that may differ between runs of one point (Note [Repeatability]).
@@ -489,7 +511,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="METHOD",
         help="print the replayed forward of METHOD per rank, for each result, instead",
     )
+    ap.add_argument(
+        "--measured",
+        metavar="RAW",
+        help="with --timeline and one result: a --raw file of the same point; print each "
+        "rank's edges of the pass measured against replayed instead (Note [Edges of a pass])",
+    )
     args = ap.parse_args(argv)
+    raw = None
+    if args.measured:
+        if not args.timeline or len(args.results) != 1:
+            raise ValueError(
+                f"--measured {args.measured}: compares one point's pass; give it with "
+                f"--timeline METHOD and one result (got {len(args.results)} results"
+                f"{'' if args.timeline else ', no --timeline'})"
+            )
+        with open(args.measured) as fh:
+            raw = json.load(fh)
     probe = None
     if args.probe:
         with open(args.probe) as fh:
@@ -518,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
             kw["profile"] = profile_for(base, result, rates[chosen])
         cal = calibrate(result, probe, **kw)
         if args.timeline:
+            if raw is not None:
+                print(f"### {name}\n{compare_edges(result, cal, args.timeline, raw)}")
+                continue
             print(f"### {name}\n{replay_timeline(result, cal, args.timeline)}")
             continue
         rows = compare(result, cal=cal, repeats=repeats)
