@@ -298,7 +298,8 @@ def describe(profile: Profile) -> str:
             f"{c.get('host_element_bwd_s', 0) * 1e9:.3g} ns per query element (forward / "
             "backward); transport threads "
             f"{c.get('transport_post_s', 0) * 1e3:.3g} ms per exchange + "
-            f"{c.get('transport_byte_s', 0) * 1e9:.3g} ns per byte",
+            f"{c.get('transport_byte_s', 0) * 1e9:.3g} ns per byte, x"
+            f"{c.get('transport_in_pass', 1.0):.2f} in a pass",
             f"  largest fit residuals: {err}",
             *stability_warnings(profile),
         ]

@@ -518,20 +518,23 @@ def time_blocks_in_passes(cfg: dict, device: torch.device, topo: CPTopology) -> 
     the calling thread (``time.thread_time``: a CPU host's only), in ``cfg["in_pass_rounds"]``
     rounds (``None``: ``IN_PASS_ROUNDS``) that each run every method. One sample per method and
     pass direction: ``rounds``, per round the kernel's CPU seconds in the pass, the median over
-    the calls of each rank, averaged over the ranks; ``cpu_s``, their median."""
+    the calls of each rank, averaged over the ranks; ``cpu_s``, their median; ``thread_s`` and
+    ``process_s``, the same of the calling thread's and the whole process's CPU seconds in the
+    pass (their difference ran in the transport's threads: Note [Transport in a pass])."""
     from megatron_charm.kernels.backends import select_kernel
 
     spent = [0.0]
     kernel = _counting(select_kernel(device, DTYPES[cfg["dtype"]], cfg.get("kernel")), spent)
     gen = torch.Generator().manual_seed(4)
     rounds = int(cfg.get("in_pass_rounds") or IN_PASS_ROUNDS)
-    mine: list[list[float]] = []
+    mine: list[list[tuple[float, float, float]]] = []
     for _ in range(rounds):
-        this_round: list[float] = []
+        this_round: list[tuple[float, float, float]] = []
         for method in HOST_METHODS:
             kept = _attention_calls(cfg, device, topo, method, IN_PASS_TOKENS, gen, kernel, spent)
             this_round += [
-                statistics.median(c[4][backward] for c in kept) for backward in (False, True)
+                tuple(statistics.median(c[j][backward] for c in kept) for j in (4, 3, 2))
+                for backward in (False, True)
             ]
         mine.append(this_round)
     everyone = _every_rank(mine)
@@ -540,15 +543,18 @@ def time_blocks_in_passes(cfg: dict, device: torch.device, topo: CPTopology) -> 
         for backward in (False, True):
             col = 2 * i + backward
             per_round = [
-                statistics.mean(theirs[r][col] for theirs in everyone) for r in range(rounds)
+                [statistics.mean(theirs[r][col][j] for theirs in everyone) for j in range(3)]
+                for r in range(rounds)
             ]
             samples.append(
                 {
                     "method": method,
                     "s_local": IN_PASS_TOKENS,
                     "backward": backward,
-                    "cpu_s": statistics.median(per_round),
-                    "rounds": per_round,
+                    "cpu_s": statistics.median(k for k, _, _ in per_round),
+                    "rounds": [k for k, _, _ in per_round],
+                    "thread_s": statistics.median(t for _, t, _ in per_round),
+                    "process_s": statistics.median(c for _, _, c in per_round),
                 }
             )
     return samples

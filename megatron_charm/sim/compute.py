@@ -385,6 +385,11 @@ class FittedCompute(_MergeCost):
     ends), which take a shared host's cores while the exchange is in flight."""
     transport_byte_s: float = 0.0
     """The same per byte sent."""
+    transport_in_pass: float = 1.0
+    """The transport's CPU seconds inside passes of the real attention over what the two
+    constants above charge the same passes (Note [Transport in a pass] in
+    :mod:`megatron_charm.sim.in_pass`); :meth:`transport_work` is scaled by it. 1 where not
+    measured (GPUs; CPU profiles calibrated before 2026-12-06 18:30 UTC)."""
     host_element_fwd_s: float = 0.0
     """Host seconds per element of the rank's queries (``b x s_local x h x d``) of a forward
     pass, on the rank's own thread at the pass's start (its buffers, casts and merges). 0 in
@@ -442,6 +447,12 @@ class FittedCompute(_MergeCost):
                 "fix the profile"
             )
         in_pass = (self.fwd_in_pass, self.bwd_in_pass)
+        if not (math.isfinite(self.transport_in_pass) and self.transport_in_pass > 0):
+            raise ValueError(
+                f"the transport's CPU in a pass over its fit ({self.transport_in_pass}) must be "
+                "finite and > 0; set compute.transport_in_pass in the --profile JSON to 1 or "
+                "rerun megatron-charm-sim calibrate"
+            )
         if not all(math.isfinite(x) and x > 0 for x in in_pass):
             raise ValueError(
                 f"blocks in a pass over blocks alone (forward {self.fwd_in_pass}, backward "
@@ -497,7 +508,8 @@ class FittedCompute(_MergeCost):
         return first, total - first
 
     def transport_work(self) -> tuple[float, float]:
-        return self.transport_post_s, self.transport_byte_s
+        k = self.transport_in_pass
+        return self.transport_post_s * k, self.transport_byte_s * k
 
     def enqueue_cost(self) -> Enqueue:
         return self.enqueue or Enqueue()
@@ -628,6 +640,11 @@ def describe_compute(compute: ComputeModel) -> str:
         )
         if compute.sms:
             text += f", FLOPs as tiles in waves over {compute.sms} SMs"
+        if compute.transport_in_pass != 1.0:
+            text += (
+                f"; the transport's threads x{compute.transport_in_pass:.2f} in a pass (Note "
+                "[Transport in a pass])"
+            )
         if (compute.fwd_in_pass, compute.bwd_in_pass) != (1.0, 1.0):
             text += (
                 f"; in a pass x{compute.fwd_in_pass:.2f} forward, x{compute.bwd_in_pass:.2f} "

@@ -32,6 +32,33 @@ time, so GPU profiles keep 1.
 Known limits: one factor per direction, from one shape (the configured heads, as many kv heads,
 512 tokens), pooled over ring and charm; the measured ratio is larger for small and many calls
 and for grouped-query heads than that, and on eight ranks than on the four it is measured on.
+
+Note [Transport in a pass]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The transport's threads (gloo's copies and TCP work) are fitted on passes whose kernel computes
+nothing (Note [Host work of a call] in :mod:`megatron_charm.sim.profile`): every rank only
+communicates, and the transfers run back to back. In a pass whose ranks compute, the same
+threads wake between other processes' blocks on the same cores, and took 1.2-1.7 times the
+fitted CPU on the testbed (2026-12-06 18:15-18:26 UTC, scripts/bench/blocks_in_pass.py, charm
+and ring at 512 tokens on the profiles' own layouts and link rate, two runs each: 2 x 2
+`xeon-g` 1.35 and 1.61 for charm, 1.42 and 1.22 for ring; 2 x 4 `xeon-h` 1.69 and 1.50, 1.45
+and 1.30), and twice it on 4 x 2 at 200 Mbit/s. There the host is the bottleneck, and the
+replay of charm's forward came out 28% too fast (docs/results/calibrated-2x2.md, "The
+transport in a pass").
+
+The same passes as above also record the CPU seconds of the calling thread and of the whole
+process; their difference is the transport's. The fit compares it with what the fitted
+constants charge those passes' exchanges (per exchange and per byte sent, as the replay does),
+pooled over both directions and methods:
+
+    transport_in_pass = sum over the passes of (process CPU - calling thread's CPU, per rank)
+                        / sum over the passes of (the replay's transport seconds, per rank)
+
+and the replay scales the transport's work by it (``FittedCompute.transport_in_pass``). Raw
+samples from before (no ``process_s``), and GPUs, keep 1. The calling thread's own work outside
+the kernel is left as fitted: in the same passes it took 1.1-1.25 times its fit, but with both
+scaled the day's two Xeon sweeps came out over-predicted (the layouts' mean errors +1.2..+7.1%,
+with the transport's alone -2.9..+2.2%, with neither -6.5..+1.7%; factors from the runs above).
 """
 
 from __future__ import annotations
@@ -40,11 +67,23 @@ import statistics
 
 from megatron_charm.plan import PlanOptions
 from megatron_charm.plan.payloads import AttnShape
-from megatron_charm.plan.types import Compute, Layout
+from megatron_charm.plan.types import Compute, Exchange, Layout
 from megatron_charm.sim.compute import FittedCompute
 from megatron_charm.sim.engine import Engine
 from megatron_charm.sim.programs import programs
 from megatron_charm.sim.topology import Topology
+
+
+def _pass_engine(
+    compute: FittedCompute, method: str, layout: Layout, shape: AttnShape, backward: bool
+) -> Engine:
+    """An engine of one causal pass of ``method`` (default options), compiled, not run."""
+    progs = programs(PlanOptions(method=method), layout, True, "full", shape)
+    # links price neither blocks nor the transport's CPU; any will do
+    topo = Topology(
+        num_nodes=layout.num_nodes, ranks_per_node=layout.ranks_per_node, intra_bw=1.0, cross_bw=1.0
+    )
+    return Engine(progs, topo, shape, compute, backward)
 
 
 def pass_block_seconds(
@@ -53,12 +92,7 @@ def pass_block_seconds(
     """Seconds the replay gives the blocks of one causal pass of ``method`` (default options)
     on ``layout`` with ``shape`` per rank, the mean over the ranks: their time alone where
     ``compute``'s own in-pass factors are 1."""
-    progs = programs(PlanOptions(method=method), layout, True, "full", shape)
-    # links do not price blocks; any will do
-    topo = Topology(
-        num_nodes=layout.num_nodes, ranks_per_node=layout.ranks_per_node, intra_bw=1.0, cross_bw=1.0
-    )
-    eng = Engine(progs, topo, shape, compute, backward)
+    eng = _pass_engine(compute, method, layout, shape, backward)
     per_rank = [
         sum(c for ins, c in zip(instrs, costs, strict=True) if isinstance(ins, Compute))
         for instrs, costs in zip(eng.instrs, eng.costs, strict=True)
@@ -95,3 +129,51 @@ def fit_in_pass(
         factors.append(factor)
         worst = max(worst, *(abs(cpu / model / factor - 1.0) for cpu, model in got))
     return factors[0], factors[1], worst
+
+
+def pass_transport_seconds(
+    compute: FittedCompute, method: str, layout: Layout, shape: AttnShape, backward: bool
+) -> float:
+    """CPU seconds the replay charges the transport's threads in one causal pass of ``method``
+    (default options) on ``layout`` with ``shape`` per rank, the mean over the ranks: per
+    exchange and per byte it sends (Note [Transport in a pass])."""
+    eng = _pass_engine(compute, method, layout, shape, backward)
+    post, per_byte = compute.transport_work()
+    per_rank = [
+        sum(
+            post + per_byte * sum(t.nbytes for t in cost if t.send)
+            for ins, cost in zip(instrs, costs, strict=True)
+            if isinstance(ins, Exchange)
+        )
+        for instrs, costs in zip(eng.instrs, eng.costs, strict=True)
+    ]
+    return statistics.mean(per_rank)
+
+
+def fit_transport_in_pass(
+    samples: list[dict],
+    compute: FittedCompute,
+    layout: Layout,
+    batch: int,
+    heads: int,
+    head_dim: int,
+) -> tuple[float, float]:
+    """``(factor, residual)`` of Note [Transport in a pass] from the ``process_s`` and
+    ``thread_s`` of ``samples``
+    (:func:`~megatron_charm.sim.calibrate_worker.time_blocks_in_passes`), against
+    ``compute``'s transport constants as fitted (its own factor 1); ``residual``: how far one
+    sample's ratio lies from the factor, at most. ``(1, 0)`` without such samples or without
+    transport constants."""
+    got: list[tuple[float, float]] = []
+    for s in samples:
+        if "process_s" not in s or "thread_s" not in s:
+            continue
+        shape = AttnShape(batch, s["s_local"], heads, heads, head_dim)
+        model = pass_transport_seconds(compute, s["method"], layout, shape, s["backward"])
+        measured = s["process_s"] - s["thread_s"]
+        if model > 0 and measured > 0:
+            got.append((measured, model))
+    if not got:
+        return 1.0, 0.0
+    factor = sum(m for m, _ in got) / sum(model for _, model in got)
+    return factor, max(abs(m / model / factor - 1.0) for m, model in got)

@@ -73,7 +73,7 @@ from megatron_charm.sim.compute import (
     block_flops,
     kernel_flops,
 )
-from megatron_charm.sim.in_pass import fit_in_pass
+from megatron_charm.sim.in_pass import fit_in_pass, fit_transport_in_pass
 from megatron_charm.sim.repeats import speed_drift
 from megatron_charm.sim.topology import FABRICS, PRESETS, Topology, parse_gpus
 
@@ -765,8 +765,14 @@ def fit_profile(raw: dict, fabric: str = "nvlink") -> Profile:
         fwd, bwd, miss = fit_in_pass(
             passes, compute, Layout(m, p), widest["batch"], most, widest["head_dim"]
         )
-        compute = replace(compute, fwd_in_pass=fwd, bwd_in_pass=bwd)
+        # Note [Transport in a pass], against the transport's constants as fitted above
+        transport, transport_miss = fit_transport_in_pass(
+            passes, compute, Layout(m, p), widest["batch"], most, widest["head_dim"]
+        )
+        compute = replace(compute, fwd_in_pass=fwd, bwd_in_pass=bwd, transport_in_pass=transport)
         err["blocks_in_pass"] = miss
+        if transport != 1.0:
+            err["transport_in_pass"] = transport_miss
     return Profile(
         name=f"measured {m}x{p} {raw.get('backend', '?')} {raw.get('device', '?')} "
         f"{raw.get('dtype', '?')}",

@@ -229,6 +229,8 @@ _COMPUTE_FITS = {
     ),
     # Note [Blocks in a pass]: one method's ratio lies this far from the pooled factor
     "blocks_in_pass": ("fwd_in_pass", "bwd_in_pass"),
+    # Note [Transport in a pass]: one sample's ratio lies this far from the pooled factor
+    "transport_in_pass": ("transport_in_pass",),
     # Note [A calibration's drift]: every block, as the host's speed moved during the run
     "drift": ("fwd_in_pass", "bwd_in_pass"),
 }
