@@ -121,14 +121,19 @@ def fit_in_pass(
             ratios[bool(s["backward"])].append((s["cpu_s"], model))
     factors, worst = [], 0.0
     for backward in (False, True):
-        got = ratios[backward]
-        if not got:
-            factors.append(1.0)
-            continue
-        factor = sum(cpu for cpu, _ in got) / sum(model for _, model in got)
+        factor, miss = _pooled(ratios[backward])
         factors.append(factor)
-        worst = max(worst, *(abs(cpu / model / factor - 1.0) for cpu, model in got))
+        worst = max(worst, miss)
     return factors[0], factors[1], worst
+
+
+def _pooled(got: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(sum measured / sum modelled, how far one pair's ratio lies from that, at most)`` of
+    ``(measured, modelled)`` pairs; ``(1, 0)`` without pairs."""
+    if not got:
+        return 1.0, 0.0
+    factor = sum(m for m, _ in got) / sum(x for _, x in got)
+    return factor, max(abs(m / x / factor - 1.0) for m, x in got)
 
 
 def pass_transport_seconds(
@@ -173,7 +178,4 @@ def fit_transport_in_pass(
         measured = s["process_s"] - s["thread_s"]
         if model > 0 and measured > 0:
             got.append((measured, model))
-    if not got:
-        return 1.0, 0.0
-    factor = sum(m for m, _ in got) / sum(model for _, model in got)
-    return factor, max(abs(m / model / factor - 1.0) for m, model in got)
+    return _pooled(got)
