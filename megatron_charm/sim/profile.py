@@ -484,9 +484,12 @@ def host_work(raw: dict, slots: float) -> HostWork:
 
     Known limits: the bytes are priced at the rate of the link calibrate ran on, and the
     transport's work per byte is two to three times larger on a 50 Mbit/s link than on a
-    1 Gbit/s one (scripts/bench/transport_cpu.py); the thread's work per byte (packing,
-    unpacking, accumulating) happens around the exchange, not all before it; merges of the
-    null kernel's zeros are counted here (in the element term) as well as in the merges.
+    1 Gbit/s one (scripts/bench/transport_cpu.py); in passes whose ranks compute, the
+    transport's threads take more than these null-kernel passes give, which the fit measures
+    and scales by (Note [Transport in a pass] in :mod:`megatron_charm.sim.in_pass`); the
+    thread's work per byte (packing, unpacking, accumulating) happens around the exchange, not
+    all before it; merges of the null kernel's zeros are counted here (in the element term) as
+    well as in the merges.
     Samples taken before the elements were recorded fit without the element term.
 
     Raw samples from before this measurement carry only the attention's trace: the time from a
