@@ -532,6 +532,7 @@ def time_blocks_in_passes(cfg: dict, device: torch.device, topo: CPTopology) -> 
         this_round: list[tuple[float, float, float]] = []
         for method in HOST_METHODS:
             kept = _attention_calls(cfg, device, topo, method, IN_PASS_TOKENS, gen, kernel, spent)
+            # per kept call: (trace, starts, process CPU, thread CPU, kernel CPU)
             this_round += [
                 tuple(statistics.median(c[j][backward] for c in kept) for j in (4, 3, 2))
                 for backward in (False, True)

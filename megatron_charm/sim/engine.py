@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -478,8 +479,7 @@ class Engine:
                 if (self.host_post > 0 or self.host_byte > 0) and not self.paid[i]:
                     self.paid[i] = True
                     self.pc[i] = pc
-                    sent = sum(t.nbytes for t in costs[pc] if t.send)
-                    self._host_busy(i, self.host_post + self.host_byte * sent, now)
+                    self._host_busy(i, self.exchange_thread_s(costs[pc]), now)
                     return
                 self.paid[i] = False
                 if self.pair_order and run_goes_on(instrs, pc):
@@ -535,6 +535,18 @@ class Engine:
         else:
             self._start(i, ex.handle, now)
 
+    def exchange_thread_s(self, transfers: Sequence[Transfer]) -> float:
+        """Seconds the rank's own thread spends on an exchange of ``transfers`` before posting
+        it (Note [Host work of a call] in megatron_charm/sim/profile.py)."""
+        return self.host_post + self.host_byte * sum(t.nbytes for t in transfers if t.send)
+
+    def exchange_transport_s(self, transfers: Sequence[Transfer]) -> float:
+        """Seconds the transport's threads spend on an exchange of ``transfers`` while it is in
+        flight (Note [Host work of a call])."""
+        return self.transport_post + self.transport_byte * sum(
+            t.nbytes for t in transfers if t.send
+        )
+
     def _start(self, i: int, handle: int, now: float) -> None:
         self.active[i][self.chan_of[i][handle]] += 1
         self.held[i] += self.held_of[i][handle]
@@ -542,9 +554,7 @@ class Engine:
         if self.host is not None and (self.transport_post > 0 or self.transport_byte > 0):
             # Note [Host work of a call]: the transport's threads take the shared cores while
             # the exchange is in flight; nothing waits for them
-            sent = sum(t.nbytes for t in self.ops_of[i][handle] if t.send)
-            work = self.transport_post + self.transport_byte * sent
-            self._host_add(work, (), now)
+            self._host_add(self.exchange_transport_s(self.ops_of[i][handle]), (), now)
         pending = self.pending
         for key, _, nbytes, res, bw, lat, held in self.ops_of[i][handle]:  # Transfer fields
             if key is None:  # unmatched (see _compile)

@@ -64,6 +64,7 @@ with the transport's alone -2.9..+2.2%, with neither -6.5..+1.7%; factors from t
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from megatron_charm.plan import PlanOptions
 from megatron_charm.plan.payloads import AttnShape
@@ -113,18 +114,39 @@ def fit_in_pass(
     ``s_local``, ``backward``, ``cpu_s``), against ``compute`` as fitted (its own factors 1);
     ``residual``: how far one method's ratio lies from its direction's factor, at most. A
     direction without samples keeps 1."""
-    ratios: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for s in samples:
-        shape = AttnShape(batch, s["s_local"], heads, heads, head_dim)
-        model = pass_block_seconds(compute, s["method"], layout, shape, s["backward"])
-        if model > 0 and s["cpu_s"] > 0:
-            ratios[bool(s["backward"])].append((s["cpu_s"], model))
+    pairs = _pairs(
+        samples, lambda s: s["cpu_s"], pass_block_seconds, compute, layout, (batch, heads, head_dim)
+    )
     factors, worst = [], 0.0
     for backward in (False, True):
-        factor, miss = _pooled(ratios[backward])
+        factor, miss = _pooled([(m, x) for b, m, x in pairs if b == backward])
         factors.append(factor)
         worst = max(worst, miss)
     return factors[0], factors[1], worst
+
+
+def _pairs(
+    samples: list[dict],
+    measured: Callable[[dict], float | None],
+    modelled: Callable[[FittedCompute, str, Layout, AttnShape, bool], float],
+    compute: FittedCompute,
+    layout: Layout,
+    dims: tuple[int, int, int],
+) -> list[tuple[bool, float, float]]:
+    """``(backward, measured, modelled)`` of every sample whose ``measured(sample)`` is not
+    ``None``, where both are > 0; ``modelled`` prices the sample's pass (``dims``: batch,
+    heads, head dim)."""
+    batch, heads, head_dim = dims
+    out = []
+    for s in samples:
+        got = measured(s)
+        if got is None:
+            continue
+        shape = AttnShape(batch, s["s_local"], heads, heads, head_dim)
+        model = modelled(compute, s["method"], layout, shape, s["backward"])
+        if model > 0 and got > 0:
+            out.append((bool(s["backward"]), got, model))
+    return out
 
 
 def _pooled(got: list[tuple[float, float]]) -> tuple[float, float]:
@@ -143,10 +165,9 @@ def pass_transport_seconds(
     (default options) on ``layout`` with ``shape`` per rank, the mean over the ranks: per
     exchange and per byte it sends (Note [Transport in a pass])."""
     eng = _pass_engine(compute, method, layout, shape, backward)
-    post, per_byte = compute.transport_work()
     per_rank = [
         sum(
-            post + per_byte * sum(t.nbytes for t in cost if t.send)
+            eng.exchange_transport_s(cost)
             for ins, cost in zip(instrs, costs, strict=True)
             if isinstance(ins, Exchange)
         )
@@ -169,13 +190,11 @@ def fit_transport_in_pass(
     ``compute``'s transport constants as fitted (its own factor 1); ``residual``: how far one
     sample's ratio lies from the factor, at most. ``(1, 0)`` without such samples or without
     transport constants."""
-    got: list[tuple[float, float]] = []
-    for s in samples:
-        if "process_s" not in s or "thread_s" not in s:
-            continue
-        shape = AttnShape(batch, s["s_local"], heads, heads, head_dim)
-        model = pass_transport_seconds(compute, s["method"], layout, shape, s["backward"])
-        measured = s["process_s"] - s["thread_s"]
-        if model > 0 and measured > 0:
-            got.append((measured, model))
-    return _pooled(got)
+
+    def transport(s: dict) -> float | None:  # the process's CPU less the calling thread's
+        return s["process_s"] - s["thread_s"] if "process_s" in s and "thread_s" in s else None
+
+    pairs = _pairs(
+        samples, transport, pass_transport_seconds, compute, layout, (batch, heads, head_dim)
+    )
+    return _pooled([(m, x) for _, m, x in pairs])

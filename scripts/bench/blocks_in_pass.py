@@ -103,9 +103,8 @@ def charged(cfg: dict, profile: str) -> dict[str, float]:
             got["host"] += eng.host_call
             for ins, cost in zip(instrs, costs, strict=True):
                 if isinstance(ins, Exchange):
-                    sent = sum(t.nbytes for t in cost if t.send)
-                    got["host"] += eng.host_post + eng.host_byte * sent
-                    got["transport"] += eng.transport_post + eng.transport_byte * sent
+                    got["host"] += eng.exchange_thread_s(cost)
+                    got["transport"] += eng.exchange_transport_s(cost)
                 elif isinstance(ins, Compute):
                     got["blocks"] += cost
                     got["blocks_alone"] += cost / scale
