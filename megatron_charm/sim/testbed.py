@@ -289,12 +289,14 @@ def compare(
     ``merge_gbps``, ``profile``; unread when ``cal`` is given); ``repeats``: further runs of the
     same point (Note [Repeatability]): the measured time is then the median of every run's
     median, ``runs_s`` lists them and ``spread`` is the largest over the smallest, minus one. A
-    method missing from a repeat is compared with the runs that have it. Each row also holds
+    method missing from a repeat is compared with the runs that have it, and one that only a
+    repeat ran is compared too (so a later run can add a method, such as the one ``auto``
+    picks, to a point measured before). Each row also holds
     ``host_work_s``, the seconds alone the replay charged the shared host for every rank
     (``PassResult.host_work``; 0 without a shared host), and ``cpu_s``, the CPU seconds the
     ranks spent in the call (the median of the runs that recorded it, else ``None``)."""
     cal = cal if cal is not None else calibrate(result, probe, **kw)
-    methods = [m for m in METHODS if m in result["methods"]]
+    methods = [m for m in METHODS if any(m in r["methods"] for r in (result, *repeats))]
     pred = predict(
         cal.topo, cal.problem, cal.compute, tuple(methods), options=_plan_options(result)
     )

@@ -36,6 +36,14 @@ def test_a_method_missing_from_a_repeat_uses_the_runs_that_have_it() -> None:
     assert charm["runs_s"] == pytest.approx([0.8]) and charm["spread"] == 0.0
 
 
+def test_a_method_only_a_repeat_ran_is_compared_too() -> None:
+    rows = compare(_result(1000.0), intra_gbps=1.0, repeats=[_result(1200.0, 700.0)])
+    by = {(r["method"], r["pass"]): r for r in rows}
+    assert by[("charm", "fwd")]["runs_s"] == pytest.approx([0.7])
+    assert by[("ring", "fwd")]["runs_s"] == pytest.approx([1.0, 1.2])
+    assert by[("charm", "fwd")]["predicted_s"] > 0
+
+
 def test_files_of_one_name_are_runs_of_one_point(tmp_path) -> None:
     for folder, ms in (("a", 1000.0), ("b", 1100.0)):
         (tmp_path / folder).mkdir()
