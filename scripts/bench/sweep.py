@@ -83,6 +83,19 @@ def point_cmd(p: tuple, out_json: str, iters: int, methods: str) -> list[str]:
 
 PEERS = "charm,ring,ring-flash,ring-flash-llama3,usp,all_gather,a2a,a2a+p2p,tasp".split(",")
 
+#: The methods ``auto`` chooses among (:data:`megatron_charm.sim.predict.SIMPLICITY`), so that
+#: its pick is measured at every point (``testbed`` compares it with the measured fastest).
+AUTO = ["ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"]
+
+
+def wanted_methods(spec: str) -> list[str]:
+    """``--methods``: a comma list in which ``peers`` stands for :data:`PEERS` and ``auto`` for
+    :data:`AUTO`; each method once, in first-seen order."""
+    out: list[str] = []
+    for name in spec.split(","):
+        out += PEERS if name == "peers" else AUTO if name == "auto" else [name]
+    return list(dict.fromkeys(out))
+
 
 def fitting(p: tuple, methods: list[str]) -> list[str]:
     """The methods of ``methods`` that can run point ``p``: the head splits need the query and
@@ -115,8 +128,9 @@ def main() -> int:
     ap.add_argument(
         "--methods",
         default="charm,ring,ring-flash",
-        help="comma list, or 'peers' for every method of the peers comparison; each point "
-        "runs those that fit it",
+        help="comma list, in which 'peers' stands for every method of the peers comparison and "
+        "'auto' for every method auto chooses among (peers,auto: both); each point runs those "
+        "that fit it",
     )
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = ap.parse_args()
@@ -129,7 +143,7 @@ def main() -> int:
         if args.only and args.only not in name:
             continue
         out_json = os.path.join(args.out, name + ".json")
-        wanted = PEERS if args.methods == "peers" else args.methods.split(",")
+        wanted = wanted_methods(args.methods)
         cmd = point_cmd(p, out_json, args.iters, ",".join(fitting(p, wanted)))
         print(" ".join(cmd[1:]), flush=True)
         if args.dry_run:

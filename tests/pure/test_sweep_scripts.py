@@ -53,3 +53,16 @@ def test_gqa_points_split_only_where_the_kv_heads_divide():
     cmd = sweep.point_cmd(mha, "out.json", 3, "charm")
     assert cmd[cmd.index("--kv-heads") + 1] == "8"
     assert any(p.kv_heads for p in sweep.POINTS)
+
+
+def test_methods_expand_peers_and_auto_once_each():
+    sweep = _load("sweep")
+    from megatron_charm.sim.predict import SIMPLICITY
+
+    assert sorted(sweep.AUTO) == sorted(SIMPLICITY)  # auto's candidates, all of them
+    assert sweep.wanted_methods("peers") == sweep.PEERS
+    both = sweep.wanted_methods("peers,auto")
+    assert both[: len(sweep.PEERS)] == sweep.PEERS
+    assert set(both) == set(sweep.PEERS) | set(sweep.AUTO) and len(both) == len(set(both))
+    assert "rm+" in both and "merge" in both
+    assert sweep.wanted_methods("charm,rm+,charm") == ["charm", "rm+"]
