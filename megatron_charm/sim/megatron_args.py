@@ -7,7 +7,8 @@ the flags that shape one attention layer and its CP group, as Megatron-LM (``cor
 ``arguments.py``) reads them, and ignores the others:
 
 * heads: ``--num-attention-heads``; kv heads: ``--num-query-groups`` with
-  ``--group-query-attention`` (Megatron's default 1), else every head; head dim:
+  ``--group-query-attention`` (Megatron's default 1), else every head (a ``--num-query-groups``
+  without it is named in the line that says what was read: Megatron reads it only then); head dim:
   ``--kv-channels``, else ``--hidden-size / --num-attention-heads``;
 * tokens: ``--seq-length``, ``--micro-batch-size`` (1 if absent); GPT attention is causal;
 * bytes per element: 2 with ``--bf16`` or ``--fp16``, else 4;
@@ -52,13 +53,16 @@ class MegatronLayer:
     cp_comm_types: tuple[str, ...] = ("p2p",)
     """The run's ``--cp-comm-type`` (one per layer where it lists several; Megatron's default
     ``p2p``)."""
+    unread: tuple[str, ...] = ()
+    """Flags of the line that Megatron does not read as given, each with why (so the line that
+    says what was read can say it too)."""
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="--megatron", add_help=False)
     ap.add_argument("--num-attention-heads", type=int)
     ap.add_argument("--group-query-attention", action="store_true")
-    ap.add_argument("--num-query-groups", type=int, default=1)
+    ap.add_argument("--num-query-groups", type=int, default=None)
     ap.add_argument("--kv-channels", type=int)
     ap.add_argument("--hidden-size", type=int)
     ap.add_argument("--seq-length", type=int)
@@ -93,8 +97,18 @@ def layer_from_megatron(text: str, gpus_per_node: int | None) -> MegatronLayer:
     except (ValueError, SystemExit) as err:  # argparse exits on a value it cannot convert
         raise ValueError(f"--megatron {text!r}: cannot read it ({err}); check its flags") from None
     heads = _positive("--num-attention-heads", args.num_attention_heads)
-    kv = _positive("--num-query-groups", args.num_query_groups)
-    kv = kv if args.group_query_attention else heads
+    groups = args.num_query_groups
+    unread: list[str] = []
+    if args.group_query_attention:
+        kv = _positive("--num-query-groups", 1 if groups is None else groups)  # Megatron's: 1
+    else:
+        kv = heads
+        if groups is not None and groups != heads:
+            unread.append(
+                f"--num-query-groups {groups} without --group-query-attention, which Megatron "
+                "reads only with it (every head its own kv head here); add "
+                "--group-query-attention if the model groups its kv heads"
+            )
     if heads % kv:
         raise ValueError(
             f"--megatron: --num-attention-heads {heads} must be divisible by --num-query-groups "
@@ -142,6 +156,7 @@ def layer_from_megatron(text: str, gpus_per_node: int | None) -> MegatronLayer:
         ranks_per_node=p,
         groups_per_node=gpus_per_node // p,
         cp_comm_types=tuple(dict.fromkeys(args.cp_comm_type)),
+        unread=tuple(unread),
     )
 
 
@@ -230,4 +245,5 @@ def apply_problem_source(args: argparse.Namespace) -> None:
         f"rank(s) (--gpus {args.gpus}), batch {layer.batch}, seq {layer.seq}, {layer.heads} "
         f"heads ({layer.kv_heads} kv) of {layer.head_dim}, {layer.dtype_bytes} bytes per "
         f"element, causal, TP {layer.tp}, {layer.groups_per_node} CP group(s) per node"
+        + "".join(f"; not read: {note}" for note in layer.unread)
     )

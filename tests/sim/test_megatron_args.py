@@ -144,6 +144,23 @@ def test_cli_prints_what_it_read(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "  - from --megatron on 8 GPUs per node: CP 16 as 4 node(s) x 4 rank(s)" in out
     assert "32 heads (8 kv) of 128, 2 bytes per element, causal, TP 2" in out
+    assert "not read" not in out
+
+
+def test_query_groups_without_gqa_are_named_as_not_read(capsys: pytest.CaptureFixture) -> None:
+    line = LLAMA.replace("--group-query-attention ", "")
+    assert line != LLAMA
+    layer = layer_from_megatron(line, 8)
+    assert layer.kv_heads == layer.heads == 32
+    assert len(layer.unread) == 1 and "--num-query-groups 8 without" in layer.unread[0]
+    assert main(["advise", "--preset", "H100", "--gpus-per-node", "8", "--megatron", line]) == 0
+    out = capsys.readouterr().out
+    assert "32 heads (32 kv) of 128" in out
+    assert "; not read: --num-query-groups 8 without --group-query-attention" in out
+    # as many groups as heads, or Megatron's default left alone: nothing to say
+    same = layer_from_megatron(line.replace("--num-query-groups 8", "--num-query-groups 32"), 8)
+    assert same.unread == ()
+    assert layer_from_megatron(line.replace("--num-query-groups 8", ""), 8).unread == ()
 
 
 @pytest.mark.parametrize(
