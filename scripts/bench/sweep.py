@@ -21,6 +21,8 @@ import sys
 import time
 from typing import NamedTuple
 
+from megatron_charm.sim.predict import SIMPLICITY
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -85,7 +87,7 @@ PEERS = "charm,ring,ring-flash,ring-flash-llama3,usp,all_gather,a2a,a2a+p2p,tasp
 
 #: The methods ``auto`` chooses among (:data:`megatron_charm.sim.predict.SIMPLICITY`), so that
 #: its pick is measured at every point (``testbed`` compares it with the measured fastest).
-AUTO = ["ring", "all_gather", "a2a", "a2a+p2p", "merge", "rm+", "charm"]
+AUTO = list(SIMPLICITY)
 
 
 def wanted_methods(spec: str) -> list[str]:
