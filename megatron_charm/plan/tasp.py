@@ -61,6 +61,21 @@ def check_tasp_shape(s_local: int, cp_size: int) -> None:
         )
 
 
+def check_paper_tasp_shape(s_local: int, cp_size: int) -> None:
+    """Refuse a local sequence that the paper's TASP cannot run: its rule, a global sequence
+    divisible by ``n (n - 1)`` (``s_local`` by ``n - 1``). Looser than :func:`check_tasp_shape`,
+    whose chunks also split the zigzag halves; the simulator replays the paper's TASP by this
+    rule, since it prices chunks as fractions of a rank's tokens (Note [The paper's baselines] in
+    :mod:`megatron_charm.sim.baselines`)."""
+    pieces = max(cp_size - 1, 1)
+    if s_local % pieces:
+        raise ValueError(
+            f"the paper's TASP needs the sequence divisible by n (n - 1) = {pieces * cp_size} "
+            f"(its Table 5 note): the local sequence s_local={s_local} does not divide into "
+            f"cp_size - 1 = {pieces} chunks; change the sequence length or leave tasp out"
+        )
+
+
 def _kv_chunk(q_owner: int, kv_owner: int, causal: bool, step: int, cp_size: int) -> Part | Chunk:
     return chunk(block_parts(q_owner, kv_owner, causal)[1], step, cp_size - 1)
 

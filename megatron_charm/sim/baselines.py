@@ -147,9 +147,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_charm.plan import PlanOptions
+from megatron_charm.plan import PlanOptions, check_shape
+from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.pipeline import algorithm2_step
-from megatron_charm.plan.types import Compute, Exchange, Kind, Payload, Program, Wait, Wire
+from megatron_charm.plan.tasp import check_paper_tasp_shape
+from megatron_charm.plan.types import (
+    Compute,
+    Exchange,
+    Kind,
+    Layout,
+    Payload,
+    Program,
+    Wait,
+    Wire,
+)
 from megatron_charm.sim.compute import ComputeModel
 from megatron_charm.sim.predict import Prediction, Problem, predict
 from megatron_charm.sim.programs import ProgramSet
@@ -347,6 +358,16 @@ def paper_programs(progs: ProgramSet) -> ProgramSet:
     return dataclasses.replace(progs, forward=forward, backward=backward)
 
 
+def paper_check_shape(options: PlanOptions, layout: Layout, shape: AttnShape) -> None:
+    """The shape rules of the paper's methods: TASP's is its own, a sequence divisible by
+    ``n (n - 1)`` (:func:`megatron_charm.plan.tasp.check_paper_tasp_shape`), not our executor's
+    stricter one; every other method's as :func:`megatron_charm.plan.check_shape` says."""
+    if options.method == "tasp":
+        check_paper_tasp_shape(shape.s_local, layout.cp_size)
+    else:
+        check_shape(options, layout, shape)
+
+
 def paper_predict(
     topo: Topology,
     problem: Problem,
@@ -360,5 +381,12 @@ def paper_predict(
     (:meth:`megatron_charm.sim.topology.Hardware.a2a_topology`); ``None``: ``topo``."""
     options = paper_charm(topo.num_nodes)
     return predict(
-        topo, problem, compute, methods, options=options, rewrite=paper_programs, a2a_topo=a2a_topo
+        topo,
+        problem,
+        compute,
+        methods,
+        options=options,
+        rewrite=paper_programs,
+        a2a_topo=a2a_topo,
+        check=paper_check_shape,
     )

@@ -228,10 +228,12 @@ def predict(
     record: bool = False,
     rewrite: Callable[[ProgramSet], ProgramSet] | None = None,
     a2a_topo: Topology | None = None,
+    check: Callable[[PlanOptions, Layout, AttnShape], None] = check_shape,
 ) -> Prediction:
     """Replay forward and backward of every method in ``methods``, each with ``options`` (its
     method replaced). ``None``: every method that can split the problem (``a2a`` only when the
-    heads divide over the CP group); a method in ``methods`` that cannot raises ``ValueError``.
+    heads divide over the CP group); a method in ``methods`` that cannot raises ``ValueError``
+    (``check``: the rule that says so; our executor's by default).
     ``rewrite``, if given, maps each method's programs to the ones replayed (the paper's
     baselines, :mod:`megatron_charm.sim.baselines`). ``a2a_topo``, if given, is the links that
     ``tasp``'s all-to-all steps run on instead of ``topo``
@@ -242,7 +244,7 @@ def predict(
     if methods is None:
         methods = methods_for(layout, shape)
     for method in methods:
-        check_shape(options.replace(method=method), layout, shape)
+        check(options.replace(method=method), layout, shape)
     parts = tuple(ccr_parts(topo, shape, compute, problem.causal, bwd) for bwd in (False, True))
     pred = Prediction(
         topo,

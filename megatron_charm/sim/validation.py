@@ -33,7 +33,8 @@ import math
 import time
 from dataclasses import dataclass
 
-from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_predict
+from megatron_charm.plan.tasp import check_paper_tasp_shape
+from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_check_shape, paper_predict
 from megatron_charm.sim.compute import Enqueue, describe_compute
 from megatron_charm.sim.predict import Prediction, Problem, describe_links, predict
 from megatron_charm.sim.topology import PRESETS, Hardware, Topology, parse_gpus
@@ -154,6 +155,14 @@ def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
         )
     if times["charm_bwd"] is not None and times["ring_bwd"] is None:
         raise bad("ring_bwd", "a backward speedup needs ring's backward time")
+    n = gpus[0] * gpus[1]
+    if ints["seq"] % n:
+        raise bad("seq", f"the sequence must divide over the {rec['gpus']} = {n} ranks")
+    if times["tasp_fwd"] is not None:
+        try:
+            check_paper_tasp_shape(ints["seq"] // n, n)
+        except ValueError as err:
+            raise bad("tasp_fwd", str(err)) from None
     return PaperRow(rec["table"], rec["gpu"], gpus, **ints, **times)  # type: ignore[arg-type]
 
 
@@ -243,7 +252,8 @@ def compare_row(
         a2a = hw.a2a_topology(*row.gpus) if cross_links is None else None
         pred: Prediction = paper_predict(topo, problem, compute, methods, a2a_topo=a2a)
     else:
-        pred = predict(topo, problem, compute, methods)
+        # the row's TASP is the paper's: its own shape rule, not our executor's stricter one
+        pred = predict(topo, problem, compute, methods, check=paper_check_shape)
     out = []
     for method, bwd, paper_ms in wanted:
         ring_paper = row.ring_bwd if bwd else row.ring_fwd

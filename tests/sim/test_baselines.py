@@ -492,13 +492,18 @@ def test_validation_replays_tasp_on_the_all_to_all_links() -> None:
 
 def test_the_structure_table_predicts_tasp_where_its_chunks_fit() -> None:
     # scripts/bench/paper_structure.py: TASP's column at Table 5's first 2 x 8 row (paper
-    # 1.53x), and "-" where 105 tokens per GPU do not cut into 2 x 15 chunks
+    # 1.53x); at 105 tokens per GPU by the paper's rule (15 chunks: a sequence divisible by
+    # 16 x 15), not by our executor's (2 x 15 chunks); "-" at 110 tokens per GPU
     from tests.bench_scripts import load_bench_script
 
     mod = load_bench_script("paper_structure")
-    fits, cut = mod.rows((2, 8), PAPER_EFFICIENCY["H100"], "paper", (26880, 1680), (16,))
+    eff = PAPER_EFFICIENCY["H100"]
+    fits, paper_rule, cut = mod.rows((2, 8), eff, "paper", (26880, 1680, 1760), (16,))
     assert float(fits.split("|")[-2]) == pytest.approx(1.53, rel=0.1)
+    assert 1.0 < float(paper_rule.split("|")[-2]) < float(fits.split("|")[-2])
     assert cut.split("|")[-2].strip() == "-"
+    (ours,) = mod.rows((2, 8), eff, "ours", (1680,), (16,))
+    assert ours.split("|")[-2].strip() == "-"
 
 
 def test_the_structure_table_replays_a_changed_preset() -> None:
@@ -538,6 +543,28 @@ def test_the_structure_averages_are_the_grids_means(monkeypatch: pytest.MonkeyPa
         achieved, table2 = (float(x) for x in row.split("|")[4:6])
         assert achieved == round(p.ccr_forward, 2)
         assert table2 == pytest.approx(achieved * 42.5 / 26.35, abs=0.015)
+
+
+def test_the_papers_tasp_replays_by_the_papers_shape_rule() -> None:
+    # the paper's TASP needs a sequence divisible by n (n - 1); our executor's chunks also split
+    # the zigzag halves (2 n (n - 1)). The replay prices chunks as fractions of a rank's tokens,
+    # so the paper's rows at 1,680 tokens on 16 GPUs (105 per GPU, 15 chunks of 7) replay.
+    from megatron_charm.plan.tasp import check_paper_tasp_shape, check_tasp_shape
+
+    check_paper_tasp_shape(105, 16)
+    with pytest.raises(ValueError, match=r"divisible by 2 \* \(cp_size - 1\) = 30"):
+        check_tasp_shape(105, 16)
+    with pytest.raises(ValueError, match=r"n \(n - 1\) = 240 .* s_local=110"):
+        check_paper_tasp_shape(110, 16)
+    hw = PRESETS["H100"]
+    topo, compute = hw.topology(2, 8), hw.compute_model(PAPER_EFFICIENCY["H100"])
+    problem = Problem(1, 1680, 12, 192)
+    pred = paper_predict(topo, problem, compute, ("ring", "tasp"), hw.a2a_topology(2, 8))
+    assert pred.methods["tasp"].forward.makespan > 0
+    with pytest.raises(ValueError, match="method tasp cuts"):
+        predict(topo, problem, compute, ("ring", "tasp"))
+    with pytest.raises(ValueError, match="the paper's TASP needs"):
+        paper_predict(topo, Problem(1, 1760, 12, 192), compute, ("tasp",))
 
 
 def test_the_structure_tables_4x8_tasp_sequences_fit_its_chunks() -> None:
