@@ -539,8 +539,8 @@ PRESETS: dict[str, Hardware] = {
 
 
 def parse_gpus(spec: str) -> tuple[int, int]:
-    """``"2x8"`` -> ``(2, 8)`` (nodes, ranks per node)."""
-    parts = spec.lower().split("x")
+    """``"2x8"`` -> ``(2, 8)`` (nodes, ranks per node); the paper's ``2 × 8`` as well."""
+    parts = spec.lower().replace("\u00d7", "x").split("x")
     try:
         m, p = (int(x) for x in parts)
     except ValueError:

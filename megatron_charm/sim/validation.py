@@ -20,8 +20,9 @@ replays with one preset field changed (``H100.efficiency=0.35``, ``H20.intra_bw=
 field as 0 or 1: ``H20.cross_lat_on_link=0``): what-if runs of a constant's source; a set
 efficiency is used as given, not fitted. ``--rows`` compares
 other measurements of the same kind instead of Tables 4 and 5 (a CSV with the columns of
-:data:`ROW_COLUMNS`, one row per measured point, times in ms, empty where none), at the presets'
-efficiencies (nothing is fitted on them).
+:data:`ROW_COLUMNS`, one row per measured point, times in ms, empty or the paper's dash where
+none; numbers as the paper prints them, ``1,204.18`` or bold, read as plain ones), at the
+presets' efficiencies (nothing is fitted on them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import csv
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass
 
@@ -112,9 +114,23 @@ ROW_COLUMNS = (
 )
 
 
+#: What the paper's tables print where a method has no measurement (Table 5's TASP backward).
+NOT_MEASURED = frozenset({"-", "\u2013", "\u2014"})
+_THOUSANDS = re.compile(r"\d{1,3}(,\d{3})+(\.\d*)?")
+
+
+def _cell(text: str | None) -> str:
+    """A cell as the paper prints it, read as a plain number: bold marks and thousands
+    separators dropped (``**1,204.18**``), its dash for "not measured" as empty."""
+    text = (text or "").strip().strip("*").strip()
+    if text in NOT_MEASURED:
+        return ""
+    return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
+
+
 def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
     # a short line leaves fields None, a long one puts its extras under the key None
-    rec = {k: (v or "").strip() for k, v in raw.items() if isinstance(k, str)}
+    rec = {k: _cell(v) for k, v in raw.items() if isinstance(k, str)}
 
     def bad(col: str, rule: str) -> ValueError:
         return ValueError(f"{path}:{line}: {col}={rec[col]!r}: {rule}; fix the row")
@@ -169,7 +185,8 @@ def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
 def load_rows(path: str) -> tuple[PaperRow, ...]:
     """Measured rows from a CSV with :data:`ROW_COLUMNS` (``--rows``); ``ValueError`` naming
     the line and column of a bad value."""
-    with open(path, newline="") as fh:
+    # utf-8-sig: a spreadsheet's export starts with a byte-order mark, which would rename "table"
+    with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         missing = [c for c in ROW_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:

@@ -142,6 +142,24 @@ def test_rows_from_a_csv_compare_as_the_papers_rows(tmp_path, capsys) -> None:
     assert "Times within +-25%: 5 of 5" in out
 
 
+def test_rows_read_numbers_as_the_paper_prints_them(tmp_path) -> None:
+    # a table copied from the paper: its GPUs as 2 × 8, thousands separators, bold, and its dash
+    # where a method has no measurement (TASP's backward)
+    path = tmp_path / "rows.csv"
+    path.write_text(
+        ROWS_HEADER + "\n"
+        '9,H100,2 \u00d7 8,16,"215,040",12,192,"1,763.17",,**1091.3**,"3,542.28",\u2013,-\n',
+        encoding="utf-8-sig",  # as a spreadsheet exports it
+    )
+    (row,) = v.load_rows(str(path))
+    assert (row.gpus, row.seq, row.ring_fwd, row.charm_fwd) == ((2, 8), 215040, 1763.17, 1091.3)
+    assert row.ring_bwd == 3542.28 and row.charm_bwd is None and row.tasp_fwd is None
+    # a comma that is not a thousands separator stays an error
+    path.write_text(ROWS_HEADER + '\n5,H100,2x8,16,26880,12,192,"149,97",,63.93,,,\n')
+    with pytest.raises(ValueError, match="ring_fwd='149,97': a time in ms"):
+        v.load_rows(str(path))
+
+
 def test_rows_of_a_backward_only_table_compare_the_backward(tmp_path, capsys) -> None:
     # the appendix's backward tables (10 and 12) give ring's and CHARM+'s backward times only:
     # Table 5's first 2 x 8 row so written compares its backward speedup and times alone
