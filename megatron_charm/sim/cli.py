@@ -488,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"tasp: its all-to-all steps on one NIC per GPU at {a2a.cross_bw:g} GB/s each, "
                 "as the paper's TASP rows show (docs/simulator.md, all-to-all across nodes)"
             )
+            if args.replay == "paper":
+                tasp_note += (
+                    "; its backward is our planner's, one exchange and one merge per peer and "
+                    "step: the paper's TASP has none (its footnote 4)"
+                )
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)
         return 2

@@ -201,6 +201,10 @@ def test_cli_runs_a_presets_tasp_on_its_all_to_all_links(
     assert "tasp_links" not in flagged
     on_a2a, on_flags = (d["methods"]["tasp"]["forward"]["time_ms"] for d in (data, flagged))
     assert on_a2a < on_flags
+    # the paper's schedules: its TASP has no backward, so the one replayed is said to be ours
+    assert "backward is our planner's" not in data["tasp_links"]
+    paper = run_json(capsys, [*base.split(), "--methods", "ring,tasp", "--replay", "paper"])
+    assert "backward is our planner's" in paper["tasp_links"]
 
 
 def test_cli_replays_the_papers_schedules_next_to_its_table_5(
