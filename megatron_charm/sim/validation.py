@@ -188,7 +188,9 @@ def load_rows(path: str) -> tuple[PaperRow, ...]:
     # utf-8-sig: a spreadsheet's export starts with a byte-order mark, which would rename "table"
     with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
-        missing = [c for c in ROW_COLUMNS if c not in (reader.fieldnames or [])]
+        # " Ring_fwd" names ring_fwd: a header typed by hand, or padded for alignment
+        reader.fieldnames = [f.strip().lower() for f in reader.fieldnames or []]
+        missing = [c for c in ROW_COLUMNS if c not in reader.fieldnames]
         if missing:
             raise ValueError(
                 f"{path}: columns {missing} are missing; a --rows CSV has the header "

@@ -154,6 +154,11 @@ def test_rows_read_numbers_as_the_paper_prints_them(tmp_path) -> None:
     (row,) = v.load_rows(str(path))
     assert (row.gpus, row.seq, row.ring_fwd, row.charm_fwd) == ((2, 8), 215040, 1763.17, 1091.3)
     assert row.ring_bwd == 3542.28 and row.charm_bwd is None and row.tasp_fwd is None
+    # a header padded or capitalised by hand, with columns of its own (the appendix's CCR)
+    header = " ".join(ROWS_HEADER.split(",")).title().replace(" ", " , ") + ",ccr"
+    path.write_text(header + "\n5,H100,2x8,16,26880,12,192,149.97,,63.93,,,,0.08\n")
+    (row,) = v.load_rows(str(path))
+    assert (row.ring_fwd, row.charm_fwd, row.tasp_fwd) == (149.97, 63.93, None)
     # a comma that is not a thousands separator stays an error
     path.write_text(ROWS_HEADER + '\n5,H100,2x8,16,26880,12,192,"149,97",,63.93,,,\n')
     with pytest.raises(ValueError, match="ring_fwd='149,97': a time in ms"):
