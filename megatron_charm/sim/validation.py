@@ -172,11 +172,13 @@ def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
     if times["charm_bwd"] is not None and times["ring_bwd"] is None:
         raise bad("ring_bwd", "a backward speedup needs ring's backward time")
     n = gpus[0] * gpus[1]
-    if ints["seq"] % n:
-        raise bad("seq", f"the sequence must divide over the {rec['gpus']} = {n} ranks")
+    try:
+        shape = Problem(ints["batch"], ints["seq"], ints["heads"], ints["head_dim"]).shape(n)
+    except ValueError as err:
+        raise bad("seq", str(err)) from None
     if times["tasp_fwd"] is not None:
         try:
-            check_paper_tasp_shape(ints["seq"] // n, n)
+            check_paper_tasp_shape(shape.s_local, n)
         except ValueError as err:
             raise bad("tasp_fwd", str(err)) from None
     return PaperRow(rec["table"], rec["gpu"], gpus, **ints, **times)  # type: ignore[arg-type]

@@ -196,7 +196,10 @@ def test_rows_of_a_backward_only_table_compare_the_backward(tmp_path, capsys) ->
         ("5,H100,2x8,16,26880,12,192,,,,,,", "ring_fwd='': ring's forward time is required"),
         ("5,H100,2x8,16,26880,12,192,149.97,,-1,,,", "charm_fwd='-1': a time in ms"),
         ("5,H100,2x8,16,26880,12,192,149.97,,63.93,,141.5,", "ring_bwd='': a backward speedup"),
-        ("5,H100,2x8,16,26888,12,192,149.97,,63.93,,,", "seq='26888': the sequence must divide"),
+        (
+            "5,H100,2x8,16,26888,12,192,149.97,,63.93,,,",
+            "seq='26888': --seq 26888 must be positive and divisible by 16",
+        ),
         (
             "5,H100,2x8,16,1760,12,192,1,,1,,,1",
             r"tasp_fwd='1': the paper's TASP needs the sequence divisible by n \(n - 1\) = 240",
