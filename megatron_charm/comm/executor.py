@@ -163,14 +163,17 @@ class ProgramRunner:
         self.keep = frozenset() if backward else frozenset(kept)
         self.kept: dict[Payload, Tensor] = dict(kept) if backward else {}
         self.accumulators: dict[Key, Accumulator] = {}
-        # handle -> (works, received (payload, buffers), sent tensors, bytes of the sent tensors
-        # that this pass allocated): all kept until the Wait
+        # handle -> (works, received (payload, sender's cp_rank, buffers), sent tensors, bytes of
+        # the sent tensors that this pass allocated): all kept until the Wait
         self.pending: dict[int, tuple[list, list, list[Tensor], int]] = {}
         # exchanges built but not yet posted: (exchange, receives, sends), posted together at
         # the end of their run (Note [Receives of a run first])
         self.staged: list[tuple[Exchange, list, list]] = []
         self.runs_receives_first = topo.receives_first_in_runs
-        self.partials: dict[tuple[int, Kind, int, Heads | None], tuple[Part, list[Tensor]]] = {}
+        # (handle, peer, kind, owner, heads) -> a received partial, until merged
+        self.partials: dict[
+            tuple[int, int, Kind, int, Heads | None], tuple[Part, list[Tensor]]
+        ] = {}
         self.exchanges: dict[int, Exchange] = {}
         self.stats = RunStats()
         shape = space.shape
@@ -233,7 +236,7 @@ class ProgramRunner:
             else:
                 bufs = self.space.receive_buffers(p, op.wire)
                 recvs += [dist.P2POp(dist.irecv, t, peer, group) for t in bufs]
-                received.append((p, bufs))
+                received.append((p, op.peer, bufs))
         if self.trace is not None:
             self.stats.bytes_sent[ex.channel] += _nbytes(sent)
         self.pending[ex.handle] = ([], received, sent, allocated)
@@ -305,9 +308,9 @@ class ProgramRunner:
                 work.wait()
         except RuntimeError as exc:
             raise self._failure(self.exchanges[w.handle], exc) from exc
-        for p, bufs in received:
+        for p, src, bufs in received:
             if p.kind.is_partial:
-                self.partials[(w.handle, p.kind, p.owner, p.heads)] = (p.part, bufs)
+                self.partials[(w.handle, src, p.kind, p.owner, p.heads)] = (p.part, bufs)
             elif p.kind is Kind.DB:
                 q = self.kept.pop(q_piece(p))
                 self.inputs[(Kind.QB, p.owner, p.heads)] = (p.part, [q, *bufs])
@@ -395,7 +398,7 @@ class ProgramRunner:
 
     def _merge(self, m: Merge) -> None:
         p = m.payload
-        part, bufs = self.partials.pop((m.handle, p.kind, p.owner, p.heads))
+        part, bufs = self.partials.pop((m.handle, m.peer, p.kind, p.owner, p.heads))
         self._accumulator(p.kind, p.owner, p.heads).add(part, bufs, computed=False)
 
     def _buffer_bytes(self, own: set[Key]) -> int:
@@ -411,7 +414,7 @@ class ProgramRunner:
                         total += t.nbytes
         for _, received, _, allocated in self.pending.values():
             total += allocated
-            for _, bufs in received:
+            for _, _, bufs in received:
                 for t in bufs:
                     total += t.nbytes
         for acc in self.accumulators.values():

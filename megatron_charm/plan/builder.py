@@ -28,10 +28,10 @@ class ProgramBuilder:
         self.instrs: list[Instr] = []
         self._next_handle = 0
         self._unwaited: dict[int, None] = {}  # insertion-ordered set
-        # (kind, owner, heads) -> receives not yet waited for, oldest first. Several can be in
-        # flight: partials come from several senders, and kv is fetched again in every CHARM+
-        # round.
-        self._inflight: dict[tuple[Kind, int, Heads | None], list[tuple[Part, int]]] = {}
+        # (kind, owner, heads) -> receives not yet waited for (part, handle, peer), oldest
+        # first. Several can be in flight: partials come from several senders, and kv is
+        # fetched again in every CHARM+ round.
+        self._inflight: dict[tuple[Kind, int, Heads | None], list[tuple[Part, int, int]]] = {}
 
     def exchange(self, channel: str, ops: list[Op]) -> int:
         if not ops:
@@ -46,7 +46,7 @@ class ProgramBuilder:
         for op in ops:
             if not op.send:
                 key = (op.payload.kind, op.payload.owner, op.payload.heads)
-                self._inflight.setdefault(key, []).append((op.payload.part, handle))
+                self._inflight.setdefault(key, []).append((op.payload.part, handle, op.peer))
         return handle
 
     def wait(self, handle: int) -> None:
@@ -54,17 +54,18 @@ class ProgramBuilder:
             del self._unwaited[handle]
             self.instrs.append(Wait(handle))
 
-    def need(self, payload: Payload) -> int | None:
-        """Wait for the oldest in-flight receive that delivers ``payload``; return its handle.
+    def need(self, payload: Payload) -> tuple[int, int] | None:
+        """Wait for the oldest in-flight receive that delivers ``payload``; return its handle and
+        the CP rank it comes from.
 
         ``None`` means nothing is in flight for it: the rank owns it or received it earlier.
         """
         pending = self._inflight.get((payload.kind, payload.owner, payload.heads), [])
-        for idx, (part, handle) in enumerate(pending):
+        for idx, (part, handle, peer) in enumerate(pending):
             if part.contains(payload.part):
                 self.wait(handle)
                 pending.pop(idx)
-                return handle
+                return handle, peer
         return None
 
     def compute(
@@ -85,10 +86,10 @@ class ProgramBuilder:
 
     def merge(self, payload: Payload) -> None:
         """Fold the received partial ``payload`` into this rank's accumulator."""
-        handle = self.need(payload)
-        if handle is None:
+        got = self.need(payload)
+        if got is None:
             raise AssertionError(f"rank {self.cp_rank} merges {payload} that was never received")
-        self.instrs.append(Merge(payload, handle))
+        self.instrs.append(Merge(payload, *got))
 
     def finish(self) -> Program:
         for handle in list(self._unwaited):

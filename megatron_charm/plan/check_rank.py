@@ -53,8 +53,8 @@ def check_rank_program(
     inputs: dict[Key, Part] = {(qk, x, None): Part.FULL, (Kind.KV, x, None): Part.FULL}
     acc: dict[Key, Part] = {}  # accumulator -> the part it covers
     held = sent_counts(prog, backward)  # what each sent partial holds (Note [Wire precision])
-    posted: dict[int, list[Payload]] = {}  # exchange -> payloads it receives
-    received: set[tuple[int, Payload]] = set()  # waited partials, by exchange
+    posted: dict[int, list[tuple[int, Payload]]] = {}  # exchange -> (peer, payload) received
+    received: set[tuple[int, int, Payload]] = set()  # waited partials: (exchange, peer, payload)
 
     def err(pc: int, msg: str) -> ScheduleError:
         return ScheduleError(f"cp_rank {x}, instr {pc}: {msg}")
@@ -79,7 +79,9 @@ def check_rank_program(
                 if op.peer == x:
                     raise err(pc, f"exchanges {p} with itself")
                 if not op.send:
-                    posted[ins.handle].append(p)
+                    if (op.peer, p) in posted[ins.handle]:
+                        raise err(pc, f"receives {p} twice from cp_rank {op.peer} in one exchange")
+                    posted[ins.handle].append((op.peer, p))
                 elif not p.kind.is_partial:
                     if not has(replace(p, kind=held_input(p.kind))):
                         raise err(pc, f"sends {p} that it does not hold")
@@ -93,9 +95,9 @@ def check_rank_program(
         elif isinstance(ins, Wait):
             if ins.handle not in posted:
                 raise err(pc, f"waits for exchange {ins.handle}, never posted or waited twice")
-            for p in posted.pop(ins.handle):
+            for peer, p in posted.pop(ins.handle):
                 if p.kind.is_partial:
-                    received.add((ins.handle, p))
+                    received.add((ins.handle, peer, p))
                 else:  # a DB completes the bundle with a kept q (checked by the replay)
                     inputs[(held_input(p.kind), p.owner, p.heads)] = p.part
         elif isinstance(ins, Compute):
@@ -116,15 +118,20 @@ def check_rank_program(
             else:
                 add((Kind.O, ins.q_owner, ins.heads), ins.q_part)
         elif isinstance(ins, Merge):
-            if (ins.handle, ins.payload) not in received:
-                raise err(pc, f"merges {ins.payload} that exchange {ins.handle} did not deliver")
-            received.discard((ins.handle, ins.payload))
+            got = (ins.handle, ins.peer, ins.payload)
+            if got not in received:
+                raise err(
+                    pc,
+                    f"merges {ins.payload} from cp_rank {ins.peer}, which exchange {ins.handle} "
+                    "did not deliver",
+                )
+            received.discard(got)
             p = ins.payload
             add((p.kind, p.owner, p.heads), p.part)
     if posted:
         raise ScheduleError(f"cp_rank {x} never waits for exchanges {sorted(posted)}")
     if received:
-        raise ScheduleError(f"cp_rank {x} never merges {sorted(str(p) for _, p in received)}")
+        raise ScheduleError(f"cp_rank {x} never merges {sorted(str(p) for _, _, p in received)}")
     kinds = (Kind.DQ, Kind.DKV) if backward else (Kind.O,)
     for key, part in acc.items():
         if key[1] != x or key[0] not in kinds:

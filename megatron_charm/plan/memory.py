@@ -158,9 +158,9 @@ class _Replay:
         # received inputs (own ones are the caller's): key -> (part held, bytes)
         self.inputs: dict[Key, tuple[Part, int]] = {}
         self.pending: dict[int, int] = {}  # handle -> receive buffers + send copies
-        self.received: dict[int, list[tuple[Payload, Wire]]] = {}
+        self.received: dict[int, list[tuple[Payload, Wire, int]]] = {}  # (.., .., peer)
         self.accs: dict[Key, _Acc] = {}
-        self.partials: dict[tuple[int, Key], int] = {}
+        self.partials: dict[tuple[int, int, Key], int] = {}  # (handle, peer, key) -> bytes
         self.expanded: dict[ExpandKey, int] = {}
 
     def _acc_bytes(self, key: Key, part: Part, single: bool) -> int:
@@ -201,16 +201,16 @@ class _Replay:
                     total += self._send_copy(p)
                 else:
                     total += payload_bytes(p, self.shape, op.wire)
-                    recvs.append((p, op.wire))
+                    recvs.append((p, op.wire, op.peer))
             self.pending[ins.handle] = total
             self.received[ins.handle] = recvs
         elif isinstance(ins, Wait):
             del self.pending[ins.handle]
-            for p, wire in self.received.pop(ins.handle):
+            for p, wire, peer in self.received.pop(ins.handle):
                 key = (p.kind, p.owner, p.heads)
                 nbytes = payload_bytes(p, self.shape, wire)
                 if p.kind.is_partial:
-                    self.partials[(ins.handle, key)] = nbytes
+                    self.partials[(ins.handle, peer, key)] = nbytes
                 elif p.kind is Kind.DB:
                     nbytes += self.kept.pop(q_piece(p))
                     self.inputs[(Kind.QB, p.owner, p.heads)] = (p.part, nbytes)
@@ -227,7 +227,7 @@ class _Replay:
             assert isinstance(ins, Merge)
             p = ins.payload
             key = (p.kind, p.owner, p.heads)
-            del self.partials[(ins.handle, key)]
+            del self.partials[(ins.handle, ins.peer, key)]
             self._add(key, p.part, False)
 
     def computes(self, run: list[Compute]) -> None:

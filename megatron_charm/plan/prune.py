@@ -133,7 +133,7 @@ def _partial_parts(
     def visit(prog: Program) -> set[int]:
         x, wake = prog.cp_rank, set()
         acc: dict[Key, Part | None] = {}
-        got: dict[tuple[int, Key], Part | None] = {}
+        got: dict[tuple[int, int, Key], Part | None] = {}  # (handle, peer, key)
         for ins in prog.instrs:
             if isinstance(ins, Compute):
                 for key, part in _compute_keys(ins, backward):
@@ -141,7 +141,7 @@ def _partial_parts(
             elif isinstance(ins, Merge):
                 p = ins.payload
                 key = (p.kind, p.owner, p.heads)
-                acc[key] = _union(acc.get(key), got.pop((ins.handle, key), None))
+                acc[key] = _union(acc.get(key), got.pop((ins.handle, ins.peer, key), None))
             elif isinstance(ins, Exchange):
                 for k, op in enumerate(ins.ops):
                     p = op.payload
@@ -155,7 +155,7 @@ def _partial_parts(
                             sent[me] = part
                             wake.add(op.peer)
                     else:
-                        got[(ins.handle, key)] = sent.get(pair[me])
+                        got[(ins.handle, op.peer, key)] = sent.get(pair[me])
         return wake
 
     _fixpoint(programs, visit)
@@ -240,7 +240,7 @@ def prune_programs(
         x = prog.cp_rank
         kept: list = []
         dropped: set[int] = set()
-        merges: dict[tuple[int, Key], Part] = {}
+        merges: dict[tuple[int, int, Key], Part] = {}  # (handle, peer, key)
         for ins in prog.instrs:
             if isinstance(ins, Exchange):
                 ops = []
@@ -251,7 +251,7 @@ def prune_programs(
                     p = op.payload
                     ops.append(replace(op, payload=replace(p, part=part)))
                     if p.kind.is_partial and not op.send:
-                        merges[(ins.handle, (p.kind, p.owner, p.heads))] = part
+                        merges[(ins.handle, op.peer, (p.kind, p.owner, p.heads))] = part
                 if ops:
                     kept.append(replace(ins, ops=tuple(ops)))
                 else:
@@ -261,9 +261,9 @@ def prune_programs(
                     kept.append(ins)
             elif isinstance(ins, Merge):
                 p = ins.payload
-                part = merges.get((ins.handle, (p.kind, p.owner, p.heads)))
+                part = merges.get((ins.handle, ins.peer, (p.kind, p.owner, p.heads)))
                 if part is not None:
-                    kept.append(Merge(replace(p, part=part), ins.handle))
+                    kept.append(replace(ins, payload=replace(p, part=part)))
             else:
                 kept.append(ins)
         out.append(Program(x, tuple(kept)))

@@ -83,7 +83,7 @@ def program_listing(plan: Plan, cp_rank: int, backward: bool = False) -> str:
                 f"{ins.kv_part.value}{mask}{heads}"
             )
         elif isinstance(ins, Merge):
-            out.append(f"  merge {ins.payload} (from #{ins.handle})")
+            out.append(f"  merge {ins.payload} (from #{ins.handle} <-{ins.peer})")
     return "\n".join(out)
 
 

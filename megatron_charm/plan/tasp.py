@@ -27,9 +27,13 @@ half go to higher ranks. n = 4 (3 chunks), rank 1, causal::
                step t = 0, 1, 2: compute q1 x chunk t of kv0, kv3, kv2; wait for step t + 1,
                then post step t + 2
 
-    backward   the same kv steps; after the computes of step t, post every dk/dv chunk partial
-               straight back to its owner and receive this rank's chunk t partials; merge them
-               one step later (the reduce-scatter of Note [All-gather schedule], in steps)
+    backward   the same kv steps; after the computes of step t, post one exchange that
+               returns every dk/dv chunk partial straight to its owner and receives this rank's
+               chunk t partials from every peer; merge them one step later (the reduce-scatter
+               of Note [All-gather schedule], in steps). A step's returns share one exchange as
+               its kv does: one exchange per peer and step posted 240 exchanges a backward per
+               rank on 16 ranks where this posts 30 with the kv's, and each costs the host a
+               call (Note [Enqueue ahead] in :mod:`megatron_charm.sim.engine`)
 
 Two steps are in flight at once (double buffering), so a rank holds two steps' chunks: two
 blocks' worth of kv, as a ring holds. Off-diagonal blocks are unmasked in the zigzag layout, so
@@ -125,17 +129,15 @@ def tasp_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     b = ProgramBuilder(x)
     steps = cp_size - 1
     for t in _kv_steps(b, cp_size, causal, Kind.QB):
-        # one exchange per peer: a rank receives its own chunk's partial from every peer, and
-        # an exchange delivers one partial of an owner
-        for o in range(1, cp_size):
-            y, z = (x - o) % cp_size, (x + o) % cp_size
-            b.exchange(
-                GRAD,
-                [
-                    send(y, Kind.DKV, y, _kv_chunk(x, y, causal, t, cp_size)),
-                    recv(z, Kind.DKV, x, _kv_chunk(z, x, causal, t, cp_size), held=1),
-                ],
-            )
+        # one exchange a step, as the kv's: a rank returns every peer's chunk partial and
+        # receives its own chunk's from every peer (the merges tell those apart by sender)
+        peers = [(x - o) % cp_size for o in range(1, cp_size)]
+        sources = [(x + o) % cp_size for o in range(1, cp_size)]
+        b.exchange(
+            GRAD,
+            [send(y, Kind.DKV, y, _kv_chunk(x, y, causal, t, cp_size)) for y in peers]
+            + [recv(z, Kind.DKV, x, _kv_chunk(z, x, causal, t, cp_size), held=1) for z in sources],
+        )
         # one step behind: the partials of step t - 1 have had a step's compute to arrive
         if t > 0:
             _merge_step(b, t - 1, cp_size, causal)

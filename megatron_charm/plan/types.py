@@ -206,13 +206,18 @@ class Compute:
 
 @dataclass(frozen=True)
 class Merge:
-    """Fold the partial result ``payload`` (``O``, ``DQ`` or ``DKV``) received by exchange
-    ``handle`` into the local accumulator of ``(kind, owner, heads)`` (outputs by their lse,
-    gradients by a sum). A head-group partial is complete for its heads (Note [Wire precision]):
-    it starts its own accumulator, which the owner places into its head slice at the end."""
+    """Fold the partial result ``payload`` (``O``, ``DQ`` or ``DKV``) that exchange ``handle``
+    received from ``peer`` (a CP rank) into the local accumulator of ``(kind, owner, heads)``
+    (outputs by their lse, gradients by a sum). A head-group partial is complete for its heads
+    (Note [Wire precision]): it starts its own accumulator, which the owner places into its head
+    slice at the end.
+
+    ``peer`` tells apart partials of one payload that one exchange receives from several ranks
+    (``tasp`` returns every peer's dk/dv chunk of a step in one exchange)."""
 
     payload: Payload
     handle: int
+    peer: int
 
 
 Instr = Exchange | Wait | Compute | Merge

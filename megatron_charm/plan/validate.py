@@ -113,14 +113,15 @@ class _RankReplay:
             (Kind.KV, self.x, None): Part.FULL,
         }
         self.accumulators: dict[Key, _Acc] = {}
-        self.partials: dict[tuple[int, Kind, int, Heads | None], _Acc] = {}
+        # (handle, peer, kind, owner, heads) -> a received partial, until merged
+        self.partials: dict[tuple[int, int, Kind, int, Heads | None], _Acc] = {}
         # Note [Keeping foreign queries]: q pieces kept from the forward, by sender
         self.kept: dict[Payload, int] = {}
         if replay.backward:
             self.kept = self._forward_pieces(replay.plan.forward[self.x], kept_pieces(prog))
         self.completed: set[int] = set()
         self.waited: set[int] = set()
-        self.inbox: dict[int, list[tuple[Payload, _Acc | None]]] = {}
+        self.inbox: dict[int, list[tuple[Payload, int, _Acc | None]]] = {}  # (payload, peer, msg)
         # (channel, peer) past its first contact
         self.connected: set[tuple[str, int]] = {
             (c, b if a == self.x else a) for c, a, b in replay.connected if self.x in (a, b)
@@ -196,9 +197,15 @@ class _RankReplay:
     def _exchange(self, ex: Exchange) -> None:
         messages: list[_Acc | None] = []
         compact = ex.channel in self.replay.compact
+        seen: set[tuple[bool, int, Payload]] = set()
         for op in ex.ops:
             if not 0 <= op.peer < self.replay.n or op.peer == self.x:
                 raise self.err(f"bad peer {op.peer}")
+            # a receive is told apart by (exchange, peer, payload): a second would be ambiguous
+            if (op.send, op.peer, op.payload) in seen:
+                verb = "sends" if op.send else "receives"
+                raise self.err(f"{verb} {op.payload} twice with cp_rank {op.peer} in one exchange")
+            seen.add((op.send, op.peer, op.payload))
             if not op.send:
                 if op.payload.kind is Kind.DB:
                     self._check_bundle_sender(op.payload, op.peer)
@@ -237,13 +244,13 @@ class _RankReplay:
         if w.handle in self.waited:
             raise self.err(f"waits twice for {w.handle}")
         self.waited.add(w.handle)
-        for payload, acc in self.inbox.pop(w.handle):
+        for payload, peer, acc in self.inbox.pop(w.handle):
             if acc is None and payload.kind is Kind.DB:
                 self._complete_bundle(payload)
             elif acc is None:
                 self.inputs[(payload.kind, payload.owner, payload.heads)] = payload.part
             else:
-                self.partials[(w.handle, payload.kind, payload.owner, payload.heads)] = acc
+                self.partials[(w.handle, peer, payload.kind, payload.owner, payload.heads)] = acc
 
     def _check_bundle_sender(self, p: Payload, peer: int) -> None:
         """A ``DB`` comes from the rank that sent its q piece in the forward."""
@@ -307,9 +314,12 @@ class _RankReplay:
 
     def _merge(self, m: Merge) -> None:
         p = m.payload
-        acc = self.partials.pop((m.handle, p.kind, p.owner, p.heads), None)
+        acc = self.partials.pop((m.handle, m.peer, p.kind, p.owner, p.heads), None)
         if acc is None:
-            raise self.err(f"merges {p} from exchange {m.handle} it has not received")
+            raise self.err(
+                f"merges {p} from cp_rank {m.peer} by exchange {m.handle}, which it has not "
+                "received"
+            )
         if acc.part != p.part:
             raise self.err(f"merges {p} but received part {acc.part}")
         self._add((p.kind, p.owner, p.heads), acc.part, acc.pairs, False)
@@ -397,7 +407,7 @@ class _Mailbox:
                     if o.send and o.peer == x and o.payload == op.payload
                 )
                 msg = self.messages[(op.peer, peer_ex.handle)][idx]
-                replay.inbox[ex.handle].append((op.payload, msg))
+                replay.inbox[ex.handle].append((op.payload, op.peer, msg))
         return bool(ready)
 
 

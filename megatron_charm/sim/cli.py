@@ -490,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.replay == "paper":
                 tasp_note += (
-                    "; its backward is our planner's, one exchange and one merge per peer and "
-                    "step: the paper's TASP has none (its footnote 4)"
+                    "; its backward is our planner's, one return exchange a step and one merge "
+                    "per peer and step: the paper's TASP has none (its footnote 4)"
                 )
     except ValueError as err:
         print(f"megatron-charm-sim: error: {err}", file=sys.stderr)

@@ -24,10 +24,14 @@ For causal attention the zigzag parts differ between nodes (node ``a`` sends who
 as two halves in two rounds), so symmetric mode is an approximation. Matched classes take the
 larger of the sizes their two local sides name. For charm the nodes do not even agree on how many
 cross-node transfers a class has, so its cross-node transfers run unmatched: each starts when its
-own side's exchange starts and uses only its own side's links. Against full replays of 4x4, 8x2
-and 8x4 groups (shared and rails): ring, a2a and a2a+p2p (which move whole tokens) exact; charm
--16%..+1%; rm+ up to +15%; merge's backward up to +25% and all_gather's up to +15% (their forwards
-are exact). Compute is exact (every causal
+own side's exchange starts and uses only its own side's links. ``tasp``'s too: node 0's ranks
+return full chunk partials to the ranks above them and receive first halves from them, which the
+mirrored class names the other way round, and a step's returns share one exchange, so one
+inflated class delayed every step (its backward 28-32% slow on 4x4 matched, within 2.3% of the
+full replay unmatched on 4x2, 4x4, 8x2 and 8x4; its forward exact either way). Against full
+replays of 4x4, 8x2 and 8x4 groups (shared and rails): ring, a2a and a2a+p2p (which move whole
+tokens) exact; charm -16%..+1%; rm+ up to +15%; merge's backward up to +25% and all_gather's up
+to +15% (their forwards are exact). Compute is exact (every causal
 block costs half a full one).
 
 Two-node charm has no such symmetry: its two nodes order their cross-node returns differently,
@@ -79,8 +83,9 @@ class ProgramSet:
     @property
     def unmatched_cross(self) -> bool:
         """Whether cross-node transfers run unmatched (symmetric causal charm, whose nodes
-        differ in how many cross transfers they send and receive; Note [Node symmetry])."""
-        return self.symmetry != "none" and self.causal and self.method == "charm"
+        differ in how many cross transfers they send and receive, and tasp, whose nodes differ
+        in their sizes; Note [Node symmetry])."""
+        return self.symmetry != "none" and self.causal and self.method in ("charm", "tasp")
 
     @property
     def exact(self) -> bool:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from megatron_charm.plan import AttnShape, Layout, PlanOptions, build_plan, check_shape
+from megatron_charm.plan import (
+    AttnShape,
+    Layout,
+    PlanOptions,
+    build_plan,
+    check_shape,
+    compact_channels,
+)
+from megatron_charm.plan.check_rank import check_rank_program
 from megatron_charm.plan.cost import plan_bytes
 from megatron_charm.plan.docmask import DocMask
 from megatron_charm.plan.layout import part_span, sub_slice
-from megatron_charm.plan.types import Chunk, Exchange, Kind, Part
-from megatron_charm.plan.validate import validate
+from megatron_charm.plan.types import Chunk, Exchange, Kind, Merge, Part, Program
+from megatron_charm.plan.validate import ScheduleError, validate
 
 
 def test_chunk_spans_tile_their_part():
@@ -114,3 +124,63 @@ def test_trainer_and_megatron_module_refuse_tasp():
     assert "tasp" not in CHARM_METHODS
     with pytest.raises(ValueError, match=r"cp_comm_type='tasp' is a baseline.*--cp-comm-type"):
         resolve_method("tasp", None, None)
+
+
+def _backward(n: int, causal: bool, x: int = 0):
+    return build_plan(PlanOptions(method="tasp"), Layout(1, n), causal).backward[x]
+
+
+@pytest.mark.parametrize("n", [3, 4, 6])
+@pytest.mark.parametrize("causal", [True, False])
+def test_backward_returns_a_step_in_one_exchange(n, causal):
+    """A step's dk/dv chunk partials go back in one exchange, as its kv came: to and from every
+    other rank, and each received partial is merged by its sender."""
+    for x in range(n):
+        prog = _backward(n, causal, x)
+        returns = [e for e in prog.exchanges() if e.channel == "full.o"]
+        assert len(returns) == n - 1
+        others = set(range(n)) - {x}
+        for t, ex in enumerate(returns):
+            assert {op.peer for op in ex.ops if op.send} == others
+            assert {op.peer for op in ex.ops if not op.send} == others
+            assert all(op.payload.kind is Kind.DKV and op.payload.part.index == t for op in ex.ops)
+            merges = [m for m in prog.instrs if isinstance(m, Merge) and m.handle == ex.handle]
+            assert sorted(m.peer for m in merges) == sorted(others)
+
+
+def _one_sender_twice(prog: Program) -> Program:
+    """``prog`` with the two merges of one exchange's equal partials both naming the first's
+    sender."""
+    instrs = list(prog.instrs)
+    i, j = [k for k, m in enumerate(instrs) if isinstance(m, Merge)][:2]
+    assert instrs[i].handle == instrs[j].handle and instrs[i].payload == instrs[j].payload
+    assert instrs[i].peer != instrs[j].peer
+    instrs[j] = dataclasses.replace(instrs[j], peer=instrs[i].peer)
+    return Program(prog.cp_rank, tuple(instrs))
+
+
+def _doubled_receive(prog: Program) -> Program:
+    """``prog`` with the first partial receive of its first return exchange posted twice."""
+    instrs = list(prog.instrs)
+    k = next(k for k, e in enumerate(instrs) if isinstance(e, Exchange) and e.channel == "full.o")
+    op = next(op for op in instrs[k].ops if not op.send)
+    instrs[k] = dataclasses.replace(instrs[k], ops=(*instrs[k].ops, op))
+    return Program(prog.cp_rank, tuple(instrs))
+
+
+def test_both_checkers_tell_partials_apart_by_sender():
+    """Rank 1 of 4 (causal) receives two dkv1.first chunks in one exchange, from ranks 2 and 3:
+    merging one sender's twice, or posting a receive twice from one sender, is refused
+    by the whole-plan replay and by the one-rank check."""
+    plan = build_plan(PlanOptions(method="tasp"), Layout(1, 4), True)
+    compact = compact_channels(plan.options)
+    for mutate, message in (
+        (_one_sender_twice, "merges .* which"),
+        (_doubled_receive, "receives .* twice"),
+    ):
+        bad = list(plan.backward)
+        bad[1] = mutate(bad[1])
+        with pytest.raises(ScheduleError, match=message):
+            validate(dataclasses.replace(plan, backward=tuple(bad)))
+        with pytest.raises(ScheduleError, match=message):
+            check_rank_program(bad[1], True, True, "zigzag", compact)

@@ -274,7 +274,8 @@ def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
             backward,
         )
         assert not b.exact
-        tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3, "all_gather": 0.2, "tasp": 0.2}
+        tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3, "all_gather": 0.2}
+        tol["tasp"] = 0.05  # its cross transfers unmatched (Note [Node symmetry])
         tol = tol.get(method, 1e-9)  # a2a and a2a+p2p move whole tokens: exact
         assert b.makespan == pytest.approx(a.makespan, rel=tol)
 
