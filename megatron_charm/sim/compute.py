@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_charm.plan.payloads import AttnShape, group_heads
-from megatron_charm.plan.types import Compute, Exchange, head_fraction
+from megatron_charm.plan.types import Compute, Exchange, Heads, head_fraction
 
 
 def block_area(ins: Compute, shape: AttnShape) -> float:
@@ -119,15 +120,48 @@ def tiled_flops(ins: Compute, shape: AttnShape, backward: bool, sms: int) -> flo
     waves]): whole waves of whole tiles, half when causal-masked (the backward's ``bwd_ratio``
     is applied by the caller)."""
     tq, tk = shape.s_local * ins.q_part.fraction, shape.s_local * ins.kv_part.fraction
-    heads = max(1, round(shape.h * head_fraction(ins.heads)))
+    flops = _waves_flops(tq, tk, ins.heads, shape, backward, sms)
+    return flops * 0.5 if ins.masked else flops
+
+
+def _waves_flops(
+    tq: float, tk: float, heads: Heads | None, shape: AttnShape, backward: bool, sms: int
+) -> float:
+    """Forward FLOPs of one unmasked kernel call of ``tq`` queries against ``tk`` keys on the
+    head group ``heads``, as whole tiles in whole waves (Note [Tiles and waves])."""
+    h = max(1, round(shape.h * head_fraction(heads)))
     if backward:
         tile, rows, cols = fa2_bwd_tile(shape.d), tk, tq
     else:
         tile, rows, cols = FA2_FWD_TILE, tq, tk
-    ctas = math.ceil(rows / tile - 1e-9) * shape.b * heads
+    ctas = math.ceil(rows / tile - 1e-9) * shape.b * h
     waves = math.ceil(ctas / sms - 1e-9)
-    flops = waves * sms * 4.0 * tile * cols * shape.d
-    return flops * 0.5 if ins.masked else flops
+    return waves * sms * 4.0 * tile * cols * shape.d
+
+
+def run_tiled_flops(run: Sequence[Compute], shape: AttnShape, backward: bool, sms: int) -> float:
+    """Forward FLOPs of a coalesced run of unmasked blocks as the one kernel call the executor
+    makes of it (Note [Coalesced blocks] in :mod:`megatron_charm.plan.coalesce`): its query
+    pieces concatenated against its kv pieces, whole tiles in whole waves over ``sms`` SMs
+    (Note [Run of blocks, one call])."""
+    q_parts = {c.q_owner: c.q_part for c in run}
+    kv_parts = {c.kv_owner: c.kv_part for c in run}
+    tq = shape.s_local * sum(p.fraction for p in q_parts.values())
+    tk = shape.s_local * sum(p.fraction for p in kv_parts.values())
+    return _waves_flops(tq, tk, run[0].heads, shape, backward, sms)
+
+
+# Note [Run of blocks, one call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A coalesced run is one kernel call on the concatenated pieces, so its tiles and waves are the
+# call's, not the sum of its blocks' (Note [Tiles and waves]). Priced block by block, a run of
+# thin blocks paid a partial wave per block: tasp's backward step on 2 x 8 at 131,040 tokens
+# (16 heads of 128) runs q against 15 kv chunks of 546 tokens, each 5 key tiles x 16 heads =
+# 80 CTAs on 132 SMs, a wave of which did a full wave's FLOPs: 1.9 times the chunk's own; as
+# one call the 15 chunks are 64 key tiles, 1024 CTAs in 8 waves, 1.03 times. The forward tiles
+# queries, which a run's blocks share, so it moves little there. A model prices a run's FLOPs
+# term as the call's (``run_saving``), its fixed cost once (``call_overhead``), and the rest
+# (per-element work, masks) block by block as before.
 
 
 def kernel_flops(
@@ -206,6 +240,12 @@ class _MergeCost:
     def call_overhead(self, backward: bool) -> float:
         """The fixed seconds of one kernel call inside :meth:`block_time`, which a run of
         blocks that the executor does as one call pays once (Note [Coalesced blocks])."""
+        return 0.0
+
+    def run_saving(self, run: Sequence[Compute], shape: AttnShape, backward: bool) -> float:
+        """Seconds that the coalesced ``run`` takes less as one kernel call than its blocks'
+        :meth:`block_time` add up to, beyond :meth:`call_overhead` (Note [Run of blocks, one
+        call]): none unless the model counts tiles and waves."""
         return 0.0
 
     def host_work(self) -> tuple[float, float]:
@@ -305,6 +345,14 @@ class FlopsCompute(_MergeCost):
         rate = self.tflops * 1e12 * self.efficiency
         flops = kernel_flops(ins, shape, backward, self.sms, self.bwd_ratio)
         return flops / rate + self.block_overhead
+
+    def run_saving(self, run: Sequence[Compute], shape: AttnShape, backward: bool) -> float:
+        if not self.sms:
+            return 0.0
+        ratio = self.bwd_ratio if backward else 1.0
+        apart = sum(tiled_flops(c, shape, backward, self.sms) for c in run)
+        saved = (apart - run_tiled_flops(run, shape, backward, self.sms)) * ratio
+        return saved / (self.tflops * 1e12 * self.efficiency)
 
 
 @dataclass(frozen=True)
@@ -522,6 +570,15 @@ class FittedCompute(_MergeCost):
 
     def block_time(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         return self.block_alone(ins, shape, backward) * self.in_pass(backward)
+
+    def run_saving(self, run: Sequence[Compute], shape: AttnShape, backward: bool) -> float:
+        if not self.sms:
+            return 0.0
+        apart = sum(tiled_flops(c, shape, backward, self.sms) for c in run)
+        saved = apart - run_tiled_flops(run, shape, backward, self.sms)
+        if backward:
+            return saved * BWD_FLOPS_RATIO / self.bwd_flops_per_s * self.in_pass(True)
+        return saved / self.fwd_flops_per_s * self.in_pass(False)
 
     def block_alone(self, ins: Compute, shape: AttnShape, backward: bool) -> float:
         """The block's seconds as the kernel micro-benchmarks timed them, before

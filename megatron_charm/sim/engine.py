@@ -269,6 +269,7 @@ class Engine:
         self._links: dict[tuple[int, int], tuple] = {}
         self._blocks: dict[tuple, float] = {}
         self._merges: dict[Payload, float] = {}
+        self._run_savings: dict[tuple, float] = {}
         self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
         # Note [Where a call's host work runs]: the rest of the call's host work, each rank's
         # share per block; the blocks' own costs stay theirs (the in-pass fit reads them)
@@ -380,7 +381,30 @@ class Engine:
                 costs.append(took)
             else:
                 costs.append(None)
+        self._price_runs(prog, costs)
         return costs
+
+    def _price_runs(self, prog: Program, costs: list) -> None:
+        """Take from each coalesced run's blocks what the run saves as one kernel call (Note
+        [Run of blocks, one call] in megatron_charm/sim/compute.py), in proportion to their
+        times."""
+        for start, end in coalesced_runs(prog.instrs).items():
+            run = [c for c in prog.instrs[start:end] if isinstance(c, Compute)]
+            # the saving depends on the pieces' parts and head group, not on whose they are
+            key = (
+                tuple(dict.fromkeys((c.q_owner, c.q_part) for c in run)),
+                tuple(dict.fromkeys((c.kv_owner, c.kv_part) for c in run)),
+            )
+            parts = (tuple(p for _, p in key[0]), tuple(p for _, p in key[1]), run[0].heads)
+            saving = self._run_savings.get(parts)
+            if saving is None:
+                saving = self._run_savings[parts] = self.compute.run_saving(
+                    run, self.shape, self.backward
+                )
+            if saving > 0:
+                keep = 1.0 - saving / sum(costs[start:end])
+                for i in range(start, end):
+                    costs[i] *= keep
 
     def _enqueued(self, prog: Program) -> list[float]:
         """Host time at which each instruction of ``prog`` is enqueued (Note [Enqueue ahead])."""

@@ -224,3 +224,77 @@ def test_two_flows_from_one_gpu_split_its_nvlink():
     assert capped.forward.makespan > free.forward.makespan
     assert capped.backward.makespan > free.backward.makespan
     assert capped.forward.makespan < 2 * free.forward.makespan
+
+
+# Note [Run of blocks, one call]: tasp's backward step on 2 x 8 at 131,040 tokens, 16 heads of
+# 128: q (8,190 tokens) against 15 kv chunks of 546, one kernel call
+TASP_SHAPE = AttnShape(1, 8190, 16, 16, 128)
+
+
+def _tasp_run():
+    from megatron_charm.plan.types import Chunk
+
+    return [Compute(0, y, Part.FULL, Chunk(Part.FULL, 0, 15), False) for y in range(1, 16)]
+
+
+def test_a_run_is_tiled_as_one_call():
+    from megatron_charm.sim.compute import run_tiled_flops
+
+    run = _tasp_run()
+    # backward tiles keys: each chunk alone is 5 tiles x 16 heads = 80 CTAs, one wave of 132
+    apart = sum(tiled_flops(c, TASP_SHAPE, True, 132) for c in run)
+    assert apart == pytest.approx(15 * 132 * 4.0 * 128 * 8190 * 128)
+    # as one call 8,190 keys: 64 tiles x 16 heads = 1,024 CTAs, 8 waves
+    one = run_tiled_flops(run, TASP_SHAPE, True, 132)
+    assert one == pytest.approx(8 * 132 * 4.0 * 128 * 8190 * 128)
+    assert apart / one == pytest.approx(15 / 8)
+    # the forward tiles the queries, which the chunks share: the call costs the blocks' sum
+    fwd_apart = sum(tiled_flops(c, TASP_SHAPE, False, 132) for c in run)
+    assert run_tiled_flops(run, TASP_SHAPE, False, 132) == pytest.approx(fwd_apart)
+
+
+def test_models_price_a_run_as_one_call_only_with_sms():
+    from megatron_charm.sim.compute import CalibratedCompute, FittedCompute, run_tiled_flops
+
+    run = _tasp_run()
+    flops = FlopsCompute(989.0, 0.5, sms=132)
+    apart = sum(flops.block_time(c, TASP_SHAPE, True) for c in run)
+    one = 2.5 * run_tiled_flops(run, TASP_SHAPE, True, 132) / (989e12 * 0.5)
+    assert apart - flops.run_saving(run, TASP_SHAPE, True) == pytest.approx(one)
+    fitted = FittedCompute(fwd_flops_per_s=4e14, bwd_flops_per_s=2e14, sms=132, bwd_in_pass=1.5)
+    apart = sum(fitted.block_time(c, TASP_SHAPE, True) for c in run)
+    one = 1.5 * 2.5 * run_tiled_flops(run, TASP_SHAPE, True, 132) / 2e14
+    assert apart - fitted.run_saving(run, TASP_SHAPE, True) == pytest.approx(one)
+    # without SMs a run's FLOPs are its blocks' (CPU profiles, flags alone)
+    for model in (
+        FlopsCompute(989.0, 0.5),
+        FittedCompute(fwd_flops_per_s=4e14, bwd_flops_per_s=2e14),
+        CalibratedCompute(fwd_block=1e-3, bwd_block=2e-3),
+    ):
+        assert model.run_saving(run, TASP_SHAPE, True) == 0.0
+
+
+def test_replay_prices_tasps_backward_steps_as_calls():
+    from megatron_charm.plan import PlanOptions
+    from megatron_charm.plan.coalesce import coalesced_runs
+    from megatron_charm.plan.types import Layout
+    from megatron_charm.sim.engine import simulate_pass
+    from megatron_charm.sim.programs import programs
+
+    hw = PRESETS["H100"]
+    shape, compute = AttnShape(1, 8190, 16, 16, 128), hw.compute_model()
+    progs = programs(PlanOptions(method="tasp"), Layout(2, 8), False, "full", shape)
+    prog = progs.backward[0]
+    runs = coalesced_runs(prog.instrs)
+    assert len(runs) == 15  # one call a step
+    blocks = [c for c in prog.instrs if isinstance(c, Compute)]
+    apart = sum(compute.block_time(c, shape, True) for c in blocks)
+    apart -= sum(end - start - 1 for start, end in runs.items()) * compute.call_overhead(True)
+    saved = sum(compute.run_saving(list(prog.instrs[s:e]), shape, True) for s, e in runs.items())
+    assert saved > 0.4 * apart
+    got = simulate_pass(progs, hw.topology(2, 8), shape, compute, True, record=True)
+    timeline = got.ranks[0].timeline
+    busy = sum(b - a for a, b, label in timeline if label.startswith("C"))
+    # each block is slowed by the exchanges in flight when it starts (at most 2x)
+    assert apart - saved <= busy <= 2 * (apart - saved)
+    assert busy < apart
