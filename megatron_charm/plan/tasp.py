@@ -32,8 +32,10 @@ half go to higher ranks. n = 4 (3 chunks), rank 1, causal::
                chunk t partials from every peer; merge them one step later (the reduce-scatter
                of Note [All-gather schedule], in steps). A step's returns share one exchange as
                its kv does: one exchange per peer and step posted 240 exchanges a backward per
-               rank on 16 ranks where this posts 30 with the kv's, and each costs the host a
-               call (Note [Enqueue ahead] in :mod:`megatron_charm.sim.engine`)
+               rank on 16 ranks where this posts 30 with the kv's. On NCCL the exchanges of one
+               channel run one after another, so per-peer returns also ran in sequence, and
+               each cost the host a call (Note [Enqueue ahead] in
+               :mod:`megatron_charm.sim.engine`)
 
 Two steps are in flight at once (double buffering), so a rank holds two steps' chunks: two
 blocks' worth of kv, as a ring holds. Off-diagonal blocks are unmasked in the zigzag layout, so
