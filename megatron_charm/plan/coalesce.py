@@ -47,6 +47,14 @@ def _is_product(run: Sequence[Compute]) -> bool:
     return len(pairs) == len(run) == len(q_parts) * len(kv_parts)
 
 
+def run_pieces(run: Sequence[Compute]) -> tuple[tuple, tuple]:
+    """The parts of a run's distinct query pieces and of its distinct kv pieces, each in the
+    order the run first uses them: what its one kernel call concatenates."""
+    q_parts = {c.q_owner: c.q_part for c in run}
+    kv_parts = {c.kv_owner: c.kv_part for c in run}
+    return tuple(q_parts.values()), tuple(kv_parts.values())
+
+
 def coalesced_runs(instrs: Sequence[Instr]) -> dict[int, int]:
     """``start -> end`` (exclusive) of every run of two or more consecutive computes that one
     kernel call does (Note [Coalesced blocks]); each run is the longest product from its start."""

@@ -31,6 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_charm.plan.coalesce import run_pieces
 from megatron_charm.plan.payloads import AttnShape, group_heads
 from megatron_charm.plan.types import Compute, Exchange, Heads, head_fraction
 
@@ -144,11 +145,17 @@ def run_tiled_flops(run: Sequence[Compute], shape: AttnShape, backward: bool, sm
     makes of it (Note [Coalesced blocks] in :mod:`megatron_charm.plan.coalesce`): its query
     pieces concatenated against its kv pieces, whole tiles in whole waves over ``sms`` SMs
     (Note [Run of blocks, one call])."""
-    q_parts = {c.q_owner: c.q_part for c in run}
-    kv_parts = {c.kv_owner: c.kv_part for c in run}
-    tq = shape.s_local * sum(p.fraction for p in q_parts.values())
-    tk = shape.s_local * sum(p.fraction for p in kv_parts.values())
+    q_parts, kv_parts = run_pieces(run)
+    tq = shape.s_local * sum(p.fraction for p in q_parts)
+    tk = shape.s_local * sum(p.fraction for p in kv_parts)
     return _waves_flops(tq, tk, run[0].heads, shape, backward, sms)
+
+
+def run_excess_flops(run: Sequence[Compute], shape: AttnShape, backward: bool, sms: int) -> float:
+    """Forward FLOPs that the blocks of ``run`` tiled one by one take beyond the run's one call
+    (:func:`run_tiled_flops`); ``>= 0``."""
+    apart = sum(tiled_flops(c, shape, backward, sms) for c in run)
+    return apart - run_tiled_flops(run, shape, backward, sms)
 
 
 # Note [Run of blocks, one call]
@@ -349,9 +356,8 @@ class FlopsCompute(_MergeCost):
     def run_saving(self, run: Sequence[Compute], shape: AttnShape, backward: bool) -> float:
         if not self.sms:
             return 0.0
-        ratio = self.bwd_ratio if backward else 1.0
-        apart = sum(tiled_flops(c, shape, backward, self.sms) for c in run)
-        saved = (apart - run_tiled_flops(run, shape, backward, self.sms)) * ratio
+        saved = run_excess_flops(run, shape, backward, self.sms)
+        saved *= self.bwd_ratio if backward else 1.0
         return saved / (self.tflops * 1e12 * self.efficiency)
 
 
@@ -574,8 +580,7 @@ class FittedCompute(_MergeCost):
     def run_saving(self, run: Sequence[Compute], shape: AttnShape, backward: bool) -> float:
         if not self.sms:
             return 0.0
-        apart = sum(tiled_flops(c, shape, backward, self.sms) for c in run)
-        saved = apart - run_tiled_flops(run, shape, backward, self.sms)
+        saved = run_excess_flops(run, shape, backward, self.sms)
         if backward:
             return saved * BWD_FLOPS_RATIO / self.bwd_flops_per_s * self.in_pass(True)
         return saved / self.fwd_flops_per_s * self.in_pass(False)

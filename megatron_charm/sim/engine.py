@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megatron_charm.plan.bulk import collector_paused
-from megatron_charm.plan.coalesce import coalesced_runs, run_goes_on
+from megatron_charm.plan.coalesce import coalesced_runs, run_goes_on, run_pieces
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Merge, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
@@ -327,7 +327,8 @@ class Engine:
         exact, unmatched_cross = self.progs.exact, self.progs.unmatched_cross
         # blocks after the first of a coalesced run share its kernel call (Note [Coalesced
         # blocks]): each still takes its FLOPs' time, the call's fixed cost is paid once
-        joined = _joined(prog)
+        runs = coalesced_runs(prog.instrs)
+        joined = _joined(runs)
         overhead = self.compute.call_overhead(self.backward)
         for index, ins in enumerate(prog.instrs):
             if isinstance(ins, Exchange):
@@ -381,21 +382,17 @@ class Engine:
                 costs.append(took)
             else:
                 costs.append(None)
-        self._price_runs(prog, costs)
+        self._price_runs(prog, runs, costs)
         return costs
 
-    def _price_runs(self, prog: Program, costs: list) -> None:
+    def _price_runs(self, prog: Program, runs: dict[int, int], costs: list) -> None:
         """Take from each coalesced run's blocks what the run saves as one kernel call (Note
         [Run of blocks, one call] in megatron_charm/sim/compute.py), in proportion to their
         times."""
-        for start, end in coalesced_runs(prog.instrs).items():
+        for start, end in runs.items():
             run = [c for c in prog.instrs[start:end] if isinstance(c, Compute)]
             # the saving depends on the pieces' parts and head group, not on whose they are
-            key = (
-                tuple(dict.fromkeys((c.q_owner, c.q_part) for c in run)),
-                tuple(dict.fromkeys((c.kv_owner, c.kv_part) for c in run)),
-            )
-            parts = (tuple(p for _, p in key[0]), tuple(p for _, p in key[1]), run[0].heads)
+            parts = (*run_pieces(run), run[0].heads)
             saving = self._run_savings.get(parts)
             if saving is None:
                 saving = self._run_savings[parts] = self.compute.run_saving(
@@ -740,10 +737,9 @@ class Engine:
             self._run_rank(i, now)
 
 
-def _joined(prog: Program) -> set[int]:
-    """Indices of the blocks that share the kernel call of the block before them (Note
-    [Coalesced blocks])."""
-    runs = coalesced_runs(prog.instrs)
+def _joined(runs: dict[int, int]) -> set[int]:
+    """Indices of the blocks that share the kernel call of the block before them, from a
+    program's :func:`~megatron_charm.plan.coalesce.coalesced_runs` (Note [Coalesced blocks])."""
     return {i for start, end in runs.items() for i in range(start + 1, end)}
 
 
@@ -751,7 +747,7 @@ def _operation_kinds(prog: Program) -> list[str | None]:
     """Per instruction of ``prog``, the device operation the host enqueues for it: ``"exchange"``
     (posted), ``"kernel"`` (a call; coalesced blocks after the first share it), ``"merge"``, or
     ``None`` (a wait, a joined block)."""
-    joined = _joined(prog)
+    joined = _joined(coalesced_runs(prog.instrs))
     kinds: list[str | None] = []
     for index, ins in enumerate(prog.instrs):
         if isinstance(ins, Exchange):
