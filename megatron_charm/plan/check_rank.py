@@ -23,8 +23,6 @@ full replay, which the tests run on a grid of layouts for every method, and whic
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from megatron_charm.plan.keep import held_input
 from megatron_charm.plan.layout import block_empty, block_parts
 from megatron_charm.plan.types import (
@@ -53,17 +51,22 @@ def check_rank_program(
     inputs: dict[Key, Part] = {(qk, x, None): Part.FULL, (Kind.KV, x, None): Part.FULL}
     acc: dict[Key, Part] = {}  # accumulator -> the part it covers
     held = sent_counts(prog, backward)  # what each sent partial holds (Note [Wire precision])
-    posted: dict[int, list[tuple[int, Payload]]] = {}  # exchange -> (peer, payload) received
+    # exchange -> its receives (peer, payload), in order; a dict so that a doubled receive is
+    # found in O(1): an exchange of tasp receives from every peer
+    posted: dict[int, dict[tuple[int, Payload], None]] = {}
     received: set[tuple[int, int, Payload]] = set()  # waited partials: (exchange, peer, payload)
 
     def err(pc: int, msg: str) -> ScheduleError:
         return ScheduleError(f"cp_rank {x}, instr {pc}: {msg}")
 
-    def has(p: Payload) -> bool:
-        return p.owner == x or any(
-            (got := inputs.get((p.kind, p.owner, h))) is not None and got.contains(p.part)
-            for h in (None, p.heads)
-        )
+    def has(kind: Kind, owner: int, part: Part, heads: Heads | None) -> bool:
+        if owner == x:
+            return True
+        got = inputs.get((kind, owner, None))
+        if got is not None and got.contains(part):
+            return True
+        got = inputs.get((kind, owner, heads))
+        return got is not None and got.contains(part)
 
     def add(key: Key, part: Part) -> None:
         have = acc.get(key)
@@ -73,7 +76,7 @@ def check_rank_program(
         if isinstance(ins, Exchange):
             if ins.handle in posted:
                 raise err(pc, f"posts exchange {ins.handle} twice")
-            posted[ins.handle] = []
+            posted[ins.handle] = {}
             for k, op in enumerate(ins.ops):
                 p = op.payload
                 if op.peer == x:
@@ -81,9 +84,9 @@ def check_rank_program(
                 if not op.send:
                     if (op.peer, p) in posted[ins.handle]:
                         raise err(pc, f"receives {p} twice from cp_rank {op.peer} in one exchange")
-                    posted[ins.handle].append((op.peer, p))
+                    posted[ins.handle][(op.peer, p)] = None
                 elif not p.kind.is_partial:
-                    if not has(replace(p, kind=held_input(p.kind))):
+                    if not has(held_input(p.kind), p.owner, p.part, p.heads):
                         raise err(pc, f"sends {p} that it does not hold")
                 else:
                     have = acc.pop((p.kind, p.owner, p.heads), None)
@@ -106,12 +109,9 @@ def check_rank_program(
             qp, kp, masked = block_parts(ins.q_owner, ins.kv_owner, causal, seq_layout)
             if masked != ins.masked or not (qp.contains(ins.q_part) and kp.contains(ins.kv_part)):
                 raise err(pc, f"block ({ins.q_owner},{ins.kv_owner}) uses wrong parts")
-            for need in (
-                Payload(qk, ins.q_owner, ins.q_part, ins.heads),
-                Payload(Kind.KV, ins.kv_owner, ins.kv_part, ins.heads),
-            ):
-                if not has(need):
-                    raise err(pc, f"computes with {need} not received")
+            for need in ((qk, ins.q_owner, ins.q_part), (Kind.KV, ins.kv_owner, ins.kv_part)):
+                if not has(*need, ins.heads):
+                    raise err(pc, f"computes with {Payload(*need, ins.heads)} not received")
             if backward:
                 add((Kind.DQ, ins.q_owner, ins.heads), ins.q_part)
                 add((Kind.DKV, ins.kv_owner, ins.heads), ins.kv_part)

@@ -82,44 +82,60 @@ def check_paper_tasp_shape(s_local: int, cp_size: int) -> None:
         )
 
 
-def _kv_chunk(q_owner: int, kv_owner: int, causal: bool, step: int, cp_size: int) -> Part | Chunk:
-    return chunk(block_parts(q_owner, kv_owner, causal)[1], step, cp_size - 1)
+class _Cuts:
+    """The kv chunks one rank moves, each peer's part found once (a program names
+    ``(cp_size - 1)^2`` chunks; at CP 1024 finding each again cost a third of planning)."""
+
+    def __init__(self, cp_rank: int, cp_size: int, causal: bool) -> None:
+        x, self.count = cp_rank, cp_size - 1
+        # the part of x's kv that peer y uses, and the part of y's kv that x uses
+        self._out = {y: block_parts(y, x, causal)[1] for y in range(cp_size) if y != x}
+        self._in = {y: block_parts(x, y, causal)[1] for y in range(cp_size) if y != x}
+
+    def sent(self, y: int, step: int) -> Part | Chunk:
+        """Chunk ``step`` of this rank's kv that peer ``y`` uses."""
+        return chunk(self._out[y], step, self.count)
+
+    def used(self, y: int, step: int) -> Part | Chunk:
+        """Chunk ``step`` of peer ``y``'s kv that this rank uses."""
+        return chunk(self._in[y], step, self.count)
 
 
-def _post_step(b: ProgramBuilder, step: int, cp_size: int, causal: bool) -> int:
-    x = b.cp_rank
-    peers = [(x + o) % cp_size for o in range(1, cp_size)]
-    sources = [(x - o) % cp_size for o in range(1, cp_size)]
+def _post_step(b: ProgramBuilder, cuts: _Cuts, step: int) -> int:
+    x, n = b.cp_rank, cuts.count + 1
+    peers = [(x + o) % n for o in range(1, n)]
+    sources = [(x - o) % n for o in range(1, n)]
     return b.exchange(
         KV,
-        [send(y, Kind.KV, x, _kv_chunk(y, x, causal, step, cp_size)) for y in peers]
-        + [recv(y, Kind.KV, y, _kv_chunk(x, y, causal, step, cp_size)) for y in sources],
+        [send(y, Kind.KV, x, cuts.sent(y, step)) for y in peers]
+        + [recv(y, Kind.KV, y, cuts.used(y, step)) for y in sources],
     )
 
 
-def _kv_steps(b: ProgramBuilder, cp_size: int, causal: bool, q_kind: Kind) -> Iterator[int]:
+def _kv_steps(b: ProgramBuilder, cuts: _Cuts, causal: bool, q_kind: Kind) -> Iterator[int]:
     """Post the kv steps two ahead (double buffering) around the computes; yield after each
     step's computes so the backward can return that step's partials."""
-    x, steps = b.cp_rank, cp_size - 1
-    handles = [_post_step(b, t, cp_size, causal) for t in range(min(steps, 2))]
+    x, steps = b.cp_rank, cuts.count
+    n = steps + 1
+    handles = [_post_step(b, cuts, t) for t in range(min(steps, 2))]
     b.compute(x, x, *block_parts(x, x, causal), q_kind=q_kind)
+    q_parts = {y: block_parts(x, y, causal)[0] for y in range(n) if y != x}
     for t in range(steps):
-        for o in range(1, cp_size):
-            y = (x - o) % cp_size
-            q_part = block_parts(x, y, causal)[0]
-            b.compute(x, y, q_part, _kv_chunk(x, y, causal, t, cp_size), False, q_kind=q_kind)
+        for o in range(1, n):
+            y = (x - o) % n
+            b.compute(x, y, q_parts[y], cuts.used(y, t), False, q_kind=q_kind)
         yield t
         if t + 2 < steps:
             # step t + 1 replaces step t's chunks as it lands: wait for it before the next
             # step's buffers are posted, so two steps are held at a time, as a ring holds two kv
             b.wait(handles[t + 1])
-            handles.append(_post_step(b, t + 2, cp_size, causal))
+            handles.append(_post_step(b, cuts, t + 2))
 
 
 def tasp_forward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     """Forward program of ``cp_rank`` (Note [TASP schedule])."""
     b = ProgramBuilder(cp_rank)
-    for _ in _kv_steps(b, cp_size, causal, Kind.Q):
+    for _ in _kv_steps(b, _Cuts(cp_rank, cp_size, causal), causal, Kind.Q):
         pass
     return b.finish()
 
@@ -129,27 +145,28 @@ def tasp_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     step's dk/dv chunk partials to their owners (Note [TASP schedule])."""
     x = cp_rank
     b = ProgramBuilder(x)
+    cuts = _Cuts(x, cp_size, causal)
     steps = cp_size - 1
-    for t in _kv_steps(b, cp_size, causal, Kind.QB):
+    for t in _kv_steps(b, cuts, causal, Kind.QB):
         # one exchange a step, as the kv's: a rank returns every peer's chunk partial and
         # receives its own chunk's from every peer (the merges tell those apart by sender)
         peers = [(x - o) % cp_size for o in range(1, cp_size)]
         sources = [(x + o) % cp_size for o in range(1, cp_size)]
         b.exchange(
             GRAD,
-            [send(y, Kind.DKV, y, _kv_chunk(x, y, causal, t, cp_size)) for y in peers]
-            + [recv(z, Kind.DKV, x, _kv_chunk(z, x, causal, t, cp_size), held=1) for z in sources],
+            [send(y, Kind.DKV, y, cuts.used(y, t)) for y in peers]
+            + [recv(z, Kind.DKV, x, cuts.sent(z, t), held=1) for z in sources],
         )
         # one step behind: the partials of step t - 1 have had a step's compute to arrive
         if t > 0:
-            _merge_step(b, t - 1, cp_size, causal)
+            _merge_step(b, cuts, t - 1)
     if steps:
-        _merge_step(b, steps - 1, cp_size, causal)
+        _merge_step(b, cuts, steps - 1)
     return b.finish()
 
 
-def _merge_step(b: ProgramBuilder, step: int, cp_size: int, causal: bool) -> None:
-    x = b.cp_rank
-    for o in range(1, cp_size):
-        z = (x + o) % cp_size
-        b.merge(Payload(Kind.DKV, x, _kv_chunk(z, x, causal, step, cp_size)))
+def _merge_step(b: ProgramBuilder, cuts: _Cuts, step: int) -> None:
+    x, n = b.cp_rank, cuts.count + 1
+    for o in range(1, n):
+        z = (x + o) % n
+        b.merge(Payload(Kind.DKV, x, cuts.sent(z, step)))

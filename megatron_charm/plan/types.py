@@ -58,7 +58,7 @@ class Chunk:
         return self.base.fraction / self.count
 
     def contains(self, other: Part | Chunk) -> bool:
-        return self == other
+        return self is other or self == other
 
     def union(self, other: Part | Chunk) -> Part | Chunk:
         """The smallest part covering both: ``self``, ``other``, or (for two different
@@ -69,9 +69,20 @@ class Chunk:
         return self.base.union(inner)
 
 
+_CHUNKS: dict[tuple[Part, int, int], Chunk] = {}
+
+
 def chunk(part: Part, index: int, count: int) -> Part | Chunk:
     """Piece ``index`` of ``count`` of ``part``; ``part`` itself when ``count`` is 1."""
-    return part if count == 1 else Chunk(part, index, count)
+    if count == 1:
+        return part
+    # one instance per chunk: a tasp program names (cp_size - 1)^2 of them, and building a
+    # frozen dataclass costs more than looking one up
+    key = (part, index, count)
+    got = _CHUNKS.get(key)
+    if got is None:
+        got = _CHUNKS[key] = Chunk(part, index, count)
+    return got
 
 
 class Kind(str, Enum):
