@@ -56,8 +56,10 @@ from megatron_charm.plan.types import Layout, Program
 
 MODES = ("auto", "full", "symmetric")
 
-# In "auto" mode, CP groups up to this size are replayed in full.
-FULL_MODE_MAX_RANKS = 64
+# In "auto" mode, CP groups up to this size are replayed in full. Causal node symmetry is an
+# approximation (charm -19% forward on 16 x 8), and a full replay of 128 ranks takes 10-14 s a
+# method since flows are rerated once per instant (docs/simulator.md, "Speed and node symmetry").
+FULL_MODE_MAX_RANKS = 128
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from megatron_charm.plan import METHODS, Layout, methods_for
 from megatron_charm.plan.options import SEQ_LAYOUT_OF
 from megatron_charm.sim.predict import Problem, predict
+from megatron_charm.sim.programs import FULL_MODE_MAX_RANKS
 from megatron_charm.sim.topology import PRESETS
 
 
@@ -104,12 +105,12 @@ def write_markdown(rows: list[dict], path: str, command: str) -> None:
         f"links ({hw.intra_bw} GB/s NVLink, {hw.cross_achieved:.2f} GB/s per cross link, the "
         "rate Table 5's transfers achieve) with 8, 2 or 1 cross links per node, "
         f"{hw.enqueue.kernel * 1e6:g} us of host enqueue per operation, 989 TFLOPS at the given "
-        "efficiency. Groups above 64 ranks (16 nodes "
-        "and more) replay one node under node symmetry (docs/simulator.md), which for causal "
-        "attention is approximate: in full replays of 4x4 to 8x4 groups it put charm's time "
-        "16% low to 1% high and rm+/merge up to 15%/25% high. The step in charm's speedup "
-        "between 8 and 16 nodes on shared links is that switch, not a property of the "
-        "schedule.",
+        f"efficiency. Groups above {FULL_MODE_MAX_RANKS} ranks (more than "
+        f"{FULL_MODE_MAX_RANKS // 8} nodes) replay one node under node symmetry "
+        "(docs/simulator.md), which for causal attention is approximate: against full replays "
+        "of 4x4 to 16x8 groups it put charm's time up to 19% low and rm+/merge up to 23%/31% "
+        f"high. A step in a speedup between {FULL_MODE_MAX_RANKS // 8} and "
+        f"{FULL_MODE_MAX_RANKS // 4} nodes is that switch, not a property of the schedule.",
         "",
         "| model | cross links | nodes | seq | CCR fwd | ring fwd ms | charm fwd | rm+ fwd | "
         "merge fwd | ring bwd ms | charm bwd | rm+ bwd | merge bwd |",

@@ -280,6 +280,16 @@ def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
         assert b.makespan == pytest.approx(a.makespan, rel=tol)
 
 
+def test_auto_mode_replays_up_to_128_ranks_in_full() -> None:
+    """Causal node symmetry is approximate, so ``auto`` replays every rank up to 128 (16 x 8)
+    and one node above (32 x 8)."""
+    ring = PlanOptions(method="ring")
+    full = programs(ring, Layout(16, 8), True)
+    assert full.symmetry == "none" and len(full.forward) == 128
+    one_node = programs(ring, Layout(32, 8), True)
+    assert one_node.symmetry == "shift" and len(one_node.forward) == 8
+
+
 def test_block_area_matches_planner_cost() -> None:
     from megatron_charm.plan.layout import block_cost, block_parts
     from megatron_charm.sim.compute import block_area
