@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 from megatron_charm.plan import METHODS, PlanOptions
@@ -393,6 +394,29 @@ def _a2a_links(args: argparse.Namespace, topo: Topology) -> Topology | None:
     return PRESETS[args.preset].a2a_topology(topo.num_nodes, topo.ranks_per_node)
 
 
+#: CP groups above this size get a line on stderr per replayed method: a full replay of 128
+#: ranks takes 10-14 s a method (docs/simulator.md, "Speed and node symmetry").
+PROGRESS_ABOVE_RANKS = 32
+
+
+def _progress(topo: Topology, again: bool = False) -> Callable[[str, int, int], None] | None:
+    """Where replays take seconds each, say which method runs (stderr: a JSON stdout stays
+    clean); ``again``: a replay at another preset cost, to check the pick against it."""
+    if topo.cp_size <= PROGRESS_ABOVE_RANKS:
+        return None
+    why = " again, at another preset cost (does the pick depend on it?)" if again else ""
+
+    def say(method: str, index: int, count: int) -> None:
+        print(
+            f"megatron-charm-sim: replaying {method} ({index + 1} of {count}) on "
+            f"{topo.num_nodes}x{topo.ranks_per_node} ranks{why}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return say
+
+
 def _paper_prediction(
     args: argparse.Namespace,
     command: str,
@@ -445,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         a2a = _a2a_links(args, topo)
         options = PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS))
 
+        # later replays are the sensitivity checks' (Note [Enqueue sensitivity])
+        main_done = [False]
+
         def replay(
             model: ComputeModel, names: tuple[str, ...] | None, links: Topology = topo
         ) -> Prediction:
@@ -454,9 +481,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.replay == "paper":
                 picked = None if names is None else list(names)
                 return _paper_prediction(args, command, links, problem, model, picked, all_to_all)
-            return predict(links, problem, model, names, args.mode, options, a2a_topo=all_to_all)
+            return predict(
+                links,
+                problem,
+                model,
+                names,
+                args.mode,
+                options,
+                a2a_topo=all_to_all,
+                progress=_progress(links, again=main_done[0]),
+            )
 
         pred = replay(compute, None if methods is None else tuple(methods))
+        main_done[0] = True
         _table2_ccr(args, pred)
         # Note [Enqueue sensitivity]: a preset's enqueue and intra-node costs are not this
         # cluster's, unless --enqueue-us / --intra-lat-us give the user's own

@@ -229,6 +229,7 @@ def predict(
     rewrite: Callable[[ProgramSet], ProgramSet] | None = None,
     a2a_topo: Topology | None = None,
     check: Callable[[PlanOptions, Layout, AttnShape], None] = check_shape,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Prediction:
     """Replay forward and backward of every method in ``methods``, each with ``options`` (its
     method replaced). ``None``: every method that can split the problem (``a2a`` only when the
@@ -237,7 +238,8 @@ def predict(
     ``rewrite``, if given, maps each method's programs to the ones replayed (the paper's
     baselines, :mod:`megatron_charm.sim.baselines`). ``a2a_topo``, if given, is the links that
     ``tasp``'s all-to-all steps run on instead of ``topo``
-    (:meth:`megatron_charm.sim.topology.Hardware.a2a_topology`)."""
+    (:meth:`megatron_charm.sim.topology.Hardware.a2a_topology`). ``progress``, if given, is
+    called with ``(method, index, count)`` before each method's replay."""
     options = options if options is not None else PlanOptions()
     shape = problem.shape(topo.cp_size)
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
@@ -254,7 +256,9 @@ def predict(
         compute=compute,
         ccr_seconds=parts,  # type: ignore[arg-type]
     )
-    for method in methods:
+    for k, method in enumerate(methods):
+        if progress is not None:
+            progress(method, k, len(methods))
         progs = programs(options.replace(method=method), layout, problem.causal, mode, shape)
         if rewrite is not None:
             progs = rewrite(progs)

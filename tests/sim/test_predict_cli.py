@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_charm.plan import METHODS
@@ -79,6 +81,25 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["unit"].startswith("one attention layer") and "42.5 GB/s" in data["links"]
     assert main([*args.split(), "--enqueue-us", "7"]) == 0
     assert "host enqueue 7/7/7/7 us" in capsys.readouterr().out
+
+
+def test_cli_says_which_method_it_replays_on_large_groups(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Replays above 32 ranks take seconds each: each gets a line on stderr, stdout stays JSON;
+    a small group stays quiet."""
+    args = "--gpus 8x8 --intra-bw 365 --cross-bw 42.5 --tflops 989 --seq 32768 --heads 16 "
+    args += "--head-dim 64 --methods charm"
+    assert main([*args.split(), "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["gpus"] == "8x8"
+    lines = got.err.splitlines()
+    assert lines == [
+        "megatron-charm-sim: replaying ring (1 of 2) on 8x8 ranks",
+        "megatron-charm-sim: replaying charm (2 of 2) on 8x8 ranks",
+    ]
+    assert main([*args.replace("8x8", "4x8").split(), "--json"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
