@@ -78,6 +78,12 @@ class AutoChoice:
 
 
 _CACHE: dict[tuple, tuple[object, AutoChoice]] = {}
+
+#: The largest CP group whose every rank the choice replays; larger ones replay one node
+#: (Note [Node symmetry] in :mod:`megatron_charm.sim.programs`). Every rank pays the replay at
+#: its first call: on 16 x 8 in full it takes about 40 s a shape on a 2-core machine, one node
+#: about 10 s. The CLI replays in full up to 128 ranks, where the user waits for an exact answer.
+RUNTIME_FULL_MAX_RANKS = 64
 _WARNED: set[tuple[str, object]] = set()
 
 
@@ -182,7 +188,7 @@ def choose_method(
         shape.b, shape.s_local * m * p, shape.h, shape.d, shape.h_kv, causal, shape.itemsize
     )
     topo, compute = shared_by(prof.topology(m, p), groups_per_node), prof.compute_model()
-    pred = predict(topo, problem, compute, options=options)
+    pred = predict(topo, problem, compute, options=options, full_max_ranks=RUNTIME_FULL_MAX_RANKS)
     adv = advise(pred)
     # Note [Enqueue sensitivity]: a preset's host cost and fixed cost per intra-node transfer
     # are the paper's runs', not this cluster's; say where they decide
@@ -190,7 +196,9 @@ def choose_method(
     if assumes_preset_costs(prof):
 
         def replay(model: ComputeModel, links: Topology, names: tuple[str, ...]) -> Prediction:
-            return predict(links, problem, model, names, options=options)
+            return predict(
+                links, problem, model, names, options=options, full_max_ranks=RUNTIME_FULL_MAX_RANKS
+            )
 
         error = prof.preset_error or 0.0
         found = (

@@ -12,7 +12,7 @@ from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Kind, Layout, Part, Payload, Wire
 from megatron_charm.sim.compute import ComputeModel, describe_compute
 from megatron_charm.sim.engine import PassResult, simulate_pass
-from megatron_charm.sim.programs import ProgramSet, programs
+from megatron_charm.sim.programs import FULL_MODE_MAX_RANKS, ProgramSet, programs
 from megatron_charm.sim.topology import Topology
 
 # Methods whose predicted fwd+bwd times are within this fraction count as a tie; ties go to the
@@ -230,6 +230,7 @@ def predict(
     a2a_topo: Topology | None = None,
     check: Callable[[PlanOptions, Layout, AttnShape], None] = check_shape,
     progress: Callable[[str, int, int], None] | None = None,
+    full_max_ranks: int = FULL_MODE_MAX_RANKS,
 ) -> Prediction:
     """Replay forward and backward of every method in ``methods``, each with ``options`` (its
     method replaced). ``None``: every method that can split the problem (``a2a`` only when the
@@ -239,7 +240,8 @@ def predict(
     baselines, :mod:`megatron_charm.sim.baselines`). ``a2a_topo``, if given, is the links that
     ``tasp``'s all-to-all steps run on instead of ``topo``
     (:meth:`megatron_charm.sim.topology.Hardware.a2a_topology`). ``progress``, if given, is
-    called with ``(method, index, count)`` before each method's replay."""
+    called with ``(method, index, count)`` before each method's replay. ``full_max_ranks``:
+    the largest group that ``mode="auto"`` replays in full (:func:`programs`)."""
     options = options if options is not None else PlanOptions()
     shape = problem.shape(topo.cp_size)
     layout = Layout(topo.num_nodes, topo.ranks_per_node)
@@ -259,7 +261,9 @@ def predict(
     for k, method in enumerate(methods):
         if progress is not None:
             progress(method, k, len(methods))
-        progs = programs(options.replace(method=method), layout, problem.causal, mode, shape)
+        progs = programs(
+            options.replace(method=method), layout, problem.causal, mode, shape, full_max_ranks
+        )
         if rewrite is not None:
             progs = rewrite(progs)
         links = a2a_topo if method == "tasp" and a2a_topo is not None else topo

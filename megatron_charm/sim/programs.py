@@ -153,15 +153,17 @@ def programs(
     causal: bool,
     mode: str = "auto",
     shape: AttnShape | None = None,
+    full_max: int = FULL_MODE_MAX_RANKS,
 ) -> ProgramSet:
     """Programs to replay for ``options`` on ``layout`` (see :data:`MODES`); ``shape`` decides
     charm's ``cross_level`` and ``intra_level`` ``"auto"`` as
-    :func:`megatron_charm.plan.plan_levels` does."""
+    :func:`megatron_charm.plan.plan_levels` does; ``full_max``: the largest group that
+    ``"auto"`` replays in full."""
     cross, intra = plan_levels(options, layout, causal, shape)
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
     if mode == "auto":
-        small = layout.cp_size <= FULL_MODE_MAX_RANKS
+        small = layout.cp_size <= full_max
         mode = (
             "full" if small or symmetry_of(options.method, layout, causal) is None else "symmetric"
         )

@@ -288,6 +288,8 @@ def test_auto_mode_replays_up_to_128_ranks_in_full() -> None:
     assert full.symmetry == "none" and len(full.forward) == 128
     one_node = programs(ring, Layout(32, 8), True)
     assert one_node.symmetry == "shift" and len(one_node.forward) == 8
+    # a caller that pays the replay at every job start keeps a smaller limit
+    assert programs(ring, Layout(16, 8), True, full_max=64).symmetry == "shift"
 
 
 def test_block_area_matches_planner_cost() -> None:

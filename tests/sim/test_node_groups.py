@@ -151,6 +151,30 @@ def test_auto_chooses_on_the_links_its_groups_leave_it() -> None:
         assert shared.predicted_s[method] > seconds, method
 
 
+def test_auto_replays_one_node_above_64_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank pays the runtime choice's replays at its first call: they keep the 64-rank
+    limit for full replays, where the CLI replays up to 128 ranks in full."""
+    import importlib
+
+    from megatron_charm.auto import RUNTIME_FULL_MAX_RANKS, choose_method
+    from megatron_charm.plan.payloads import AttnShape
+    from megatron_charm.plan.types import Layout
+
+    # the package re-exports the function under the module's name
+    sim_predict = importlib.import_module("megatron_charm.sim.predict")
+    limits: list[int] = []
+    real = sim_predict.predict
+
+    def spy(*args, **kwargs):
+        limits.append(kwargs["full_max_ranks"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sim_predict, "predict", spy)
+    monkeypatch.setattr(importlib.import_module("megatron_charm.auto"), "_CACHE", {})
+    choose_method("H100", Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
+    assert RUNTIME_FULL_MAX_RANKS == 64 and limits and set(limits) == {64}
+
+
 def test_cli_leaves_the_all_to_alls_nic_per_gpu_unshared(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
