@@ -188,18 +188,18 @@ def choose_method(
         shape.b, shape.s_local * m * p, shape.h, shape.d, shape.h_kv, causal, shape.itemsize
     )
     topo, compute = shared_by(prof.topology(m, p), groups_per_node), prof.compute_model()
-    pred = predict(topo, problem, compute, options=options, full_max_ranks=RUNTIME_FULL_MAX_RANKS)
+
+    def replay(model: ComputeModel, links: Topology, names: tuple[str, ...] | None) -> Prediction:
+        return predict(
+            links, problem, model, names, options=options, full_max_ranks=RUNTIME_FULL_MAX_RANKS
+        )
+
+    pred = replay(compute, topo, None)
     adv = advise(pred)
     # Note [Enqueue sensitivity]: a preset's host cost and fixed cost per intra-node transfer
     # are the paper's runs', not this cluster's; say where they decide
     notes: list[str] = []
     if assumes_preset_costs(prof):
-
-        def replay(model: ComputeModel, links: Topology, names: tuple[str, ...]) -> Prediction:
-            return predict(
-                links, problem, model, names, options=options, full_max_ranks=RUNTIME_FULL_MAX_RANKS
-            )
-
         error = prof.preset_error or 0.0
         found = (
             enqueue_note(pred, adv.method, compute, lambda c, n: replay(c, topo, n), error=error),

@@ -83,14 +83,17 @@ def check_paper_tasp_shape(s_local: int, cp_size: int) -> None:
 
 
 class _Cuts:
-    """The kv chunks one rank moves, each peer's part found once (a program names
+    """The peers and kv chunks one rank moves, each peer's part found once (a program names
     ``(cp_size - 1)^2`` chunks; at CP 1024 finding each again cost a third of planning)."""
 
     def __init__(self, cp_rank: int, cp_size: int, causal: bool) -> None:
         x, self.count = cp_rank, cp_size - 1
+        #: the other ranks at offsets 1, 2, ... above and below this one, mod cp_size
+        self.ahead = [(x + o) % cp_size for o in range(1, cp_size)]
+        self.behind = [(x - o) % cp_size for o in range(1, cp_size)]
         # the part of x's kv that peer y uses, and the part of y's kv that x uses
-        self._out = {y: block_parts(y, x, causal)[1] for y in range(cp_size) if y != x}
-        self._in = {y: block_parts(x, y, causal)[1] for y in range(cp_size) if y != x}
+        self._out = {y: block_parts(y, x, causal)[1] for y in self.ahead}
+        self._in = {y: block_parts(x, y, causal)[1] for y in self.ahead}
 
     def sent(self, y: int, step: int) -> Part | Chunk:
         """Chunk ``step`` of this rank's kv that peer ``y`` uses."""
@@ -102,13 +105,11 @@ class _Cuts:
 
 
 def _post_step(b: ProgramBuilder, cuts: _Cuts, step: int) -> int:
-    x, n = b.cp_rank, cuts.count + 1
-    peers = [(x + o) % n for o in range(1, n)]
-    sources = [(x - o) % n for o in range(1, n)]
+    x = b.cp_rank
     return b.exchange(
         KV,
-        [send(y, Kind.KV, x, cuts.sent(y, step)) for y in peers]
-        + [recv(y, Kind.KV, y, cuts.used(y, step)) for y in sources],
+        [send(y, Kind.KV, x, cuts.sent(y, step)) for y in cuts.ahead]
+        + [recv(y, Kind.KV, y, cuts.used(y, step)) for y in cuts.behind],
     )
 
 
@@ -116,13 +117,11 @@ def _kv_steps(b: ProgramBuilder, cuts: _Cuts, causal: bool, q_kind: Kind) -> Ite
     """Post the kv steps two ahead (double buffering) around the computes; yield after each
     step's computes so the backward can return that step's partials."""
     x, steps = b.cp_rank, cuts.count
-    n = steps + 1
     handles = [_post_step(b, cuts, t) for t in range(min(steps, 2))]
     b.compute(x, x, *block_parts(x, x, causal), q_kind=q_kind)
-    q_parts = {y: block_parts(x, y, causal)[0] for y in range(n) if y != x}
+    q_parts = {y: block_parts(x, y, causal)[0] for y in cuts.behind}
     for t in range(steps):
-        for o in range(1, n):
-            y = (x - o) % n
+        for y in cuts.behind:
             b.compute(x, y, q_parts[y], cuts.used(y, t), False, q_kind=q_kind)
         yield t
         if t + 2 < steps:
@@ -150,12 +149,10 @@ def tasp_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
     for t in _kv_steps(b, cuts, causal, Kind.QB):
         # one exchange a step, as the kv's: a rank returns every peer's chunk partial and
         # receives its own chunk's from every peer (the merges tell those apart by sender)
-        peers = [(x - o) % cp_size for o in range(1, cp_size)]
-        sources = [(x + o) % cp_size for o in range(1, cp_size)]
         b.exchange(
             GRAD,
-            [send(y, Kind.DKV, y, cuts.used(y, t)) for y in peers]
-            + [recv(z, Kind.DKV, x, cuts.sent(z, t), held=1) for z in sources],
+            [send(y, Kind.DKV, y, cuts.used(y, t)) for y in cuts.behind]
+            + [recv(z, Kind.DKV, x, cuts.sent(z, t), held=1) for z in cuts.ahead],
         )
         # one step behind: the partials of step t - 1 have had a step's compute to arrive
         if t > 0:
@@ -166,7 +163,5 @@ def tasp_backward(cp_rank: int, cp_size: int, causal: bool) -> Program:
 
 
 def _merge_step(b: ProgramBuilder, cuts: _Cuts, step: int) -> None:
-    x, n = b.cp_rank, cuts.count + 1
-    for o in range(1, n):
-        z = (x + o) % n
-        b.merge(Payload(Kind.DKV, x, cuts.sent(z, step)))
+    for z in cuts.ahead:
+        b.merge(Payload(Kind.DKV, b.cp_rank, cuts.sent(z, step)))

@@ -401,10 +401,10 @@ PROGRESS_ABOVE_RANKS = 32
 
 def _progress(topo: Topology, again: bool = False) -> Callable[[str, int, int], None] | None:
     """Where replays take seconds each, say which method runs (stderr: a JSON stdout stays
-    clean); ``again``: a replay at another preset cost, to check the pick against it."""
+    clean); ``again``: a replay with one cost changed, to check the pick against it."""
     if topo.cp_size <= PROGRESS_ABOVE_RANKS:
         return None
-    why = " again, at another preset cost (does the pick depend on it?)" if again else ""
+    why = " again, with one cost changed (does the pick depend on it?)" if again else ""
 
     def say(method: str, index: int, count: int) -> None:
         print(
@@ -469,9 +469,6 @@ def main(argv: list[str] | None = None) -> int:
         a2a = _a2a_links(args, topo)
         options = PlanOptions().replace(**plan_values_from_args(args, keys=SIM_PLAN_OPTIONS))
 
-        # later replays are the sensitivity checks' (Note [Enqueue sensitivity])
-        main_done = [False]
-
         def replay(
             model: ComputeModel, names: tuple[str, ...] | None, links: Topology = topo
         ) -> Prediction:
@@ -489,11 +486,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.mode,
                 options,
                 a2a_topo=all_to_all,
-                progress=_progress(links, again=main_done[0]),
+                # the sensitivity checks replay with one cost changed: a new model or links
+                progress=_progress(links, again=model is not compute or links is not topo),
             )
 
         pred = replay(compute, None if methods is None else tuple(methods))
-        main_done[0] = True
         _table2_ccr(args, pred)
         # Note [Enqueue sensitivity]: a preset's enqueue and intra-node costs are not this
         # cluster's, unless --enqueue-us / --intra-lat-us give the user's own

@@ -100,6 +100,17 @@ def test_cli_says_which_method_it_replays_on_large_groups(
     ]
     assert main([*args.replace("8x8", "4x8").split(), "--json"]) == 0
     assert capsys.readouterr().err == ""
+    # a preset's assumed costs are checked by replaying again with one changed: said as such
+    preset = "--preset H100 --gpus 8x8 --seq 32768 --heads 16 --head-dim 64 --methods charm"
+    assert main([*preset.split(), "--json"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == [
+        "megatron-charm-sim: replaying ring (1 of 2) on 8x8 ranks",
+        "megatron-charm-sim: replaying charm (2 of 2) on 8x8 ranks",
+    ]
+    assert len(lines) > 2
+    assert all(line.endswith("again, with one cost changed (does the pick depend on it?)")
+               for line in lines[2:])  # fmt: skip
 
 
 def test_cli_advise_with_preset(capsys: pytest.CaptureFixture[str]) -> None:
