@@ -85,6 +85,48 @@ _COMPUTE, _HOST_WORK = -1, -2
 # +-20%, and 193-194 on a fresh sweep after the change (docs/results/calibrated-2x2.md). NCCL
 # (``"channel"``) posts one group per exchange.
 
+# Note [Each side its own size]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A symmetric replay (Note [Node symmetry] in megatron_charm/sim/programs.py) runs node 0 only.
+# A cross-node class of transfers then has two sides on node 0 that stand for two different
+# transfers: node 0's send to node d, and node 0's receive from node -d (the mirror of node
+# d's receive from node 0). Without a mask they are the same size, and one flow on both sides'
+# resources replays both exactly. Under causal attention they are not: node 0 holds the
+# sequence's first and last halves, so it sends its kv halved to every node above it and
+# receives whole kv from them (the zigzag parts), and the nodes above do the reverse.
+#
+#     one flow, the larger size      node 0's out-link and in-link both carry the whole kv
+#     each side its own size         out-link: the halves it sends; in-link: the whole kv
+#                                    it receives; each as node 0 carries them in full
+#
+# So in an approximate replay a matched transfer whose sides name different sizes runs as
+# two flows, each from when both sides have posted: the sender's, of its size, counted on the
+# sending side's resources, and the receiver's, of its own, on the receiving side's. Each
+# ends its own side's operation. A flow also *watches* the other side's resources: it moves no
+# faster than their share, without counting on them, since the far end of node 0's send is
+# node d's in-link, which by symmetry carries what node 0's own in-link does (a watched link
+# with nothing on it gives its whole rate). A link between a pair of nodes (``cross_mesh``)
+# has no other end: it gets a copy per side (``pair_out``, ``pair_in``), each carrying its
+# side's sizes in full. Causal charm and tasp, whose nodes do not agree on how many transfers
+# a class has, run every cross-node transfer unmatched, one side each, in the same way. With
+# gloo's order per pair (``exchange_order="pair"``), where a pair's transfers queue as flows
+# one after another, a matched transfer keeps one flow of the larger size.
+#
+# Against full replays (2026-12-07; tests/sim/test_engine.py checks 4 x 4): over 4 x 2, 4 x 4,
+# 8 x 2 and 8 x 4 (one NIC per GPU, one shared link, two NICs per node, a PCIe domain) and the
+# H100 preset on 4 x 8 and 8 x 8 (8, 2 and 1 NICs per node, 4,096 tokens a rank), the largest
+# errors went from charm -21% / -29% (forward / backward), rm+ +18% / +21%, merge's backward
+# +31% and all_gather's +18% to charm -13% / -15%, rm+ +5% / +4%, merge's backward +20% (one
+# NIC per GPU; +5% on the others) and all_gather's -10%; tasp's backward from -7% to +14%.
+# Without the watched links (each flow on its own side's only) they were as large: charm -18%,
+# all_gather -20%. On links between pairs of nodes, first come first served (the testbed's),
+# from charm -77% and tasp -92% to within 2.3% for every method. On 16 x 8 (H100 preset,
+# 262,144 tokens, 16 heads of 128): charm -19% / -16% -> -10% / -9%, merge's backward +31% ->
+# +0.6%, rm+ +14% / +23% -> +0.5% / +5.5%, all_gather's backward +10% -> -12%. Node 0 is the
+# lowest node, the one that receives whole kv from every other: where its in-link is busy
+# longer than a far node's (merge's backward on one NIC per GPU), the watch holds its sends
+# back too long.
+
 # Note [Enqueue ahead]
 # ~~~~~~~~~~~~~~~~~~~~
 # On a GPU the host does not run the pass; it enqueues it. Each kernel call, merge and posted
@@ -212,19 +254,50 @@ class PassResult:
 #: Resources that a ``cross_fifo`` topology serves first come, first served (Note [Links and
 #: contention] in megatron_charm/sim/topology.py); flows that start within this many seconds of
 #: each other count as starting together and share.
-_FIFO_LINKS = ("pair", "nic_out", "nic_in")
+_FIFO_LINKS = ("pair", "pair_out", "pair_in", "nic_out", "nic_in")
 _TOGETHER = 1e-9
+
+#: Resources on a transfer's sending side; the others are on its receiving side, but for a link
+#: between a pair of nodes, which stands for both sides' copies (Note [Each side its own size]).
+_SEND_SIDE = frozenset(("pcie_out", "pcie_up", "nvl_out", "nic_out"))
+
+
+def _one_side(res: tuple, send: bool) -> tuple[tuple, tuple]:
+    """``(counted, watched)``: the resources of a flow that carries one side of a transfer
+    (``send``: the sender's) in an approximate symmetric replay (Note [Each side its own size]):
+    its own side's, where it counts, and the other side's, whose share bounds it."""
+    counted, watched = [], []
+    for r in res:
+        if r[0] == "pair":
+            counted.append(("pair_out" if send else "pair_in", r[1]))
+        elif (r[0] in _SEND_SIDE) == send:
+            counted.append(r)
+        else:
+            watched.append(r)
+    return tuple(counted), tuple(watched)
 
 
 class _Flow:
-    __slots__ = ("remaining", "rate", "last", "version", "res", "bw", "ends", "pair", "born")
+    __slots__ = (
+        "remaining",
+        "rate",
+        "last",
+        "version",
+        "res",
+        "bw",
+        "ends",
+        "pair",
+        "born",
+        "watch",
+    )
 
-    def __init__(self, nbytes: float, res: tuple, bw: float, ends: list) -> None:
+    def __init__(self, nbytes: float, res: tuple, watch: tuple, bw: float, ends: list) -> None:
         self.remaining = float(nbytes)
         self.rate = bw
         self.last = 0.0
         self.version = 0
         self.res = res
+        self.watch = watch  # resources whose share bounds it, where it does not count
         self.bw = bw
         self.ends = ends
         self.pair: tuple | None = None  # (channel, pair) whose transfers keep their order
@@ -370,16 +443,14 @@ class Engine:
                         nbytes = 0  # the sender's side sets the size
                     # else: approximate symmetric replay: this side stands for a different copy
                     # of the transfer class than the sender's side (parts differ between nodes
-                    # under causal attention); a matched class takes the larger size.
+                    # under causal attention): Note [Each side its own size]
                     key = self._key(ins.channel, src, dst, n)
                     if unmatched_cross and not topo.same_node(src, dst):
-                        # Approximate symmetric replay of causal charm: nodes differ in how
-                        # many transfers a class has, so a cross-node transfer is not matched;
-                        # it runs from when this side's exchange starts (the peer node is in the
-                        # same state by symmetry) on this side's links only.
+                        # Approximate symmetric replay of causal charm and tasp: nodes differ in
+                        # how many transfers a class has, so a cross-node transfer is not
+                        # matched; it runs from when this side's exchange starts (the peer node
+                        # is in the same state by symmetry), one side of it
                         key = None
-                        direction = "_out" if op.send else "_in"
-                        res = tuple(r for r in res if r[0].endswith(direction))
                     transfers.append(Transfer(key, op.send, nbytes, res, bw, lat, held))
                 costs.append(tuple(transfers))
             elif isinstance(ins, Compute):
@@ -457,6 +528,7 @@ class Engine:
         # set's order follows the flows' addresses, which made predictions differ in the
         # fourth digit between runs
         self.res_flows: dict[tuple, dict[_Flow, None]] = defaultdict(dict)
+        self.res_watch: dict[tuple, dict[_Flow, None]] = defaultdict(dict)
         # flows whose share changed at ``dirty_at``, rerated once time moves on (Note [Rerates
         # batched per instant])
         self.dirty: dict[_Flow, None] = {}
@@ -598,17 +670,24 @@ class Engine:
             # the exchange is in flight; nothing waits for them
             self._host_add(self.exchange_transport_s(self.ops_of[i][handle]), (), now)
         pending = self.pending
-        for key, _, nbytes, res, bw, lat, held in self.ops_of[i][handle]:  # Transfer fields
+        for key, send, nbytes, res, bw, lat, held in self.ops_of[i][handle]:  # Transfer fields
             if key is None:  # unmatched (see _compile)
-                self._push(now + lat, _ACTIVATE, _Flow(nbytes + held, res, bw, [(i, handle)]))
+                flow = _Flow(nbytes + held, *_one_side(res, send), bw, [(i, handle)])
+                self._push(now + lat, _ACTIVATE, flow)
                 continue
             other = pending.pop(key, None)
             if other is None:
                 pending[key] = (i, handle, nbytes)
                 continue
             oi, oh, obytes = other
+            if obytes != nbytes and not self.progs.exact and not self.pair_order:
+                # Note [Each side its own size]
+                for side, size, ends in ((send, nbytes, (i, handle)), (not send, obytes, (oi, oh))):
+                    flow = _Flow(size + held, *_one_side(res, side), bw, [ends])
+                    self._push(now + lat, _ACTIVATE, flow)
+                continue
             # both sides of a transfer cross the same link: the same held bytes
-            flow = _Flow(max(nbytes, obytes) + held, res, bw, [(i, handle), (oi, oh)])
+            flow = _Flow(max(nbytes, obytes) + held, res, (), bw, [(i, handle), (oi, oh)])
             if self.pair_order:
                 flow.pair = key[:-1]  # the key without the transfer's sequence number
                 if self.pair_busy.get(flow.pair):
@@ -620,14 +699,18 @@ class Engine:
     def _activate(self, flow: _Flow, now: float) -> None:
         flow.last = now
         flow.born = now
-        if not flow.res:
+        if not flow.res and not flow.watch:
             self._push(now + flow.remaining / flow.bw, _FINISH, flow, flow.version)
             return
         dirty = self._mark(now)
+        dirty[flow] = None
         for r in flow.res:
             flows = self.res_flows[r]
             flows[flow] = None
             dirty.update(flows)
+            dirty.update(self.res_watch[r])
+        for r in flow.watch:
+            self.res_watch[r][flow] = None
 
     def _mark(self, now: float) -> dict[_Flow, None]:
         """The flows to rerate at ``now``, which every flow marked before shares (the loop
@@ -658,20 +741,23 @@ class Engine:
         f.last = now
         rate = f.bw
         capacity = self._capacity
-        for r in f.res:
+        for r in f.watch + f.res if f.watch else f.res:
             cap = capacity.get(r)
             if cap is None:
                 cap = capacity[r] = self.topo.capacity(r)
-            if self.topo.cross_fifo and r[0] in _FIFO_LINKS:
+            flows = self.res_flows[r]
+            if not flows:  # a watched link with nothing on it (Note [Each side its own size])
+                share = cap
+            elif self.topo.cross_fifo and r[0] in _FIFO_LINKS:
                 # the earliest flows take the link; the globally earliest flow is first on
-                # every link it crosses, so some flow always moves
+                # every link it crosses or watches, so some flow always moves
                 first, together = self._fifo_head(r, fifo)
                 if f.born > first + _TOGETHER:
                     rate = 0.0
                     break
                 share = cap / together
             else:
-                share = cap / len(self.res_flows[r])
+                share = cap / len(flows)
             if share < rate:
                 rate = share
         if rate == f.rate and f.version:
@@ -689,13 +775,16 @@ class Engine:
                 self._push(now + lat, _ACTIVATE, after)
             else:
                 self.pair_busy[flow.pair] = False
-        if flow.res:
+        if flow.res or flow.watch:
             dirty = self._mark(now)
-            dirty.pop(flow, None)  # done: a rerate would give it a second end
             for r in flow.res:
                 flows = self.res_flows[r]
                 flows.pop(flow, None)
                 dirty.update(flows)
+                dirty.update(self.res_watch[r])
+            for r in flow.watch:
+                self.res_watch[r].pop(flow, None)
+            dirty.pop(flow, None)  # done: a rerate would give it a second end
         for i, handle in flow.ends:
             left = self.remaining_ops[i][handle] - 1
             self.remaining_ops[i][handle] = left

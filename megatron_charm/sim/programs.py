@@ -21,18 +21,19 @@ class. For non-causal attention this replays the full schedule exactly (tests ch
 
 For causal attention the zigzag parts differ between nodes (node ``a`` sends whole queries to the
 ``a`` nodes below it and second halves to the nodes above, and charm ships a whole foreign query
-as two halves in two rounds), so symmetric mode is an approximation. Matched classes take the
-larger of the sizes their two local sides name. For charm the nodes do not even agree on how many
+as two halves in two rounds), so symmetric mode is an approximation. Where a class's two local
+sides name different sizes, each side runs as its own flow of its own size on its own side's
+resources (Note [Each side its own size] in :mod:`megatron_charm.sim.engine`; until 2026-12-07
+they ran as one flow of the larger size). For charm the nodes do not even agree on how many
 cross-node transfers a class has, so its cross-node transfers run unmatched: each starts when its
-own side's exchange starts and uses only its own side's links. ``tasp``'s too: node 0's ranks
-return full chunk partials to the ranks above them and receive first halves from them, which the
-mirrored class names the other way round, and a step's returns share one exchange, so one
-inflated class delayed every step (its backward 28-32% slow on 4x4 matched, within 2.3% of the
-full replay unmatched on 4x2, 4x4, 8x2 and 8x4; its forward exact either way). Against full
-replays of 4x4, 8x2 and 8x4 groups (shared and rails): ring, a2a and a2a+p2p (which move whole
-tokens) exact; charm -16%..+1%; rm+ up to +15%; merge's backward up to +25% and all_gather's up
-to +15% (their forwards are exact). Compute is exact (every causal
-block costs half a full one).
+own side's exchange starts, one side of it. ``tasp``'s too: node 0's ranks return full chunk
+partials to the ranks above them and receive first halves from them, which the mirrored class
+names the other way round, and a step's returns share one exchange. Against full replays
+(4 x 2 to 8 x 8; the Note has them): ring, a2a and a2a+p2p (which move whole tokens) exact;
+charm -15%..0%; rm+ within 5%; merge's backward up to +20% and all_gather's -10% (their
+forwards exact); tasp's backward up to +14%. Compute is exact (every causal block costs half a
+full one). Methods without a node symmetry (causal ``ring-contig`` and ``a2a+charm``, two-node
+charm) replay every rank in every mode.
 
 Two-node charm has no such symmetry: its two nodes order their cross-node returns differently,
 the lower node's result first (Note [Receiving results early]), so it is always replayed in full
@@ -57,8 +58,9 @@ from megatron_charm.plan.types import Layout, Program
 MODES = ("auto", "full", "symmetric")
 
 # In "auto" mode, CP groups up to this size are replayed in full. Causal node symmetry is an
-# approximation (charm -19% forward on 16 x 8), and a full replay of 128 ranks takes 10-14 s a
-# method since flows are rerated once per instant (docs/simulator.md, "Speed and node symmetry").
+# approximation (charm -10% forward on 16 x 8, -19% before each side ran its own size), and a
+# full replay of 128 ranks takes 10-14 s a method since flows are rerated once per instant
+# (docs/simulator.md, "Speed and node symmetry").
 FULL_MODE_MAX_RANKS = 128
 
 
@@ -155,19 +157,17 @@ def programs(
     shape: AttnShape | None = None,
     full_max: int = FULL_MODE_MAX_RANKS,
 ) -> ProgramSet:
-    """Programs to replay for ``options`` on ``layout`` (see :data:`MODES`); ``shape`` decides
-    charm's ``cross_level`` and ``intra_level`` ``"auto"`` as
+    """Programs to replay for ``options`` on ``layout`` (see :data:`MODES`; ``"symmetric"``
+    replays every rank of a method that has no node symmetry, :func:`symmetry_of`); ``shape``
+    decides charm's ``cross_level`` and ``intra_level`` ``"auto"`` as
     :func:`megatron_charm.plan.plan_levels` does; ``full_max``: the largest group that
     ``"auto"`` replays in full."""
     cross, intra = plan_levels(options, layout, causal, shape)
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
-    if mode == "auto":
-        small = layout.cp_size <= full_max
-        mode = (
-            "full" if small or symmetry_of(options.method, layout, causal) is None else "symmetric"
-        )
-    if mode == "symmetric" and layout.num_nodes > 1:
+    if mode == "auto" and layout.cp_size <= full_max:
+        mode = "full"
+    if mode != "full" and symmetry_of(options.method, layout, causal) is not None:
         return node_programs(options, layout, causal, 0, cross, intra)
     plan = plan_with_levels(options, layout, causal, cross, intra=intra)
     return ProgramSet(options, layout, causal, plan.forward, plan.backward, "none")

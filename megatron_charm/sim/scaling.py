@@ -108,8 +108,9 @@ def write_markdown(rows: list[dict], path: str, command: str) -> None:
         f"efficiency. Groups above {FULL_MODE_MAX_RANKS} ranks (more than "
         f"{FULL_MODE_MAX_RANKS // 8} nodes) replay one node under node symmetry "
         "(docs/simulator.md), which for causal attention is approximate: against full replays "
-        "of 4x4 to 16x8 groups it put charm's time up to 19% low and rm+/merge up to 23%/31% "
-        f"high. A step in a speedup between {FULL_MODE_MAX_RANKS // 8} and "
+        "of 4x2 to 16x8 groups it puts charm's time up to 15% low, rm+'s within 5% and merge's "
+        "backward up to 20% high (one NIC per GPU; within 5% on the others). A step in a "
+        f"speedup between {FULL_MODE_MAX_RANKS // 8} and "
         f"{FULL_MODE_MAX_RANKS // 4} nodes is that switch, not a property of the schedule.",
         "",
         "| model | cross links | nodes | seq | CCR fwd | ring fwd ms | charm fwd | rm+ fwd | "

@@ -254,10 +254,12 @@ def test_symmetric_mode_exact_for_non_causal(method: str, links: str, mp: tuple[
 # no symmetry under causal masking: ring-contig, and a2a+charm (a node's queries cross whole to
 # earlier nodes and halved to later ones)
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("ring-contig", "a2a+charm")])
-@pytest.mark.parametrize("links", ["rails", "shared"])
+@pytest.mark.parametrize("links", ["rails", "shared", "mesh-fifo"])
 def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
-    # Causal plans are not node-symmetric (zigzag halves); the approximation stays close.
-    t = topo(4, 4, cross_links=links)
+    # Causal plans are not node-symmetric (zigzag halves); the approximation stays close, each
+    # side of a cross-node transfer carrying its own size (Note [Each side its own size]).
+    mesh = links == "mesh-fifo"
+    t = topo(4, 4, cross_links="shared" if mesh else links, cross_mesh=mesh, cross_fifo=mesh)
     for backward in (False, True):
         a = simulate_pass(
             programs(PlanOptions(method=method), Layout(4, 4), True, "full"),
@@ -274,9 +276,11 @@ def test_symmetric_mode_close_for_causal(method: str, links: str) -> None:
             backward,
         )
         assert not b.exact
-        tol = {"ring": 1e-9, "charm": 0.2, "rm+": 0.2, "merge": 0.3, "all_gather": 0.2}
-        tol["tasp"] = 0.05  # its cross transfers unmatched (Note [Node symmetry])
-        tol = tol.get(method, 1e-9)  # a2a and a2a+p2p move whole tokens: exact
+        # measured: within 2.3% on the links between pairs of nodes, which a side's copy
+        # carries whole; up to 7% where a link on the far side is only watched
+        tol = {"charm": 0.06, "rm+": 0.03, "merge": 0.03, "all_gather": 0.08, "tasp": 0.07}
+        tol = 0.03 if mesh and method in tol else tol.get(method, 1e-9)
+        # ring, a2a and a2a+p2p move whole tokens: exact
         assert b.makespan == pytest.approx(a.makespan, rel=tol)
 
 
@@ -290,6 +294,16 @@ def test_auto_mode_replays_up_to_128_ranks_in_full() -> None:
     assert one_node.symmetry == "shift" and len(one_node.forward) == 8
     # a caller that pays the replay at every job start keeps a smaller limit
     assert programs(ring, Layout(16, 8), True, full_max=64).symmetry == "shift"
+
+
+def test_symmetric_mode_replays_every_rank_of_a_method_without_symmetry() -> None:
+    # causal ring-contig and a2a+charm: their nodes do different work (Note [Node symmetry]);
+    # `--mode symmetric` replays them in full rather than refusing the whole table
+    for method in ("ring-contig", "a2a+charm"):
+        progs = programs(PlanOptions(method=method), Layout(4, 2), True, mode="symmetric")
+        assert progs.symmetry == "none" and len(progs.forward) == 8
+    ring = programs(PlanOptions(method="ring"), Layout(4, 2), True, mode="symmetric")
+    assert ring.symmetry == "shift" and len(ring.forward) == 2
 
 
 def test_block_area_matches_planner_cost() -> None:
