@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_charm.plan import methods_for
 from megatron_charm.plan.options import BASELINES, PlanOptions
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Layout
@@ -81,8 +82,9 @@ _CACHE: dict[tuple, tuple[object, AutoChoice]] = {}
 
 #: The largest CP group whose every rank the choice replays; larger ones replay one node
 #: (Note [Node symmetry] in :mod:`megatron_charm.sim.programs`). Every rank pays the replay at
-#: its first call: on 16 x 8 in full it takes about 40 s a shape on a 2-core machine, one node
-#: about 10 s. The CLI replays in full up to 128 ranks, where the user waits for an exact answer.
+#: its first call: on 16 x 8 the six candidates in full take about 15 s a shape on a 2-core
+#: machine, one node 1.2 s (1.6 s with the preset's two sensitivity replays; 2026-12-07). The
+#: CLI replays in full up to 128 ranks, where the user waits for an exact answer.
 RUNTIME_FULL_MAX_RANKS = 64
 _WARNED: set[tuple[str, object]] = set()
 
@@ -194,7 +196,10 @@ def choose_method(
             links, problem, model, names, options=options, full_max_ranks=RUNTIME_FULL_MAX_RANKS
         )
 
-    pred = replay(compute, topo, None)
+    # the baselines are never picked: replaying them cost 27 of 30 s on 32 x 8 (causal
+    # ring-contig and a2a+charm have no node symmetry, so they replay every rank)
+    candidates = tuple(m for m in methods_for(layout, shape) if m not in BASELINES)
+    pred = replay(compute, topo, candidates)
     adv = advise(pred)
     # Note [Enqueue sensitivity]: a preset's host cost and fixed cost per intra-node transfer
     # are the paper's runs', not this cluster's; say where they decide
@@ -206,7 +211,7 @@ def choose_method(
             intra_lat_note(pred, adv.method, topo, lambda t, n: replay(compute, t, n), error=error),
         )
         notes = [n for n in found if n]
-    totals = {name: mp.total for name, mp in pred.methods.items() if name not in BASELINES}
+    totals = {name: mp.total for name, mp in pred.methods.items()}
     choice = AutoChoice(adv.method, totals, prof.name, (*adv.reasons, *notes), groups_per_node)
     _CACHE[key] = (profile, choice)
     log.info("megatron-charm: %s", choice.describe())

@@ -175,6 +175,33 @@ def test_auto_replays_one_node_above_64_ranks(monkeypatch: pytest.MonkeyPatch) -
     assert RUNTIME_FULL_MAX_RANKS == 64 and limits and set(limits) == {64}
 
 
+def test_runtime_auto_replays_only_methods_it_can_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The baselines are never picked, so the runtime choice does not replay them (on 32 x 8
+    causal ring-contig and a2a+charm replay every rank: 27 of 30 s)."""
+    import importlib
+
+    from megatron_charm.auto import choose_method
+    from megatron_charm.plan.options import BASELINES
+    from megatron_charm.plan.payloads import AttnShape
+    from megatron_charm.plan.types import Layout
+
+    sim_predict = importlib.import_module("megatron_charm.sim.predict")
+    replayed: list[tuple[str, ...]] = []
+    real = sim_predict.predict
+
+    def spy(*args, **kwargs):
+        pred = real(*args, **kwargs)
+        replayed.append(tuple(pred.methods))
+        return pred
+
+    monkeypatch.setattr(sim_predict, "predict", spy)
+    monkeypatch.setattr(importlib.import_module("megatron_charm.auto"), "_CACHE", {})
+    choice = choose_method("H100", Layout(2, 2), AttnShape(1, 1024, 8, 8, 64, 2), True)
+    assert {"charm", "ring", "a2a+p2p"} <= set(replayed[0])
+    assert not set(BASELINES) & {m for methods in replayed for m in methods}
+    assert choice.method in replayed[0] and set(choice.predicted_s) == set(replayed[0])
+
+
 def test_cli_leaves_the_all_to_alls_nic_per_gpu_unshared(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
