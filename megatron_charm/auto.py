@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_charm.plan import methods_for
-from megatron_charm.plan.options import BASELINES, PlanOptions
+from megatron_charm.plan.options import PlanOptions
 from megatron_charm.plan.payloads import AttnShape
 from megatron_charm.plan.types import Layout
 from megatron_charm.sim.profile import Profile, load_profile
@@ -171,7 +171,7 @@ def choose_method(
             :mod:`megatron_charm.sim.node_groups`).
     """
     from megatron_charm.sim.node_groups import shared_by
-    from megatron_charm.sim.predict import Problem, advise, predict
+    from megatron_charm.sim.predict import SIMPLICITY, Problem, advise, predict
     from megatron_charm.sim.sensitivity import assumes_preset_costs, enqueue_note, intra_lat_note
 
     options = options or PlanOptions()
@@ -196,9 +196,9 @@ def choose_method(
             links, problem, model, names, options=options, full_max_ranks=RUNTIME_FULL_MAX_RANKS
         )
 
-    # the baselines are never picked: replaying them cost 27 of 30 s on 32 x 8 (causal
-    # ring-contig and a2a+charm have no node symmetry, so they replay every rank)
-    candidates = tuple(m for m in methods_for(layout, shape) if m not in BASELINES)
+    # only what advise can pick (SIMPLICITY): replaying the baselines too cost 27 of 30 s on
+    # 32 x 8 (causal ring-contig and a2a+charm have no node symmetry, so they replay every rank)
+    candidates = tuple(m for m in methods_for(layout, shape) if m in SIMPLICITY)
     pred = replay(compute, topo, candidates)
     adv = advise(pred)
     # Note [Enqueue sensitivity]: a preset's host cost and fixed cost per intra-node transfer
