@@ -112,7 +112,8 @@ _COMPUTE, _HOST_WORK = -1, -2
 # gloo's order per pair (``exchange_order="pair"``), where a pair's transfers queue as flows
 # one after another, a matched transfer keeps one flow of the larger size.
 #
-# Against full replays (2026-12-07; tests/sim/test_engine.py checks 4 x 4): over 4 x 2, 4 x 4,
+# Against full replays (2026-12-07, scripts/bench/symmetric_error.py; tests/sim/test_engine.py
+# checks 4 x 4): over 4 x 2, 4 x 4,
 # 8 x 2 and 8 x 4 (one NIC per GPU, one shared link, two NICs per node, a PCIe domain) and the
 # H100 preset on 4 x 8 and 8 x 8 (8, 2 and 1 NICs per node, 4,096 tokens a rank), the largest
 # errors went from charm -21% / -29% (forward / backward), rm+ +18% / +21%, merge's backward
