@@ -34,17 +34,30 @@ from collections.abc import Iterator, Sequence
 from megatron_charm.plan.types import Compute, Exchange, Instr
 
 
-def _is_product(run: Sequence[Compute]) -> bool:
+def _longest_product(instrs: Sequence[Instr], i: int, j: int) -> int:
+    """The largest ``e`` in ``(i, j]`` such that ``instrs[i:e]`` (computes) is a full product
+    (Note [Coalesced blocks]); ``i + 1`` if no run of two or more is. One pass: a part named
+    twice differently or a pair met twice stays so in every longer run, so the scan stops
+    there, and the rest of the test (pairs = query pieces x kv pieces) is checked at each
+    length."""
     q_parts: dict[int, object] = {}
     kv_parts: dict[int, object] = {}
     pairs = set()
-    for c in run:
+    best = i + 1
+    for e in range(i, j):
+        c = instrs[e]
+        assert isinstance(c, Compute)
         if q_parts.setdefault(c.q_owner, c.q_part) != c.q_part:
-            return False
+            break
         if kv_parts.setdefault(c.kv_owner, c.kv_part) != c.kv_part:
-            return False
-        pairs.add((c.q_owner, c.kv_owner))
-    return len(pairs) == len(run) == len(q_parts) * len(kv_parts)
+            break
+        pair = (c.q_owner, c.kv_owner)
+        if pair in pairs:
+            break
+        pairs.add(pair)
+        if e > i and len(pairs) == len(q_parts) * len(kv_parts):
+            best = e + 1
+    return best
 
 
 def run_pieces(run: Sequence[Compute]) -> tuple[tuple, tuple]:
@@ -70,7 +83,7 @@ def coalesced_runs(instrs: Sequence[Instr]) -> dict[int, int]:
                 if not isinstance(c, Compute) or c.masked or c.heads != first.heads:
                     break
                 j += 1
-            end = next((e for e in range(j, i + 1, -1) if _is_product(instrs[i:e])), i + 1)
+            end = _longest_product(instrs, i, j)
         if end - i >= 2:
             runs[i] = end
         i = end

@@ -31,6 +31,12 @@ def test_masked_blocks_waits_and_head_groups_are_never_joined():
     assert coalesced_runs([_c(0, 4), _c(1, 4, heads=H0)]) == {}
 
 
+def test_a_run_is_the_longest_product_though_a_shorter_one_is_not():
+    # q0 x kv4 and q1 x kv5 are not a product (q0 x kv5 is missing); all four blocks are
+    instrs = [_c(0, 4), _c(1, 5), _c(0, 5), _c(1, 4), _c(2, 4)]
+    assert coalesced_runs(instrs) == {0: 4}
+
+
 def test_a_repeated_pair_is_not_a_product():
     assert coalesced_runs([_c(0, 4), _c(0, 4)]) == {}
 
