@@ -754,3 +754,60 @@ def test_a_fixed_cost_on_the_link_is_paid_once_per_transfer(on_link, count, want
 def test_cross_lat_on_link_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="cross_lat_on_link=1 must be a bool"):
         Topology(2, 1, 1.0, 1.0, cross_lat_on_link=1)  # type: ignore[arg-type]
+
+
+def _replays(sets, t, compute) -> list[float]:
+    """Makespan and every rank's finish and exposed time of both passes of ``sets`` on ``t``."""
+    out = []
+    for backward in (False, True):
+        res = simulate_pass(sets, t, SHAPE, compute, backward)
+        out += [res.makespan, *(x for r in res.ranks for x in (r.finish, r.exposed))]
+    return out
+
+
+# every sharing rule the replay has: links shared by many flows of all-to-all steps (tasp,
+# all_gather, a2a), pairs of nodes with FIFO links, and the watched links of the approximate
+# symmetric replay (node_programs under causal attention)
+_SHORTCUT_CASES = [
+    ("tasp", (2, 4), True, "rails", "full"),
+    ("tasp", (4, 2), False, "shared", "full"),
+    ("all_gather", (2, 4), True, "nics2", "full"),
+    ("a2a+p2p", (2, 4), True, "shared", "full"),
+    ("charm", (4, 4), True, "rails", "node"),
+    ("all_gather", (4, 4), True, "shared", "node"),
+    ("tasp", (4, 4), True, "shared", "node"),
+    ("merge", (4, 4), True, "mesh-fifo", "node"),
+    ("rm+", (4, 2), True, "mesh-fifo", "full"),
+]
+
+
+@pytest.mark.parametrize(("method", "mp", "causal", "links", "mode"), _SHORTCUT_CASES)
+def test_the_replays_shortcuts_keep_every_time(monkeypatch, method, mp, causal, links, mode):
+    # Note [Rerates only where a share binds] and Note [Ends pushed back lazily]: the replay
+    # skips rerates that cannot move a rate and events that would fire stale; against the plain
+    # rule (every flow on a changed link rerated, every change pushing its end) every time is
+    # the same: to the bit without the lazy ends (they push at the very time a change would
+    # have), to rounding without the skipped rerates (which fold a flow's progress in later)
+    from megatron_charm.sim.engine import Engine
+
+    opts = PlanOptions(method=method)
+    sets = (
+        node_programs(opts, Layout(*mp), causal)
+        if mode == "node"
+        else programs(opts, Layout(*mp), causal, "full")
+    )
+    mesh = links.startswith("mesh")
+    t = topo(
+        *mp,
+        cross_links="shared" if mesh else links.replace("nics2", "rails"),
+        nics_per_node=2 if links == "nics2" else 0,
+        cross_mesh=mesh,
+        cross_fifo=mesh,
+    )
+    # the H100 preset's SMs: in-flight exchanges slow blocks, so rates and ends interleave
+    compute = dataclasses.replace(COMPUTE, sms=132)
+    fast = _replays(sets, t, compute)
+    monkeypatch.setattr(Engine, "lazy_ends", False)
+    assert _replays(sets, t, compute) == fast
+    monkeypatch.setattr(Engine, "filter_rerates", False)
+    assert fast == pytest.approx(_replays(sets, t, compute), rel=1e-12, abs=1e-18)
