@@ -62,6 +62,13 @@ MODES = ("auto", "full", "symmetric")
 # full replay of 128 ranks takes 10-14 s a method since flows are rerated once per instant
 # (docs/simulator.md, "Speed and node symmetry").
 FULL_MODE_MAX_RANKS = 128
+#: Methods whose programs grow with the square of the ranks (every rank exchanges with every
+#: other at every step), and the largest group that ``"auto"`` replays them in full: ``tasp``'s
+#: full replay took 53 s on 8 x 8 and more than 15 minutes on 16 x 8 (node 0's: 4 and 19 s),
+#: ``a2a``'s 10 and 80 s (2026-12-07, docs/simulator.md, "Speed and node symmetry"). Both
+#: replay exactly under node symmetry without a causal mask, and ``a2a`` with one too.
+QUADRATIC_METHODS = ("tasp", "a2a")
+QUADRATIC_FULL_MAX_RANKS = 32
 
 
 @dataclass(frozen=True)
@@ -161,10 +168,13 @@ def programs(
     replays every rank of a method that has no node symmetry, :func:`symmetry_of`); ``shape``
     decides charm's ``cross_level`` and ``intra_level`` ``"auto"`` as
     :func:`megatron_charm.plan.plan_levels` does; ``full_max``: the largest group that
-    ``"auto"`` replays in full."""
+    ``"auto"`` replays in full (:data:`QUADRATIC_FULL_MAX_RANKS` at most for
+    :data:`QUADRATIC_METHODS`)."""
     cross, intra = plan_levels(options, layout, causal, shape)
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}; use auto, full or symmetric")
+    if options.method in QUADRATIC_METHODS:
+        full_max = min(full_max, QUADRATIC_FULL_MAX_RANKS)
     if mode == "auto" and layout.cp_size <= full_max:
         mode = "full"
     if mode != "full" and symmetry_of(options.method, layout, causal) is not None:

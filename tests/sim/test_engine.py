@@ -294,6 +294,11 @@ def test_auto_mode_replays_up_to_128_ranks_in_full() -> None:
     assert one_node.symmetry == "shift" and len(one_node.forward) == 8
     # a caller that pays the replay at every job start keeps a smaller limit
     assert programs(ring, Layout(16, 8), True, full_max=64).symmetry == "shift"
+    # tasp and a2a exchange with every rank at every step: in full up to 32 ranks
+    for method in ("tasp", "a2a"):
+        opts = PlanOptions(method=method)
+        assert programs(opts, Layout(4, 8), True).symmetry == "none"
+        assert programs(opts, Layout(8, 8), True).symmetry == "shift"
 
 
 def test_symmetric_mode_replays_every_rank_of_a_method_without_symmetry() -> None:
