@@ -59,8 +59,8 @@ MODES = ("auto", "full", "symmetric")
 
 # In "auto" mode, CP groups up to this size are replayed in full. Causal node symmetry is an
 # approximation (charm -10% forward on 16 x 8, -19% before each side ran its own size), and a
-# full replay of 128 ranks takes 10-14 s a method since flows are rerated once per instant
-# (docs/simulator.md, "Speed and node symmetry").
+# full replay of 128 ranks takes 10-14 s a method whose programs grow linearly with the ranks
+# since flows are rerated once per instant (docs/simulator.md, "Speed and node symmetry").
 FULL_MODE_MAX_RANKS = 128
 #: Methods whose programs grow with the square of the ranks (every rank exchanges with every
 #: other at every step), and the largest group that ``"auto"`` replays them in full: ``tasp``'s
