@@ -755,25 +755,14 @@ class Engine:
             return
         dirty = self._mark(now)
         dirty[flow] = None
-        fifo = self.topo.cross_fifo
         for r in flow.res:
             flows = self.res_flows[r]
             flows[flow] = None
-            if (fifo and r[0] in _FIFO_LINKS) or not self.filter_rerates:
-                dirty.update(flows)
-                dirty.update(self.res_watch[r])
-            else:  # Note [Rerates only where a share binds]: the share fell to `share`
-                share = self._cap(r) / len(flows)
-                for g in flows:
-                    if g.rate > share:
-                        dirty[g] = None
-                for g in self.res_watch[r]:
-                    if g.rate > share:
-                        dirty[g] = None
+            self._mark_on(r, dirty, self._cap(r) / len(flows), rose=False)
         for r in flow.watch:
             self.res_watch[r][flow] = None
         flow.slots = tuple(
-            (self._cap(r), self.res_flows[r], r if fifo and r[0] in _FIFO_LINKS else None)
+            (self._cap(r), self.res_flows[r], r if self._fifo(r) else None)
             for r in (flow.watch + flow.res if flow.watch else flow.res)
         )
 
@@ -782,6 +771,29 @@ class Engine:
         if cap is None:
             cap = self._capacity[r] = self.topo.capacity(r)
         return cap
+
+    def _fifo(self, r: tuple) -> bool:
+        """Whether link ``r`` serves its flows first come, first served."""
+        return self.topo.cross_fifo and r[0] in _FIFO_LINKS
+
+    def _mark_on(self, r: tuple, dirty: dict[_Flow, None], share: float, rose: bool) -> None:
+        """Mark the flows counted on or watching link ``r`` whose rate its share can move: it
+        rose from ``share`` (a flow ended) or fell to it (one started). Note [Rerates only where
+        a share binds]; a FIFO link, or the plain rule, marks them all."""
+        flows, watch = self.res_flows[r], self.res_watch[r]
+        if self._fifo(r) or not self.filter_rerates:
+            dirty.update(flows)
+            dirty.update(watch)
+            return
+        for group in (flows, watch):
+            if rose:
+                for g in group:
+                    if g.rate >= share:
+                        dirty[g] = None
+            else:
+                for g in group:
+                    if g.rate > share:
+                        dirty[g] = None
 
     def _mark(self, now: float) -> dict[_Flow, None]:
         """The flows to rerate at ``now``, which every flow marked before shares (the loop
@@ -852,23 +864,11 @@ class Engine:
                 self.pair_busy[flow.pair] = False
         if flow.res or flow.watch:
             dirty = self._mark(now)
-            fifo = self.topo.cross_fifo
             for r in flow.res:
                 flows = self.res_flows[r]
-                if (fifo and r[0] in _FIFO_LINKS) or not self.filter_rerates:
-                    flows.pop(flow, None)
-                    dirty.update(flows)
-                    dirty.update(self.res_watch[r])
-                    continue
-                # Note [Rerates only where a share binds]: the share rises from `share`
-                share = self._cap(r) / len(flows)
+                share = self._cap(r) / len(flows)  # with this flow still counted
                 flows.pop(flow, None)
-                for g in flows:
-                    if g.rate >= share:
-                        dirty[g] = None
-                for g in self.res_watch[r]:
-                    if g.rate >= share:
-                        dirty[g] = None
+                self._mark_on(r, dirty, share, rose=True)
             for r in flow.watch:
                 self.res_watch[r].pop(flow, None)
             dirty.pop(flow, None)  # done: a rerate would give it a second end
