@@ -396,9 +396,18 @@ class ProgramRunner:
         for (y, part), gk, gv in zip(kv_parts.items(), dks, dvs, strict=True):
             self._accumulator(Kind.DKV, y, heads).add(part, [gk, gv], computed=one_block_kv)
 
-    def _merge(self, m: Merge) -> None:
-        p = m.payload
-        part, bufs = self.partials.pop((m.handle, m.peer, p.kind, p.owner, p.heads))
+    def _merge(self, run: list[Merge]) -> None:
+        """Fold in one received partial, or the sum of a run of partial gradients of one piece
+        (Note [Summed partials])."""
+        p = run[0].payload
+        got = [self.partials.pop((m.handle, m.peer, p.kind, p.owner, p.heads)) for m in run]
+        part, bufs = got[0]
+        if len(got) > 1:
+            # one stack and one float32 sum per tensor (dk, dv) in place of a merge per sender
+            bufs = [
+                torch.stack(ts).sum(dim=0, dtype=torch.float32)
+                for ts in zip(*(b for _, b in got), strict=True)
+            ]
         self._accumulator(p.kind, p.owner, p.heads).add(part, bufs, computed=False)
 
     def _buffer_bytes(self, own: set[Key]) -> int:
@@ -428,15 +437,17 @@ class ProgramRunner:
                 total += t.nbytes
         return total
 
-    def _step(self, ins) -> None:
+    def _step(self, run: list) -> None:
+        """One step of :func:`steps`: an instruction, or a run that one operation does."""
+        ins = run[0]
         if isinstance(ins, Exchange):
             self._exchange(ins)
         elif isinstance(ins, Wait):
             self._wait(ins)
         elif isinstance(ins, Compute):
-            self._compute([ins])
+            self._compute(run)
         else:
-            self._merge(ins)
+            self._merge(run)
 
     def run(self) -> dict[Key, Accumulator]:
         """Run the program; return this rank's final accumulators."""
@@ -450,10 +461,7 @@ class ProgramRunner:
         for i, end in steps(instrs, coalesce=self.mask is None):
             ins = instrs[i]
             t0 = time.perf_counter() if events is not None else 0.0
-            if end > i + 1:
-                self._compute(list(instrs[i:end]))
-            else:
-                self._step(ins)
+            self._step(list(instrs[i:end]))
             if self.staged and not (self.runs_receives_first and run_goes_on(instrs, i)):
                 self._post()
             if events is not None:

@@ -1,4 +1,5 @@
-"""Runs of block computes that one kernel call can do (pure; no torch).
+"""Runs of block computes that one kernel call can do, and runs of partial gradients that one
+sum folds in (pure; no torch).
 
 Note [Coalesced blocks]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -25,13 +26,35 @@ The plan does not change: the validator, the byte accounting and the simulator s
 blocks. :func:`megatron_charm.plan.memory.pass_memory` replays a run as the executor does (one
 accumulator update per piece, inputs released at the run's end); the concatenated copies of the
 inputs are transient workspace of the call, like the kernel's own, and are not counted.
+
+Note [Summed partials]
+~~~~~~~~~~~~~~~~~~~~~~
+A rank that receives partial gradients of one piece from several ranks merges each with its own
+``Merge`` (the merges tell them apart by sender). Where merges of the same ``DQ`` or ``DKV``
+payload follow one another, the executor folds them in with one sum::
+
+    merge dkv3.first0/7 from 4                  dk += sum([dk from 4, dk from 5, dk from 6])
+    merge dkv3.first0/7 from 5         ->       dv += sum([dv from 4, dv from 5, dv from 6])
+    merge dkv3.first0/7 from 6                  (float32 sums, one update per tensor)
+
+Gradients add, so the result is the same up to rounding. ``tasp``'s backward is the case: a
+rank receives its chunk's partial from each of the ``n - 1`` others at every step, ``(n - 1)^2``
+merges a backward, 16,129 on 128 ranks; a GPU host enqueues each merge's kernels (Note [Enqueue
+ahead] in :mod:`megatron_charm.sim.engine`), so one sum per piece and step leaves ``2 (n - 1)``
+or fewer. An output's partials merge by their lse, pairwise, and are not joined. No other
+method's programs have such runs (every method, 1 x 4 to 4 x 8, causal or not).
+
+As for blocks, the plan does not change. The memory replay releases a run's partials at its end,
+as the executor does; the stacked copy that the sum reads is transient, like a run's
+concatenated inputs. The simulator prices each merge by its bytes as before and enqueues a run
+as one merge.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from megatron_charm.plan.types import Compute, Exchange, Instr
+from megatron_charm.plan.types import Compute, Exchange, Instr, Kind, Merge
 
 
 def _longest_product(instrs: Sequence[Instr], i: int, j: int) -> int:
@@ -90,11 +113,39 @@ def coalesced_runs(instrs: Sequence[Instr]) -> dict[int, int]:
     return runs
 
 
+def summed_runs(instrs: Sequence[Instr]) -> dict[int, int]:
+    """``start -> end`` (exclusive) of every run of two or more consecutive merges of one ``DQ``
+    or ``DKV`` payload, which the executor folds in with one sum (Note [Summed partials])."""
+    runs: dict[int, int] = {}
+    i, n = 0, len(instrs)
+    while i < n:
+        first, end = instrs[i], i + 1
+        if isinstance(first, Merge) and first.payload.kind in (Kind.DQ, Kind.DKV):
+            while end < n:
+                m = instrs[end]
+                if not isinstance(m, Merge) or m.payload != first.payload:
+                    break
+                end += 1
+        if end - i >= 2:
+            runs[i] = end
+        i = end
+    return runs
+
+
+def joined_runs(instrs: Sequence[Instr], coalesce: bool = True) -> dict[int, int]:
+    """Every run that one operation does: the coalesced runs of blocks (``coalesce``) and the
+    summed runs of partials."""
+    runs = summed_runs(instrs)
+    if coalesce:
+        runs.update(coalesced_runs(instrs))
+    return runs
+
+
 def steps(instrs: Sequence[Instr], coalesce: bool = True) -> Iterator[tuple[int, int]]:
-    """``(start, end)`` of each step of a pass in order: one instruction, or a run of computes
-    that one kernel call does (``coalesce``). Inputs whose last use lies in a step are released
-    after it, by the executor and by the memory replay alike."""
-    runs = coalesced_runs(instrs) if coalesce else {}
+    """``(start, end)`` of each step of a pass in order: one instruction, a run of computes that
+    one kernel call does (``coalesce``), or a run of merges that one sum does. Inputs whose last
+    use lies in a step are released after it, by the executor and by the memory replay alike."""
+    runs = joined_runs(instrs, coalesce)
     i = 0
     while i < len(instrs):
         end = runs.get(i, i + 1)

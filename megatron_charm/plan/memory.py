@@ -224,11 +224,17 @@ class _Replay:
         elif isinstance(ins, Compute):
             self.computes([ins])
         else:
-            assert isinstance(ins, Merge)
-            p = ins.payload
-            key = (p.kind, p.owner, p.heads)
-            del self.partials[(ins.handle, ins.peer, key)]
-            self._add(key, p.part, False)
+            self.merges([ins])
+
+    def merges(self, run: list[Merge]) -> None:
+        """One merge, or a run of them that one sum folds in (Note [Summed partials]): the
+        accumulator is updated once, and the run's partials are gone at its end."""
+        p = run[0].payload
+        key = (p.kind, p.owner, p.heads)
+        for m in run:
+            assert isinstance(m, Merge) and m.payload == p, (self.prog.cp_rank, m)
+            del self.partials[(m.handle, m.peer, key)]
+        self._add(key, p.part, False)
 
     def computes(self, run: list[Compute]) -> None:
         """One kernel call: a block, or a run of them (Note [Coalesced blocks]), which updates
@@ -285,10 +291,12 @@ def pass_memory(
     run = _Replay(program, shape, backward, expand, kept)
     peak, instrs = 0, program.instrs
     for i, end in steps(instrs, coalesce):
-        if end > i + 1:
-            run.computes(list(instrs[i:end]))
-        else:
+        if end == i + 1:
             run.step(instrs[i])
+        elif isinstance(instrs[i], Merge):
+            run.merges(list(instrs[i:end]))
+        else:
+            run.computes(list(instrs[i:end]))
         peak = max(peak, run.total())
         for j in range(i, end):
             for key in release.get(j, ()):

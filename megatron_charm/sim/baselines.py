@@ -139,7 +139,10 @@ Ring-Attention and CHARM+ do neither:
   text (``scripts/bench/paper_structure.py``).
 
 What stays ours: the intra-node pipeline's order of exchanges and merges (Note [CHARM+ rounds]
-in :mod:`megatron_charm.plan.pipeline`), and every link model choice of the presets.
+in :mod:`megatron_charm.plan.pipeline`), how the partial gradients of one piece that a level
+returns from several peers are folded in (one sum, as our executor does: Note [Summed partials]
+in :mod:`megatron_charm.plan.coalesce`; the paper does not say), and every link model choice of
+the presets.
 """
 
 from __future__ import annotations

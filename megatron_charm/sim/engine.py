@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megatron_charm.plan.bulk import collector_paused
-from megatron_charm.plan.coalesce import coalesced_runs, run_goes_on, run_pieces
+from megatron_charm.plan.coalesce import coalesced_runs, joined_runs, run_goes_on, run_pieces
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Merge, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
@@ -146,9 +146,10 @@ _COMPUTE, _HOST_WORK = -1, -2
 # more operations loses what its overlap won (on the presets, the smallest of the paper's
 # appendix shapes; its gradual rise of the speedup with batch comes from the NVLink fixed cost,
 # Note [H100's NVLink fixed cost] in megatron_charm/sim/topology.py). A coalesced run of
-# blocks (Note [Coalesced blocks]) is one kernel call. Profiles of one CPU host have no such
-# costs: there the host *is* the device, and its work is charged as host work (Note [Host work
-# of a call] in megatron_charm/sim/profile.py).
+# blocks (Note [Coalesced blocks]) is one kernel call, and a summed run of partials one merge
+# (Note [Summed partials]). Profiles of one CPU host have no such costs: there the host *is*
+# the device, and its work is charged as host work (Note [Host work of a call] in
+# megatron_charm/sim/profile.py).
 
 
 # Note [Rerates batched per instant]
@@ -944,16 +945,18 @@ class Engine:
 
 
 def _joined(runs: dict[int, int]) -> set[int]:
-    """Indices of the blocks that share the kernel call of the block before them, from a
-    program's :func:`~megatron_charm.plan.coalesce.coalesced_runs` (Note [Coalesced blocks])."""
+    """Indices of the instructions that share the operation of the one before them, from a
+    program's :func:`~megatron_charm.plan.coalesce.coalesced_runs` (blocks, Note [Coalesced
+    blocks]) or :func:`~megatron_charm.plan.coalesce.joined_runs` (blocks and merges)."""
     return {i for start, end in runs.items() for i in range(start + 1, end)}
 
 
 def _operation_kinds(prog: Program) -> list[str | None]:
     """Per instruction of ``prog``, the device operation the host enqueues for it: ``"exchange"``
-    (posted), ``"kernel"`` (a call; coalesced blocks after the first share it), ``"merge"``, or
-    ``None`` (a wait, a joined block)."""
-    joined = _joined(coalesced_runs(prog.instrs))
+    (posted), ``"kernel"`` (a call; coalesced blocks after the first share it), ``"merge"`` (a
+    summed run of partials is one: Note [Summed partials]), or ``None`` (a wait, a joined block
+    or merge)."""
+    joined = _joined(joined_runs(prog.instrs))
     kinds: list[str | None] = []
     for index, ins in enumerate(prog.instrs):
         if isinstance(ins, Exchange):
@@ -961,7 +964,7 @@ def _operation_kinds(prog: Program) -> list[str | None]:
         elif isinstance(ins, Compute):
             kinds.append(None if index in joined else "kernel")
         elif isinstance(ins, Merge):
-            kinds.append("merge")
+            kinds.append(None if index in joined else "merge")
         else:
             kinds.append(None)
     return kinds

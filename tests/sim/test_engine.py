@@ -680,6 +680,22 @@ def test_a_host_bound_pass_takes_its_operation_count() -> None:
             assert res.makespan == pytest.approx(1e-3 * max(counts), rel=1e-9)
 
 
+def test_a_summed_run_of_partials_is_enqueued_as_one_merge() -> None:
+    # Note [Summed partials]: tasp's backward receives (n - 1)^2 = 49 partials on 8 ranks and
+    # sums them per chunk part and step; with only merges costing the host, a rank's pass
+    # takes its merge operations' cost: at most 2 (n - 1) of them, not 49
+    from megatron_charm.sim.compute import Enqueue
+
+    n, ms = 8, 1e-3
+    shape = AttnShape(b=1, s_local=2 * (n - 1) * 4, h=8, h_kv=8, d=64)
+    t = Topology(1, n, 1e12, 1e12, intra_lat=0.0, cross_lat=0.0)
+    hosted = FlopsCompute(1e30, 1.0, mem_bw=1e30, enqueue=Enqueue(merge=ms))
+    for causal, parts in ((True, 2), (False, 1)):
+        progs = programs(PlanOptions(method="tasp"), Layout(1, n), causal, mode="full")
+        res = simulate_pass(progs, t, shape, hosted, backward=True)
+        assert (n - 1) * ms <= res.makespan <= parts * (n - 1) * ms + 1e-6, causal
+
+
 def test_enqueue_costs_nothing_while_the_device_is_busier() -> None:
     # the host runs ahead: a microsecond per operation hides behind blocks of milliseconds,
     # except the few operations enqueued before the first block starts
