@@ -115,7 +115,8 @@ Ring-Attention and CHARM+ do neither:
   1.035 on 4 x 8: a ratio of 1.47, where the flat form gives 1.45 and the node-aware one 1.0.
   Our ``tasp`` is the flat form (Note [TASP schedule] in :mod:`megatron_charm.plan.tasp`): the
   same bytes on every link at every step, each chunk sent by its owner; the paper's runs one
-  kernel a step on the gathered chunks where ours runs one per chunk.
+  kernel a step on the gathered chunks, as ours does, where a step's chunks form one product
+  (Note [Coalesced blocks]): one call a step without a causal mask, two with one.
 * **Its all-to-all reaches more of a node's cross bandwidth than its P2P schedules.** A 2 x 8
   TASP step moves 1.06 GB out of each node in 98.01 / 15 = 6.5 ms: 162 GB/s, six ring flows,
   three times what the H100 preset's two links per node carry. NCCL spreads an all-to-all over every
