@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from megatron_charm.plan import PlanOptions, check_shape, methods_for
@@ -12,7 +12,7 @@ from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Kind, Layout, Part, Payload, Wire
 from megatron_charm.sim.compute import ComputeModel, describe_compute
 from megatron_charm.sim.engine import PassResult, simulate_pass
-from megatron_charm.sim.programs import FULL_MODE_MAX_RANKS, ProgramSet, programs
+from megatron_charm.sim.programs import FULL_MODE_MAX_RANKS, SYMMETRIC_ERROR, ProgramSet, programs
 from megatron_charm.sim.topology import Topology
 
 # Methods whose predicted fwd+bwd times are within this fraction count as a tie; ties go to the
@@ -72,6 +72,11 @@ class MethodPrediction:
     @property
     def total(self) -> float:
         return self.forward.makespan + self.backward.makespan
+
+    @property
+    def exact(self) -> bool:
+        """Whether both passes replayed every rank, or one node exactly (Note [Node symmetry])."""
+        return self.forward.exact and self.backward.exact
 
 
 @dataclass
@@ -155,6 +160,8 @@ class Prediction:
                 }
                 if "ring" in self.methods:
                     entry[tag]["speedup_vs_ring"] = self.speedup(name, tag == "backward")
+            # a one-node replay's known error against full replays (0: exact)
+            entry["replay_error"] = replay_error(self, [name]).get(name, 0.0)
             out["methods"][name] = entry
         return out
 
@@ -303,7 +310,41 @@ def advise(pred: Prediction) -> Advice:
     reasons += [
         _exposure(pred, name) for name in dict.fromkeys([choice, "ring"]) if name in pred.methods
     ]
+    nxt = _next(pred, choice)
+    approximate = replay_error(pred, [choice] + ([nxt.method] if nxt else []))
+    if approximate:
+        reasons.append(
+            "replayed for one node (a causal plan above the full replay's size, Note [Node "
+            f"symmetry]); {one_node_note(approximate)}"
+        )
     return Advice(choice, reasons, pred)
+
+
+def one_node_note(errors: dict[str, float]) -> str:
+    """What a prediction's one-node replays of causal plans may be off by (``errors``, from
+    :func:`replay_error`)."""
+    said = ", ".join(f"up to {e:.0%} for {m}" for m, e in errors.items())
+    return f"against full replays of up to 64 x 8 such times are off by {said}"
+
+
+def replay_error(pred: Prediction, methods: Iterable[str]) -> dict[str, float]:
+    """The known error (:data:`~megatron_charm.sim.programs.SYMMETRIC_ERROR`) of each of
+    ``methods`` that ``pred`` replayed for one node only and not exactly: a causal plan's
+    one-node replay against its full replay. Empty where every one was replayed exactly."""
+    out = {}
+    for m in methods:
+        mp = pred.methods.get(m)
+        if mp is not None and not mp.exact and SYMMETRIC_ERROR.get(m, 0.0) > 0:
+            out[m] = SYMMETRIC_ERROR[m]
+    return out
+
+
+def combined_error(*errors: float) -> float:
+    """The relative error of a time off by each of ``errors`` in turn: ``prod(1 + e) - 1``."""
+    out = 1.0
+    for e in errors:
+        out *= 1.0 + e
+    return out - 1.0
 
 
 def margin_range(margin: float, error: float) -> tuple[float, float]:
@@ -321,17 +362,19 @@ def _ms(seconds: float) -> str:
 def _margin(pred: Prediction, choice: str) -> str:
     """The choice's predicted time and its margin over the next method."""
     mp = pred.methods[choice]
-    others = sorted(
-        (m for m in pred.methods.values() if m.method != choice and m.method in SIMPLICITY),
-        key=lambda m: m.total,
-    )
+    nxt = _next(pred, choice)
     text = f"predicted forward+backward {_ms(mp.total)} with {choice}"
-    if others:
-        nxt = others[0]
+    if nxt is not None:
         text += f"; next {nxt.method} {_ms(nxt.total)} ({nxt.total / mp.total:.2f}x)"
-    if "ring" in pred.methods and choice != "ring" and (not others or others[0].method != "ring"):
+    if "ring" in pred.methods and choice != "ring" and (nxt is None or nxt.method != "ring"):
         text += f"; ring {_ms(pred.methods['ring'].total)}"
     return text
+
+
+def _next(pred: Prediction, choice: str) -> MethodPrediction | None:
+    """The fastest candidate (``SIMPLICITY``) other than ``choice``, if any."""
+    others = [m for m in pred.methods.values() if m.method != choice and m.method in SIMPLICITY]
+    return min(others, key=lambda m: m.total, default=None)
 
 
 def _ccr(pred: Prediction) -> str:

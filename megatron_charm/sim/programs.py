@@ -69,6 +69,13 @@ FULL_MODE_MAX_RANKS = 128
 #: replay exactly under node symmetry without a causal mask, and ``a2a`` with one too.
 QUADRATIC_METHODS = ("tasp", "a2a")
 QUADRATIC_FULL_MAX_RANKS = 32
+#: The largest error of a causal one-node replay against the full replay, per method whose
+#: one-node replay is approximate (ring, a2a and a2a+p2p replay exactly), rounded up: over the
+#: groups of ``scripts/bench/symmetric_error.py`` (4 x 2 to 8 x 8; docs/results/symmetric-
+#: error.md) and of its ``--large`` (the H100 preset on 16 x 8 to 64 x 8; charm's backward
+#: -21.7% on 64 x 8, rm+'s +6.4%; docs/results/symmetric-error-large.md). What a prediction's
+#: range adds where a method was replayed so (:func:`megatron_charm.sim.predict.replay_error`).
+SYMMETRIC_ERROR = {"charm": 0.22, "merge": 0.20, "tasp": 0.14, "all_gather": 0.10, "rm+": 0.07}
 
 
 @dataclass(frozen=True)

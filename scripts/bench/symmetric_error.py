@@ -11,7 +11,13 @@ side its own size] in ``megatron_charm/sim/engine.py``). This replays both ways,
 * the H100 preset on 4 x 8 and 8 x 8 with 8, 2 and 1 cross links per node, 4,096 tokens a rank,
   16 heads of 64 (``tasp`` only up to 32 ranks: its full replay of 64 takes minutes).
 
-Run: ``python scripts/bench/symmetric_error.py [--md FILE]`` (about a minute on 2 cores).
+``--large`` replays instead the groups that ``--mode auto`` replays for one node only, above 128
+ranks, and 16 x 8 below them: the H100 preset with its two cross links per node on 16 x 8, 32 x 8
+and 64 x 8, 4,096 tokens a rank, 16 heads of 128, the methods whose replay is approximate there
+(every rank's plan of 512 ranks takes about a minute to build).
+
+Run: ``python scripts/bench/symmetric_error.py [--large] [--md FILE]`` (about a minute on 2
+cores; ``--large`` about ten).
 """
 
 from __future__ import annotations
@@ -54,14 +60,25 @@ def cases() -> Iterator[tuple[str, Topology, AttnShape, ComputeModel]]:
             yield f"H100, cross links per node: {nics}", topo, shape, hw.compute_model(0.68)
 
 
-def errors() -> dict[tuple[str, str, bool], tuple[float, str]]:
+LARGE_METHODS = ("charm", "rm+", "merge", "all_gather")
+
+
+def large_cases() -> Iterator[tuple[str, Topology, AttnShape, ComputeModel]]:
+    """The H100 preset's groups of 16 x 8 to 64 x 8 (``--large``)."""
+    hw = PRESETS["H100"]
+    for m in (16, 32, 64):
+        shape = Problem(1, 4096 * m * 8, 16, 128, causal=True).shape(m * 8)
+        yield "H100 preset", hw.topology(m, 8), shape, hw.compute_model(0.68)
+
+
+def errors(large: bool = False) -> dict[tuple[str, str, bool], tuple[float, str]]:
     """``(family, method, backward) -> (largest error, where)``; family: the FIFO pair links
     or the others."""
     worst: dict[tuple[str, str, bool], tuple[float, str]] = {}
-    for name, topo, shape, compute in cases():
+    for name, topo, shape, compute in large_cases() if large else cases():
         layout = Layout(topo.num_nodes, topo.ranks_per_node)
         family = "pairs of nodes" if topo.cross_mesh else "the other links"
-        for method in METHODS:
+        for method in LARGE_METHODS if large else METHODS:
             if symmetry_of(method, layout, True) is None or (
                 method == "tasp" and layout.cp_size > 32
             ):
@@ -81,13 +98,15 @@ def errors() -> dict[tuple[str, str, bool], tuple[float, str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--large", action="store_true", help="16 x 8 to 64 x 8 on the H100 preset")
     ap.add_argument("--md", help="write the table here as well")
     args = ap.parse_args()
     now = datetime.datetime.now(datetime.timezone.utc)
-    worst = errors()
+    worst = errors(args.large)
+    command = "python scripts/bench/symmetric_error.py" + (" --large" if args.large else "")
     lines = [
         "Causal symmetric replay (node 0) against the full replay: the largest error of each "
-        f"method and pass ({now:%Y-%m-%d %H:%M} UTC; `python scripts/bench/symmetric_error.py`)",
+        f"method and pass ({now:%Y-%m-%d %H:%M} UTC; `{command}`)",
         "",
         "| links | method | pass | largest error | where |",
         "|---|---|---|---|---|",

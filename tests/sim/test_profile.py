@@ -655,3 +655,44 @@ def test_unmeasured_profile_without_preset_says_so() -> None:
     line = uncertainty(pred, "charm", prof)
     assert "hand-written" in line and "not measured here" in line
     assert "H100" in uncertainty(pred, "charm", preset_profile("H100"))
+
+
+def test_a_one_node_replay_widens_the_range_by_its_known_error() -> None:
+    """A causal plan replayed for one node is off by up to ``SYMMETRIC_ERROR`` against its full
+    replay: the advice says so, the table's note quantifies it, and the margin's range adds it
+    to the preset's error; a full replay of the same problem says none of it."""
+    from megatron_charm.sim.cli import format_table, uncertainty
+    from megatron_charm.sim.predict import Problem, advise, predict
+    from megatron_charm.sim.programs import SYMMETRIC_ERROR
+
+    prof = preset_profile("H100")
+    topo = prof.topology(4, 4)
+    problem = Problem(1, 4096 * 16, 8, 64, causal=True)
+    methods = ("ring", "charm", "rm+")
+    one_node = predict(topo, problem, prof.compute_model(), methods, full_max_ranks=8)
+    full = predict(topo, problem, prof.compute_model(), methods)
+    assert not one_node.methods["charm"].exact and full.methods["charm"].exact
+    assert one_node.methods["ring"].exact is False  # ring is approximate in name, exact in fact
+
+    said = f"up to {SYMMETRIC_ERROR['charm']:.0%} for charm"
+    assert any("replayed for one node" in r and said in r for r in advise(one_node).reasons)
+    assert not any("replayed for one node" in r for r in advise(full).reasons)
+    assert said in format_table(one_node) and said not in format_table(full)
+    assert "for ring" not in format_table(one_node)  # exact: no error to quote
+    got = {m: e["replay_error"] for m, e in one_node.to_dict()["methods"].items()}
+    assert got == {"ring": 0.0, "charm": SYMMETRIC_ERROR["charm"], "rm+": SYMMETRIC_ERROR["rm+"]}
+    assert {e["replay_error"] for e in full.to_dict()["methods"].values()} == {0.0}
+
+    def range_of(line: str) -> float:
+        lo, hi = line.rsplit(", ", 1)[1].split(" within")[0].split("-")
+        return float(hi.rstrip("x")) / float(lo.rstrip("x"))
+
+    wide, narrow = uncertainty(one_node, "charm", prof), uncertainty(full, "charm", prof)
+    assert said in wide and "within both errors" in wide and "within that error" in narrow
+    # (1 + e) / (1 - e) at each end: the preset's error alone, then combined with the larger
+    # of charm's and its runner-up's (ring's is none)
+    e = prof.preset_error
+    assert range_of(narrow) == pytest.approx(((1 + e) / (1 - e)) ** 2, rel=0.02)
+    runner = min(("ring", "rm+"), key=lambda m: one_node.methods[m].total)
+    c = (1 + e) * (1 + max(SYMMETRIC_ERROR["charm"], SYMMETRIC_ERROR.get(runner, 0.0))) - 1
+    assert range_of(wide) == pytest.approx(((1 + c) / (1 - c)) ** 2, rel=0.02)
