@@ -30,11 +30,12 @@ half go to higher ranks. n = 4 (3 chunks), rank 1, causal::
     backward   the same kv steps; after the computes of step t, post one exchange that
                returns every dk/dv chunk partial straight to its owner and receives this rank's
                chunk t partials from every peer; merge them one step later (the reduce-scatter
-               of Note [All-gather schedule], in steps). A step's returns share one exchange as
-               its kv does: one exchange per peer and step posted 240 exchanges a backward per
-               rank on 16 ranks where this posts 30 with the kv's. On NCCL the exchanges of one
-               channel run one after another, so per-peer returns also ran in sequence, and
-               each cost the host a call (Note [Enqueue ahead] in
+               of Note [All-gather schedule], in steps; the executor sums a step's partials
+               of one chunk part at once, Note [Summed partials]). A step's returns share one
+               exchange as its kv does: one exchange per peer and step posted 240 exchanges a
+               backward per rank on 16 ranks where this posts 30 with the kv's. On NCCL the
+               exchanges of one channel run one after another, so per-peer returns also ran in
+               sequence, and each cost the host a call (Note [Enqueue ahead] in
                :mod:`megatron_charm.sim.engine`)
 
 Two steps are in flight at once (double buffering), so a rank holds two steps' chunks: two
