@@ -36,11 +36,13 @@ from megatron_charm.sim.predict import (
     ccr_ratio,
     combined_error,
     describe_links,
+    error_list,
     margin_range,
     nominal_ccr_parts,
     one_node_note,
     predict,
     replay_error,
+    runner_up,
 )
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
@@ -292,8 +294,7 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
             f"hardware numbers: {given}, not measured here; run `megatron-charm-sim "
             "calibrate` on the cluster and pass --profile for predictions you can check"
         )
-    others = [mp for m, mp in pred.methods.items() if m != choice and m not in BASELINES]
-    nxt = min(others, key=lambda mp: mp.total, default=None)
+    nxt = runner_up(pred, choice)
     margin = nxt.total / pred.methods[choice].total if nxt else 1.0
     if profile.measured:
         err = profile.known_error or 0.0
@@ -308,7 +309,7 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
     approximate = replay_error(pred, [choice] + ([nxt.method] if nxt else []))
     that = "that error"
     if approximate:
-        source += f"; replayed for one node, {one_node_note(approximate)}"
+        source += f"; one-node replays off by {error_list(approximate)}"
         err = combined_error(err, max(approximate.values()))
         that = "both errors"
     lo, hi = margin_range(margin, err)

@@ -310,12 +310,11 @@ def advise(pred: Prediction) -> Advice:
     reasons += [
         _exposure(pred, name) for name in dict.fromkeys([choice, "ring"]) if name in pred.methods
     ]
-    nxt = _next(pred, choice)
+    nxt = runner_up(pred, choice)
     approximate = replay_error(pred, [choice] + ([nxt.method] if nxt else []))
     if approximate:
         reasons.append(
-            "replayed for one node (a causal plan above the full replay's size, Note [Node "
-            f"symmetry]); {one_node_note(approximate)}"
+            f"replayed for one node (Note [Node symmetry]); {one_node_note(approximate)}"
         )
     return Advice(choice, reasons, pred)
 
@@ -323,8 +322,12 @@ def advise(pred: Prediction) -> Advice:
 def one_node_note(errors: dict[str, float]) -> str:
     """What a prediction's one-node replays of causal plans may be off by (``errors``, from
     :func:`replay_error`)."""
-    said = ", ".join(f"up to {e:.0%} for {m}" for m, e in errors.items())
-    return f"against full replays of up to 64 x 8 such times are off by {said}"
+    return f"against full replays of up to 64 x 8 such times are off by {error_list(errors)}"
+
+
+def error_list(errors: dict[str, float]) -> str:
+    """``"up to 22% for charm, up to 7% for rm+"``."""
+    return ", ".join(f"up to {e:.0%} for {m}" for m, e in errors.items())
 
 
 def replay_error(pred: Prediction, methods: Iterable[str]) -> dict[str, float]:
@@ -362,7 +365,7 @@ def _ms(seconds: float) -> str:
 def _margin(pred: Prediction, choice: str) -> str:
     """The choice's predicted time and its margin over the next method."""
     mp = pred.methods[choice]
-    nxt = _next(pred, choice)
+    nxt = runner_up(pred, choice)
     text = f"predicted forward+backward {_ms(mp.total)} with {choice}"
     if nxt is not None:
         text += f"; next {nxt.method} {_ms(nxt.total)} ({nxt.total / mp.total:.2f}x)"
@@ -371,8 +374,8 @@ def _margin(pred: Prediction, choice: str) -> str:
     return text
 
 
-def _next(pred: Prediction, choice: str) -> MethodPrediction | None:
-    """The fastest candidate (``SIMPLICITY``) other than ``choice``, if any."""
+def runner_up(pred: Prediction, choice: str) -> MethodPrediction | None:
+    """The fastest candidate (``SIMPLICITY``: not a baseline) other than ``choice``, if any."""
     others = [m for m in pred.methods.values() if m.method != choice and m.method in SIMPLICITY]
     return min(others, key=lambda m: m.total, default=None)
 
