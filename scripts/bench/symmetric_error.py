@@ -17,7 +17,7 @@ and 64 x 8, 4,096 tokens a rank, 16 heads of 128, the methods whose replay is ap
 (every rank's plan of 512 ranks takes about a minute to build).
 
 Run: ``python scripts/bench/symmetric_error.py [--large] [--md FILE]`` (about a minute on 2
-cores; ``--large`` about ten).
+cores; ``--large`` about six).
 """
 
 from __future__ import annotations
