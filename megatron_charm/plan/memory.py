@@ -188,7 +188,10 @@ class _Replay:
             return 0
         return payload_bytes(payload, self.shape, Wire.INPUT)
 
-    def step(self, ins: object) -> None:
+    def step(self, run: list) -> None:
+        """One step of :func:`steps`: an instruction, or a run that one operation does (as the
+        executor's runner takes it)."""
+        ins = run[0]
         if isinstance(ins, Exchange):
             total, recvs = 0, []
             for op in ins.ops:
@@ -222,9 +225,9 @@ class _Replay:
                     if p.kind == Kind.KV:
                         self.expanded.pop((p.owner, p.heads), None)
         elif isinstance(ins, Compute):
-            self.computes([ins])
+            self.computes(run)
         else:
-            self.merges([ins])
+            self.merges(run)
 
     def merges(self, run: list[Merge]) -> None:
         """One merge, or a run of them that one sum folds in (Note [Summed partials]): the
@@ -291,12 +294,7 @@ def pass_memory(
     run = _Replay(program, shape, backward, expand, kept)
     peak, instrs = 0, program.instrs
     for i, end in steps(instrs, coalesce):
-        if end == i + 1:
-            run.step(instrs[i])
-        elif isinstance(instrs[i], Merge):
-            run.merges(list(instrs[i:end]))
-        else:
-            run.computes(list(instrs[i:end]))
+        run.step(list(instrs[i:end]))
         peak = max(peak, run.total())
         for j in range(i, end):
             for key in release.get(j, ()):
