@@ -46,8 +46,8 @@ def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
     assert list(cp4) == ["gloo", "gloo-staged"]
     for transport in cp4.values():
         cases = {(r["split"], r["causal"], r["method"]) for r in transport["rows"]}
-        zigzag = [m for m in METHODS if m not in ("ring-contig", "tasp")]  # default --methods
-        assert cases == set(itertools.product(("2x2", "1x4"), (True, False), zigzag))
+        default = [m for m in METHODS if m != "ring-contig"]  # tasp too: --cp-seq 24 by default
+        assert cases == set(itertools.product(("2x2", "1x4"), (True, False), default))
         assert all(r["ok"] for r in transport["rows"])
     # the staging wrapper carried the exchanges (through plain host copies on CPU)
     assert min(cp4["gloo-staged"]["staged_exchanges_per_rank"]) > 0
@@ -71,6 +71,21 @@ def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
         assert times["compute_ms"] > 0 and times["comm_ms"] > 0
         assert times["span_ms"] >= max(times["compute_ms"], times["comm_ms"])
     assert "skipped" in report["checks"]["overlap"]["max_connections"]
+
+
+def test_the_default_methods_take_tasp_where_the_local_sequence_fits_it():
+    """cp4 checks tasp by default (its summed partial gradients run nowhere else on CUDA), at
+    a default --cp-seq that its chunks divide; one that does not leaves it out, and naming it
+    then is refused with the rule."""
+    for device, cp_seq in (("cuda", 768), ("cpu", 24)):
+        args = gpu_check.parse_args(["--device", device])
+        assert args.cp_seq == cp_seq
+        assert args.methods.split(",") == [m for m in METHODS if m != "ring-contig"]
+    args = gpu_check.parse_args(["--device", "cpu", "--cp-seq", "16"])
+    assert "tasp" not in args.methods.split(",") and "charm" in args.methods.split(",")
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--device", "cpu", "--cp-seq", "16", "--methods", "tasp"])
+    assert gpu_check.parse_args(["--cp-seq", "18", "--methods", "tasp"]).methods == "tasp"
 
 
 def test_no_cuda_exits_2(capsys):

@@ -94,9 +94,11 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from megatron_charm.bench.gpu_check.cp4 import WORLD as CP4_RANKS
     from megatron_charm.bench.gpu_check.plant import PLANTS
     from megatron_charm.plan import METHODS
     from megatron_charm.plan.options import SEQ_LAYOUT_OF
+    from megatron_charm.plan.tasp import check_tasp_shape
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -112,14 +114,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--blocks", default=",".join(MatrixConfig.blocks))
     ap.add_argument(
         "--cp-seq", type=int, default=None,
-        help="cp4/overlap: local sequence per rank (default 512 CUDA, 16 CPU)",
+        help="cp4/overlap: local sequence per rank (default 768 CUDA, 24 CPU: divisible by 6, "
+             "as tasp needs at CP 4)",
     )  # fmt: skip
-    # Two baselines are not checked by default. ring-contig (contiguous shards; see
-    # docs/usage.md): its last rank holds the rows with the smallest dk/dv, where the per-shard
-    # tolerance is tighter than the fp32 merge noise every method has (about 1e-6 relative).
-    # tasp: its chunks need --cp-seq divisible by 6 at cp4.
-    zigzag = [m for m in METHODS if m not in SEQ_LAYOUT_OF and m != "tasp"]
-    ap.add_argument("--methods", default=",".join(zigzag), help="cp4: CP methods to check")
+    # ring-contig is not checked by default (contiguous shards; see docs/usage.md): its last
+    # rank holds the rows with the smallest dk/dv, where the per-shard tolerance is tighter than
+    # the fp32 merge noise every method has (about 1e-6 relative).
+    ap.add_argument(
+        "--methods", default=None,
+        help="cp4: CP methods to check (default: every method but ring-contig; tasp only where "
+             "--cp-seq is divisible by 6)",
+    )  # fmt: skip
     ap.add_argument(
         "--cp4-transports", default=None,
         help="cp4: nccl,gloo-staged on CUDA (default), gloo on CPU (default), gloo-staged",
@@ -133,9 +138,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.checks.split(",")) - set(CHECKS)
     if unknown:
         ap.error(f"--checks: unknown {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    if args.cp_seq is None:
+        args.cp_seq = 768 if args.device == "cuda" else 24
+    tasp_fits = args.cp_seq % (2 * (CP4_RANKS - 1)) == 0
+    if args.methods is None:
+        default = [m for m in METHODS if m not in SEQ_LAYOUT_OF and (m != "tasp" or tasp_fits)]
+        args.methods = ",".join(default)
     bad_methods = set(args.methods.split(",")) - set(METHODS)
     if bad_methods:
         ap.error(f"--methods: unknown {sorted(bad_methods)}; choose from {', '.join(METHODS)}")
+    if "tasp" in args.methods.split(","):
+        try:
+            check_tasp_shape(args.cp_seq, CP4_RANKS)
+        except ValueError as exc:
+            ap.error(f"--methods tasp with --cp-seq {args.cp_seq} (cp4 runs CP {CP4_RANKS}): {exc}")
     return args
 
 
@@ -143,7 +159,7 @@ def _run_check(name: str, args: argparse.Namespace, device: torch.device, report
     from megatron_charm.bench.gpu_check import single
 
     seq = args.seq or (1024 if device.type == "cuda" else 64)
-    cp_seq = args.cp_seq or (512 if device.type == "cuda" else 16)
+    cp_seq = args.cp_seq
     methods = args.methods.split(",")
     if name == "versions":
         return single.versions(device), []
