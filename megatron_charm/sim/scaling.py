@@ -1,10 +1,10 @@
 """Scaling study: predicted speedup over ring vs number of nodes on H100-like links.
 
 Weak scaling: every GPU holds ``--tokens-per-gpu`` tokens (global sequence = tokens x GPUs),
-batch 1, causal, 8 GPUs per node, the H100 preset's links (365.1 GB/s NVLink; cross links at
-the rate a transfer achieves in the paper's schedules, 0.62 of Table 2's 42.5 GB/s) with 8, 2 or 1
-cross links per node (rails, 2 NICs, shared), its enqueue cost per operation, and 989 TFLOPS at
-``--efficiency`` (default: the H100 preset's).
+batch 1, causal, ``--gpus-per-node`` GPUs per node (default 8), the H100 preset's links (365.1
+GB/s NVLink; cross links at the rate a transfer achieves in the paper's schedules, 0.62 of Table
+2's 42.5 GB/s) with one per GPU, 2 or 1 cross links per node (rails, 2 NICs, shared), its enqueue
+cost per operation, and 989 TFLOPS at ``--efficiency`` (default: the H100 preset's).
 
 Run: ``python -m megatron_charm.sim.scaling --out-dir docs/results`` (writes sim_scaling.csv,
 sim_scaling.md and sim_scaling.png; the PNG needs matplotlib).
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from megatron_charm.plan import METHODS, Layout, methods_for
 from megatron_charm.plan.options import SEQ_LAYOUT_OF
-from megatron_charm.sim.predict import Problem, predict
-from megatron_charm.sim.programs import FULL_MODE_MAX_RANKS
+from megatron_charm.sim.predict import Problem, one_node_note, predict
+from megatron_charm.sim.programs import FULL_MODE_MAX_RANKS, SYMMETRIC_ERROR
 from megatron_charm.sim.topology import PRESETS
 
 
@@ -38,9 +38,28 @@ class ModelShape:
 
 SHAPES = (ModelShape("GPT-350M", 16, 64), ModelShape("GPT-1.3B", 16, 128))
 NODES = (2, 4, 8, 16, 32, 64, 128)
-# Cross links per node of 8 GPUs: one NIC per GPU, two per node (what the paper's timings imply,
-# docs/results/sim_validation_paper.md), one shared link.
-LINKS = {"rails": 8, "2 NICs": 2, "shared": 1}
+# The cross links per node of p GPUs: one NIC per GPU, two per node (what the paper's timings
+# imply, docs/results/sim_validation_paper.md), one shared link.
+LINK_SETUPS = ("rails", "2 NICs", "shared")
+# The columns of the markdown table (the CSV has every method).
+SHOWN = ("charm", "rm+", "merge")
+
+
+def nics_per_node(links: str, p: int) -> int:
+    """Cross links per node of ``p`` GPUs in the setup named ``links`` (:data:`LINK_SETUPS`)."""
+    return {"rails": p, "2 NICs": 2, "shared": 1}[links]
+
+
+def setups(p: int) -> list[str]:
+    """The setups of :data:`LINK_SETUPS` that differ on nodes of ``p`` GPUs (with 2 or 1 GPUs
+    a node, one NIC per GPU is one of the others)."""
+    out: list[str] = []
+    for links in LINK_SETUPS:
+        if all(nics_per_node(links, p) != nics_per_node(o, p) for o in out):
+            out.append(links)
+    return out
+
+
 # The zigzag methods: causal ring-contig has no node symmetry, and replaying up to 1024 ranks in
 # full would dominate the sweep (docs/simulator.md compares it at the paper's shapes).
 SWEPT = tuple(m for m in METHODS if m not in SEQ_LAYOUT_OF)
@@ -54,9 +73,9 @@ def run(
     compute = hw.compute_model(efficiency)
     rows = []
     for shape in SHAPES:
-        for links, nics in LINKS.items():
+        for links in setups(p):
             for m in nodes:
-                topo = hw.topology(m, p, nics_per_node=nics)
+                topo = hw.topology(m, p, nics_per_node=nics_per_node(links, p))
                 problem = Problem(
                     1, tokens_per_gpu * m * p, shape.heads, shape.head_dim, causal=True
                 )
@@ -92,7 +111,7 @@ def run(
     return rows
 
 
-def write_markdown(rows: list[dict], path: str, command: str) -> None:
+def write_markdown(rows: list[dict], path: str, command: str, p: int = 8) -> None:
     today = datetime.date.today().isoformat()
     hw = PRESETS["H100"]
     lines = [
@@ -101,17 +120,17 @@ def write_markdown(rows: list[dict], path: str, command: str) -> None:
         f"Command: `{command}` ({today}). Plot: `sim_scaling.png`; all numbers: `sim_scaling.csv`.",
         "",
         "Speedup = ring time / method time for one attention layer (forward, backward), weak "
-        "scaling (fixed tokens per GPU), causal, batch 1, 8 GPUs per node, the H100 preset's "
+        f"scaling (fixed tokens per GPU), causal, batch 1, {p} GPUs per node, the H100 preset's "
         f"links ({hw.intra_bw} GB/s NVLink, {hw.cross_achieved:.2f} GB/s per cross link, the "
-        "rate Table 5's transfers achieve) with 8, 2 or 1 cross links per node, "
+        f"rate Table 5's transfers achieve) with {p}, 2 or 1 cross links per node, "
         f"{hw.enqueue.kernel * 1e6:g} us of host enqueue per operation, 989 TFLOPS at the given "
         f"efficiency. Groups above {FULL_MODE_MAX_RANKS} ranks (more than "
-        f"{FULL_MODE_MAX_RANKS // 8} nodes) replay one node under node symmetry "
-        "(docs/simulator.md), which for causal attention is approximate: against full replays "
-        "of 4x2 to 16x8 groups it puts charm's time up to 15% low, rm+'s within 5% and merge's "
-        "backward up to 20% high (one NIC per GPU; within 5% on the others). A step in a "
-        f"speedup between {FULL_MODE_MAX_RANKS // 8} and "
-        f"{FULL_MODE_MAX_RANKS // 4} nodes is that switch, not a property of the schedule.",
+        f"{FULL_MODE_MAX_RANKS // p} nodes) replay one node under node symmetry "
+        "(docs/simulator.md), which for causal attention is approximate: "
+        f"{one_node_note({m: SYMMETRIC_ERROR[m] for m in SHOWN if m in SYMMETRIC_ERROR})} "
+        "(SYMMETRIC_ERROR in megatron_charm/sim/programs.py). A step in a speedup between "
+        f"{FULL_MODE_MAX_RANKS // p} and {2 * FULL_MODE_MAX_RANKS // p} nodes is that switch, "
+        "not a property of the schedule.",
         "",
         "| model | cross links | nodes | seq | CCR fwd | ring fwd ms | charm fwd | rm+ fwd | "
         "merge fwd | ring bwd ms | charm bwd | rm+ bwd | merge bwd |",
@@ -128,7 +147,7 @@ def write_markdown(rows: list[dict], path: str, command: str) -> None:
         fh.write("\n".join(lines) + "\n")
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, p: int = 8) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,7 +156,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 5.4), sharey=True)
     styles = {"charm": "C0", "rm+": "C1", "merge": "C2"}
     for ax, shape in zip(axes, SHAPES, strict=True):
-        for links, dash in (("rails", "-"), ("2 NICs", "--"), ("shared", ":")):
+        for links, dash in zip(LINK_SETUPS, ("-", "--", ":"), strict=True):
             sel = [r for r in rows if r["model"] == shape.name and r["cross_links"] == links]
             xs = [r["nodes"] for r in sel]
             for method, color in styles.items():
@@ -161,7 +180,7 @@ def plot(rows: list[dict], path: str) -> None:
             ["1/16", "1/8", "1/4", "1/2", "1", "2", "4", "8", "16"],
         )
         ax.set_ylim(1 / 20, 20)
-        ax.set_xlabel("nodes (x8 GPUs)")
+        ax.set_xlabel(f"nodes (x{p} GPUs)")
         ax.set_title(f"{shape.name}-like ({shape.heads}x{shape.head_dim} heads)")
         ax.grid(True, which="both", lw=0.3)
     axes[0].set_ylabel("predicted speedup over ring")
@@ -177,10 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-gpu", type=int, default=4096)
     ap.add_argument("--efficiency", type=float, default=PRESETS["H100"].efficiency)
     ap.add_argument("--nodes", default=",".join(map(str, NODES)))
+    ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args(argv)
     nodes = tuple(int(x) for x in args.nodes.split(","))
-    rows = run(args.tokens_per_gpu, args.efficiency, nodes)
+    if args.gpus_per_node < 1:
+        ap.error(f"--gpus-per-node {args.gpus_per_node}: a node holds at least one GPU")
+    p = args.gpus_per_node
+    rows = run(args.tokens_per_gpu, args.efficiency, nodes, p)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "sim_scaling.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -188,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     command = (
         f"python -m megatron_charm.sim.scaling --tokens-per-gpu {args.tokens_per_gpu} "
-        f"--efficiency {args.efficiency} --nodes {args.nodes} --out-dir docs/results"
+        f"--efficiency {args.efficiency} --nodes {args.nodes} --gpus-per-node {p} "
+        "--out-dir docs/results"
     )
-    write_markdown(rows, os.path.join(args.out_dir, "sim_scaling.md"), command)
+    write_markdown(rows, os.path.join(args.out_dir, "sim_scaling.md"), command, p)
     try:
-        plot(rows, os.path.join(args.out_dir, "sim_scaling.png"))
+        plot(rows, os.path.join(args.out_dir, "sim_scaling.png"), p)
     except ModuleNotFoundError as err:
         print(
             f"sim_scaling.png not written ({err}); pip install -e '.[plots]' for the plot",
