@@ -22,7 +22,8 @@ efficiency is used as given, not fitted. ``--rows`` compares
 other measurements of the same kind instead of Tables 4 and 5 (a CSV with the columns of
 :data:`ROW_COLUMNS`, one row per measured point, times in ms, empty or the paper's dash where
 none; numbers as the paper prints them, ``1,204.18`` or bold, read as plain ones), at the
-presets' efficiencies (nothing is fitted on them).
+presets' efficiencies (nothing is fitted on them). Its optional :data:`CCR_COLUMNS`, ring's CCR
+and its parts as the paper's appendix tables report them, are compared in a table of their own.
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ from dataclasses import dataclass
 from megatron_charm.plan.tasp import check_paper_tasp_shape
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_check_shape, paper_predict
 from megatron_charm.sim.compute import Enqueue, describe_compute
-from megatron_charm.sim.predict import Prediction, Problem, describe_links, predict
+from megatron_charm.sim.predict import (
+    Prediction,
+    Problem,
+    ccr_parts,
+    ccr_ratio,
+    describe_links,
+    predict,
+)
 from megatron_charm.sim.topology import PRESETS, Hardware, Topology, parse_gpus
 
 
@@ -59,6 +67,9 @@ class PaperRow:
     ring_bwd: float | None = None
     charm_bwd: float | None = None
     tasp_fwd: float | None = None
+    ccr: tuple[tuple[str, float], ...] = ()
+    """Ring's measured CCR and its parts, ``(column, value)`` for the :data:`CCR_COLUMNS` a
+    ``--rows`` file gives (``T_comp`` and ``T_comm`` in ms)."""
 
 
 def _t4(gpu: str, gpus: tuple[int, int], seq: int, ring: float, rmp: float, ours=None):
@@ -113,6 +124,12 @@ ROW_COLUMNS = (
     "tasp_fwd",
 )
 
+#: Optional columns of a ``--rows`` CSV: ring's CCR and its parts as the paper's appendix tables
+#: report them (Eq. 7: ``T_comp`` its blocks, ``T_comm`` its kv transfers, each summed over the
+#: steps and timed one after the other; ms), per pass. A row of a one-pass table may name them
+#: without the pass (``ccr``, ``t_comp``, ``t_comm``): they are then that pass's.
+CCR_COLUMNS = ("ccr_fwd", "t_comp_fwd", "t_comm_fwd", "ccr_bwd", "t_comp_bwd", "t_comm_bwd")
+_CCR_BARE = ("ccr", "t_comp", "t_comm")
 
 #: What the paper's tables print where a method has no measurement (Table 5's TASP backward).
 NOT_MEASURED = frozenset({"-", "\u2013", "\u2014"})
@@ -181,7 +198,38 @@ def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
             check_paper_tasp_shape(shape.s_local, n)
         except ValueError as err:
             raise bad("tasp_fwd", str(err)) from None
-    return PaperRow(rec["table"], rec["gpu"], gpus, **ints, **times)  # type: ignore[arg-type]
+    ccr = _parse_ccr(rec, times, bad)
+    return PaperRow(rec["table"], rec["gpu"], gpus, **ints, **times, ccr=ccr)  # type: ignore[arg-type]
+
+
+def _parse_ccr(rec: dict, times: dict, bad) -> tuple[tuple[str, float], ...]:
+    """The row's :data:`CCR_COLUMNS` that have a value; a bare column (``ccr``) names the pass
+    of a row that has one."""
+    passes = [tag for tag in ("fwd", "bwd") if times[f"ring_{tag}"] is not None]
+    out: dict[str, float] = {}
+    for col in (*CCR_COLUMNS, *_CCR_BARE):
+        text = rec.get(col) or ""
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise bad(col, "a CCR or a time in ms must be a finite number > 0, or empty")
+        name = col
+        if col in _CCR_BARE:
+            if len(passes) != 1:
+                raise bad(
+                    col,
+                    "a CCR column without its pass needs a row of one pass (ring's time in one "
+                    f"of ring_fwd, ring_bwd); name it {col}_fwd or {col}_bwd",
+                )
+            name = f"{col}_{passes[0]}"
+            if name in out:
+                raise bad(col, f"the row gives {name} as well; keep one of them")
+        out[name] = value
+    return tuple((c, out[c]) for c in CCR_COLUMNS if c in out)
 
 
 def load_rows(path: str) -> tuple[PaperRow, ...]:
@@ -206,6 +254,68 @@ def load_rows(path: str) -> tuple[PaperRow, ...]:
 
 #: What ring and charm replay: the paper's (Note [The paper's baselines]) or our own.
 BASELINES = ("paper", "ours")
+
+
+@dataclass(frozen=True)
+class CCRComparison:
+    """Predicted vs measured CCR, ``T_comp`` or ``T_comm`` (ms) of ring in one row."""
+
+    row: PaperRow
+    column: str
+    """One of :data:`CCR_COLUMNS`."""
+    measured: float
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1.0
+
+
+def compare_ccr(
+    row: PaperRow,
+    efficiency: float,
+    cross_links: str | None = None,
+    causal: bool = False,
+    presets: dict[str, Hardware] | None = None,
+) -> list[CCRComparison]:
+    """Pair each CCR column of ``row`` with the replay's (:func:`megatron_charm.sim.predict.
+    ccr_parts`: ring's blocks and transfers on the row's links, at ``efficiency``)."""
+    if not row.ccr:
+        return []
+    hw = (presets or PRESETS)[row.gpu]
+    topo = row_topology(row, cross_links, presets)
+    problem = Problem(row.batch, row.seq, row.heads, row.head_dim, causal=causal)
+    shape = problem.shape(topo.cp_size)
+    compute = hw.compute_model(efficiency)
+    parts = {tag: ccr_parts(topo, shape, compute, causal, tag == "bwd") for tag in ("fwd", "bwd")}
+    out = []
+    for column, measured in row.ccr:
+        quantity, tag = column.rsplit("_", 1)
+        comp, comm = parts[tag]
+        predicted = {"ccr": ccr_ratio((comp, comm)), "t_comp": comp * 1e3, "t_comm": comm * 1e3}
+        out.append(CCRComparison(row, column, measured, predicted[quantity]))
+    return out
+
+
+def ccr_markdown(comps: list[CCRComparison]) -> str:
+    """The CCR comparisons as a Markdown table with its count within +-25%."""
+    ok = sum(abs(c.error) <= 0.25 for c in comps)
+    lines = [
+        f"Ring's CCR and its parts (the paper's Eq. 7: T_comp its blocks, T_comm its kv "
+        f"transfers, ms, each summed over the steps): {ok} of {len(comps)} within +-25%.",
+        "",
+        "| table | GPU | m x p | batch | seq | quantity | pass | measured | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in comps:
+        r, (quantity, tag) = c.row, c.column.rsplit("_", 1)
+        miss = "" if abs(c.error) <= 0.25 else " (miss)"
+        lines.append(
+            f"| {r.table} | {r.gpu} | {r.gpus[0]}x{r.gpus[1]} | {r.batch} | {r.seq} | "
+            f"{quantity.replace('t_', 'T_')} | {tag} | {c.measured:.4g} | {c.predicted:.4g} | "
+            f"{c.error:+.0%}{miss} |"
+        )
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -516,8 +626,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rows",
         metavar="FILE.csv",
-        help="compare these measured rows (columns: " + ",".join(ROW_COLUMNS) + ") instead of "
-        "Tables 4 and 5, at the presets' efficiencies",
+        help="compare these measured rows (columns: "
+        + ",".join(ROW_COLUMNS)
+        + "; optional: "
+        + ",".join(CCR_COLUMNS)
+        + ") instead of Tables 4 and 5, at the presets' efficiencies",
     )
     ap.add_argument("--out", help="append the Markdown table to this file")
     args = ap.parse_args(argv)
@@ -554,6 +667,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         ap.error(str(err))
     text = markdown(fits, args.cross_links, args.causal, args.baselines, args.rows, presets)
+    ccr_comps = [
+        c
+        for r in rows
+        if r.gpu in fits
+        for c in compare_ccr(r, fits[r.gpu][0], args.cross_links, args.causal, presets)
+    ]
+    if ccr_comps:
+        text += "\n\n" + ccr_markdown(ccr_comps)
     if args.set:
         text = (
             f"Preset fields set (a set efficiency is not fitted): {', '.join(args.set)}.\n\n" + text

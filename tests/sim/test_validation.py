@@ -154,11 +154,13 @@ def test_rows_read_numbers_as_the_paper_prints_them(tmp_path) -> None:
     (row,) = v.load_rows(str(path))
     assert (row.gpus, row.seq, row.ring_fwd, row.charm_fwd) == ((2, 8), 215040, 1763.17, 1091.3)
     assert row.ring_bwd == 3542.28 and row.charm_bwd is None and row.tasp_fwd is None
-    # a header padded or capitalised by hand, with columns of its own (the appendix's CCR)
-    header = " ".join(ROWS_HEADER.split(",")).title().replace(" ", " , ") + ",ccr"
-    path.write_text(header + "\n5,H100,2x8,16,26880,12,192,149.97,,63.93,,,,0.08\n")
+    # a header padded or capitalised by hand, with a column of its own (ignored) and the
+    # appendix's CCR of a forward-only row (read as the forward's)
+    header = " ".join(ROWS_HEADER.split(",")).title().replace(" ", " , ") + ",Notes , CCR"
+    path.write_text(header + "\n5,H100,2x8,16,26880,12,192,149.97,,63.93,,,,peak,0.08\n")
     (row,) = v.load_rows(str(path))
     assert (row.ring_fwd, row.charm_fwd, row.tasp_fwd) == (149.97, 63.93, None)
+    assert row.ccr == (("ccr_fwd", 0.08),)
     # a comma that is not a thousands separator stays an error
     path.write_text(ROWS_HEADER + '\n5,H100,2x8,16,26880,12,192,"149,97",,63.93,,,\n')
     with pytest.raises(ValueError, match="ring_fwd='149,97': a time in ms"):
@@ -181,6 +183,67 @@ def test_rows_of_a_backward_only_table_compare_the_backward(tmp_path, capsys) ->
     out = capsys.readouterr().out
     assert "Within +-25%: 1 of 1" in out and "Times within +-25%: 2 of 2" in out
     assert "| charm | bwd | 3.18 |" in out and "| fwd |" not in out
+
+
+def test_rows_with_rings_ccr_compare_it_and_its_parts(tmp_path, capsys) -> None:
+    # the appendix tables report ring's CCR, T_comp and T_comm (ms); here the ones Note [The
+    # paper's baselines] reads from Table 5's 2 x 8 rows (C = 139.0, X = 10.96 ms forward)
+    path = tmp_path / "rows.csv"
+    header = ROWS_HEADER + "," + ",".join(v.CCR_COLUMNS)
+    path.write_text(
+        header + "\n5,H100,2x8,16,26880,12,192,149.97,,63.93,449.58,141.52,98.01,"
+        "0.079,10.96,139.0,,,420\n"
+    )
+    (row,) = v.load_rows(str(path))
+    assert row.ccr == (("ccr_fwd", 0.079), ("t_comp_fwd", 10.96), ("t_comm_fwd", 139.0),
+                       ("t_comm_bwd", 420.0))  # fmt: skip
+    comps = v.compare_ccr(row, v.PRESETS["H100"].efficiency)
+    topo = v.row_topology(row)
+    shape = v.Problem(16, 26880, 12, 192).shape(16)
+    compute = v.PRESETS["H100"].compute_model(v.PRESETS["H100"].efficiency)
+    (comp_f, comm_f), (_, comm_b) = (
+        v.ccr_parts(topo, shape, compute, False, b) for b in (False, True)
+    )
+    assert [c.predicted for c in comps] == pytest.approx(
+        [comp_f / comm_f, comp_f * 1e3, comm_f * 1e3, comm_b * 1e3]
+    )
+    # the replay's ring matches the paper's own C and X within a few percent
+    assert all(abs(c.error) < 0.05 for c in comps[:3])
+    assert v.main(["--rows", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Ring's CCR and its parts" in out and "4 of 4 within +-25%" in out
+    assert "| 5 | H100 | 2x8 | 16 | 26880 | T_comm | bwd | 420 |" in out
+    # a file without them prints no such table
+    path.write_text(ROWS_HEADER + "\n5,H100,2x8,16,26880,12,192,149.97,,63.93,,,\n")
+    assert v.load_rows(str(path))[0].ccr == ()
+    assert v.main(["--rows", str(path)]) == 0
+    assert "Ring's CCR" not in capsys.readouterr().out
+
+
+def test_rows_take_a_bare_ccr_column_for_the_one_pass_of_a_row(tmp_path) -> None:
+    # Table 10 (backward) as printed: ring's and CHARM+'s backward, CCR and its parts unnamed
+    path = tmp_path / "rows.csv"
+    path.write_text(
+        ROWS_HEADER + ",ccr,t_comp,t_comm\n10,H100,2x8,16,26880,12,192,,,,449.58,141.52,,"
+        "0.06,25,420\n"
+    )
+    (row,) = v.load_rows(str(path))
+    assert row.ccr == (("ccr_bwd", 0.06), ("t_comp_bwd", 25.0), ("t_comm_bwd", 420.0))
+    # with both passes the pass is not known
+    path.write_text(
+        ROWS_HEADER + ",ccr\n5,H100,2x8,16,26880,12,192,149.97,,63.93,449.58,141.52,,0.08\n"
+    )
+    with pytest.raises(ValueError, match="ccr='0.08': a CCR column without its pass"):
+        v.load_rows(str(path))
+    # named twice: refused
+    path.write_text(
+        ROWS_HEADER + ",ccr,ccr_fwd\n5,H100,2x8,16,26880,12,192,149.97,,63.93,,,,0.08,0.07\n"
+    )
+    with pytest.raises(ValueError, match="gives ccr_fwd as well"):
+        v.load_rows(str(path))
+    path.write_text(ROWS_HEADER + ",t_comm_fwd\n5,H100,2x8,16,26880,12,192,149.97,,63.93,,,,0\n")
+    with pytest.raises(ValueError, match="t_comm_fwd='0': a CCR or a time in ms"):
+        v.load_rows(str(path))
 
 
 @pytest.mark.parametrize(
