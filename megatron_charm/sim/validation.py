@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from megatron_charm.plan.tasp import check_paper_tasp_shape
 from megatron_charm.sim.baselines import PAPER_EFFICIENCY, paper_check_shape, paper_predict
-from megatron_charm.sim.compute import Enqueue, describe_compute
+from megatron_charm.sim.compute import ComputeModel, Enqueue, describe_compute
 from megatron_charm.sim.predict import (
     Prediction,
     Problem,
@@ -166,19 +166,7 @@ def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
             ints[col] = 0
         if ints[col] <= 0:
             raise bad(col, "must be a positive integer")
-    times: dict[str, float | None] = {}
-    for col in ROW_COLUMNS[7:]:
-        text = rec[col]
-        if not text:
-            times[col] = None
-            continue
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise bad(col, "a time in ms must be a finite number > 0, or empty")
-        times[col] = value
+    times = {col: _positive(rec, col, bad, "a time in ms") for col in ROW_COLUMNS[7:]}
     forward = [c for c in ("rmp_fwd", "charm_fwd", "tasp_fwd") if times[c] is not None]
     if times["ring_fwd"] is None and (forward or times["ring_bwd"] is None):
         raise bad(
@@ -202,21 +190,30 @@ def _parse_row(path: str, line: int, raw: dict) -> PaperRow:
     return PaperRow(rec["table"], rec["gpu"], gpus, **ints, **times, ccr=ccr)  # type: ignore[arg-type]
 
 
+def _positive(rec: dict, col: str, bad, what: str) -> float | None:
+    """The cell ``col`` of ``rec`` as a finite number > 0 (``what`` names it in the error),
+    ``None`` where empty or absent."""
+    text = rec.get(col) or ""
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise bad(col, f"{what} must be a finite number > 0, or empty")
+    return value
+
+
 def _parse_ccr(rec: dict, times: dict, bad) -> tuple[tuple[str, float], ...]:
     """The row's :data:`CCR_COLUMNS` that have a value; a bare column (``ccr``) names the pass
     of a row that has one."""
     passes = [tag for tag in ("fwd", "bwd") if times[f"ring_{tag}"] is not None]
     out: dict[str, float] = {}
     for col in (*CCR_COLUMNS, *_CCR_BARE):
-        text = rec.get(col) or ""
-        if not text:
+        value = _positive(rec, col, bad, "a CCR or a time in ms")
+        if value is None:
             continue
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise bad(col, "a CCR or a time in ms must be a finite number > 0, or empty")
         name = col
         if col in _CCR_BARE:
             if len(passes) != 1:
@@ -256,19 +253,27 @@ def load_rows(path: str) -> tuple[PaperRow, ...]:
 BASELINES = ("paper", "ours")
 
 
+class _Paired:
+    """A measured value (``paper``: the row's) and its prediction."""
+
+    paper: float
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction."""
+        return self.predicted / self.paper - 1.0
+
+
 @dataclass(frozen=True)
-class CCRComparison:
+class CCRComparison(_Paired):
     """Predicted vs measured CCR, ``T_comp`` or ``T_comm`` (ms) of ring in one row."""
 
     row: PaperRow
     column: str
     """One of :data:`CCR_COLUMNS`."""
-    measured: float
+    paper: float
     predicted: float
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.measured - 1.0
 
 
 def compare_ccr(
@@ -282,11 +287,8 @@ def compare_ccr(
     ccr_parts`: ring's blocks and transfers on the row's links, at ``efficiency``)."""
     if not row.ccr:
         return []
-    hw = (presets or PRESETS)[row.gpu]
-    topo = row_topology(row, cross_links, presets)
-    problem = Problem(row.batch, row.seq, row.heads, row.head_dim, causal=causal)
+    _, topo, problem, compute = _row_model(row, efficiency, cross_links, causal, presets)
     shape = problem.shape(topo.cp_size)
-    compute = hw.compute_model(efficiency)
     parts = {tag: ccr_parts(topo, shape, compute, causal, tag == "bwd") for tag in ("fwd", "bwd")}
     out = []
     for column, measured in row.ccr:
@@ -312,14 +314,14 @@ def ccr_markdown(comps: list[CCRComparison]) -> str:
         miss = "" if abs(c.error) <= 0.25 else " (miss)"
         lines.append(
             f"| {r.table} | {r.gpu} | {r.gpus[0]}x{r.gpus[1]} | {r.batch} | {r.seq} | "
-            f"{quantity.replace('t_', 'T_')} | {tag} | {c.measured:.4g} | {c.predicted:.4g} | "
+            f"{quantity.replace('t_', 'T_')} | {tag} | {c.paper:.4g} | {c.predicted:.4g} | "
             f"{c.error:+.0%}{miss} |"
         )
     return "\n".join(lines)
 
 
 @dataclass(frozen=True)
-class Comparison:
+class Comparison(_Paired):
     """Predicted vs published speedup over ring of one method and pass of one row."""
 
     row: PaperRow
@@ -329,11 +331,6 @@ class Comparison:
     predicted: float
     ring_ms: float
     method_ms: float
-
-    @property
-    def error(self) -> float:
-        """Relative error of the predicted speedup."""
-        return self.predicted / self.paper - 1.0
 
 
 def row_topology(
@@ -350,6 +347,19 @@ def row_topology(
     return hw.topology(*row.gpus, cross_links=links, nics_per_node=nics)
 
 
+def _row_model(
+    row: PaperRow,
+    efficiency: float,
+    cross_links: str | None,
+    causal: bool,
+    presets: dict[str, Hardware] | None,
+) -> tuple[Hardware, Topology, Problem, ComputeModel]:
+    """The row's GPU, links, problem and compute at ``efficiency``."""
+    hw = (presets or PRESETS)[row.gpu]
+    problem = Problem(row.batch, row.seq, row.heads, row.head_dim, causal=causal)
+    return hw, row_topology(row, cross_links, presets), problem, hw.compute_model(efficiency)
+
+
 def compare_row(
     row: PaperRow,
     efficiency: float,
@@ -363,10 +373,7 @@ def compare_row(
     TASP's forward too, where the row has one; ``baselines``: ``"paper"`` replays ring and
     charm as the paper ran them, ``"ours"`` as our planner and executor run them; ``presets``:
     instead of :data:`PRESETS`)."""
-    hw = (presets or PRESETS)[row.gpu]
-    topo = row_topology(row, cross_links, presets)
-    problem = Problem(row.batch, row.seq, row.heads, row.head_dim, causal=causal)
-    compute = hw.compute_model(efficiency)
+    hw, topo, problem, compute = _row_model(row, efficiency, cross_links, causal, presets)
     wanted = [("rm+", False, row.rmp_fwd), ("charm", False, row.charm_fwd)]
     wanted.append(("charm", True, row.charm_bwd))
     if tasp:
