@@ -209,9 +209,18 @@ def test_rows_with_rings_ccr_compare_it_and_its_parts(tmp_path, capsys) -> None:
     )
     # the replay's ring matches the paper's own C and X within a few percent
     assert all(abs(c.error) < 0.05 for c in comps[:3])
+    # and beside it the same at Table 2's rates: the same blocks, faster transfers
+    nominal = v.nominal_links(topo, 365.1, 42.5)
+    (_, comm_f2), (_, comm_b2) = (
+        v.ccr_parts(nominal, shape, compute, False, b) for b in (False, True)
+    )
+    assert [c.table2 for c in comps] == pytest.approx(
+        [comp_f / comm_f2, comp_f * 1e3, comm_f2 * 1e3, comm_b2 * 1e3]
+    )
+    assert comm_f2 < 0.7 * comm_f
     assert v.main(["--rows", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "Ring's CCR and its parts" in out and "4 of 4 within +-25%" in out
+    assert "Ring's CCR and its parts" in out and "4 and 1 of 4 within +-25%" in out
     assert "| 5 | H100 | 2x8 | 16 | 26880 | T_comm | bwd | 420 |" in out
     # a file without them prints no such table
     path.write_text(ROWS_HEADER + "\n5,H100,2x8,16,26880,12,192,149.97,,63.93,,,\n")
