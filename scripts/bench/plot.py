@@ -2,7 +2,11 @@
 """Figures and table of a sweep: CHARM+ speedup over ring attention against ring's CCR.
 
     python scripts/bench/plot.py docs/results/sweep [--png docs/results/sweep.png]
-        [--md docs/results/sweep-table.md]
+        [--md docs/results/sweep-table.md] [--winners] [--no-png]
+
+``--winners`` adds the fastest method of each point, forward and forward+backward, among every
+method the sweep ran, with charm's time over the fastest and how often charm is fastest or
+within 5% of it.
 
 Like the paper's Figures 6-8: one point per configuration; x is ring attention's CCR measured
 sequentially (sum of compute over sum of communication), y the speedup of CHARM+ over ring
@@ -19,6 +23,7 @@ import os
 from megatron_charm.bench.report import emit
 
 MARKERS = {"2x2": "o", "2x4": "s", "4x2": "^"}
+MODES = ("fwd", "fwdbwd")
 
 
 def load(folder: str) -> list[dict]:
@@ -59,6 +64,42 @@ def table(rows: list[dict]) -> str:
             f"{m['charm']['fwdbwd']['bound_ratio']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+#: charm within this factor of the fastest counts as "within 5%"
+NEAR = 1.05
+
+
+def winners(rows: list[dict]) -> str:
+    """Per point, the fastest method of each pass (median times) and charm's time over it; a
+    header counts the points where charm is fastest and where it is within :data:`NEAR`."""
+    lines = [
+        "| point | fastest fwd | charm / fastest fwd | fastest fwd+bwd | charm / fastest fwd+bwd |",
+        "|---|---|---|---|---|",
+    ]
+    counts = {mode: [0, 0] for mode in MODES}
+    for r in rows:
+        cells = [r["_name"]]
+        for mode in MODES:
+            times = {k: v[mode]["median"] for k, v in r["methods"].items() if mode in v}
+            best = min(times, key=times.__getitem__)
+            ratio = times["charm"] / times[best]
+            counts[mode][0] += best == "charm"
+            counts[mode][1] += ratio <= NEAR
+            cells += [best, f"{ratio:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    n = len(rows)
+    head = [
+        f"Fastest method per point ({n} points, median times, every method the sweep ran): "
+        + "; ".join(
+            f"{'forward' if mode == 'fwd' else 'forward+backward'}: charm fastest at "
+            f"{counts[mode][0]}, within {NEAR - 1:.0%} of the fastest at {counts[mode][1]}"
+            for mode in MODES
+        )
+        + ".",
+        "",
+    ]
+    return "\n".join(head + lines) + "\n"
 
 
 def plot(rows: list[dict], png: str) -> None:
@@ -106,18 +147,21 @@ def plot(rows: list[dict], png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder")
     ap.add_argument("--png", default=None)
     ap.add_argument("--md", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--winners", action="store_true", help="add the fastest method per point")
+    ap.add_argument("--no-png", action="store_true", help="write no figure")
+    args = ap.parse_args(argv)
     rows = load(args.folder)
     if not rows:
         raise SystemExit(f"no sweep results (*.json) in {args.folder}")
-    md = table(rows)
+    md = table(rows) + ("\n" + winners(rows) if args.winners else "")
     emit(md, args.md)
-    plot(rows, args.png or args.folder.rstrip("/") + ".png")
+    if not args.no_png:
+        plot(rows, args.png or args.folder.rstrip("/") + ".png")
 
 
 if __name__ == "__main__":
