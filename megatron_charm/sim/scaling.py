@@ -111,6 +111,12 @@ def run(
     return rows
 
 
+def _link_counts(p: int) -> str:
+    """``"8, 2 or 1"``: the cross links per node of :func:`setups` on nodes of ``p`` GPUs."""
+    counts = [str(nics_per_node(s, p)) for s in setups(p)]
+    return counts[0] if len(counts) == 1 else ", ".join(counts[:-1]) + " or " + counts[-1]
+
+
 def write_markdown(rows: list[dict], path: str, command: str, p: int = 8) -> None:
     today = datetime.date.today().isoformat()
     hw = PRESETS["H100"]
@@ -122,7 +128,7 @@ def write_markdown(rows: list[dict], path: str, command: str, p: int = 8) -> Non
         "Speedup = ring time / method time for one attention layer (forward, backward), weak "
         f"scaling (fixed tokens per GPU), causal, batch 1, {p} GPUs per node, the H100 preset's "
         f"links ({hw.intra_bw} GB/s NVLink, {hw.cross_achieved:.2f} GB/s per cross link, the "
-        f"rate Table 5's transfers achieve) with {p}, 2 or 1 cross links per node, "
+        f"rate Table 5's transfers achieve) with {_link_counts(p)} cross links per node, "
         f"{hw.enqueue.kernel * 1e6:g} us of host enqueue per operation, 989 TFLOPS at the given "
         f"efficiency. Groups above {FULL_MODE_MAX_RANKS} ranks (more than "
         f"{FULL_MODE_MAX_RANKS // p} nodes) replay one node under node symmetry "

@@ -24,7 +24,7 @@ def test_rows_and_text_take_the_gpus_per_node_and_the_known_replay_error(tmp_pat
     path = tmp_path / "s.md"
     scaling.write_markdown(rows, str(path), "cmd", p=2)
     text = path.read_text()
-    assert "batch 1, 2 GPUs per node" in text and "with 2, 2 or 1 cross links" in text
+    assert "batch 1, 2 GPUs per node" in text and "with 2 or 1 cross links" in text
     for method in scaling.SHOWN:
         assert f"up to {SYMMETRIC_ERROR[method]:.0%} for {method}" in text
     assert "more than 64 nodes" in text  # 128 ranks in full, on nodes of 2
