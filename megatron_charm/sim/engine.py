@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megatron_charm.plan.bulk import collector_paused
-from megatron_charm.plan.coalesce import coalesced_runs, joined_runs, run_goes_on, run_pieces
+from megatron_charm.plan.coalesce import joined_runs, run_goes_on, run_pieces
 from megatron_charm.plan.payloads import AttnShape, payload_bytes
 from megatron_charm.plan.types import Compute, Exchange, Merge, Payload, Program, Wait, Wire
 from megatron_charm.sim.compute import ComputeModel
@@ -405,7 +405,9 @@ class Engine:
         self._blocks: dict[tuple, float] = {}
         self._merges: dict[Payload, float] = {}
         self._run_savings: dict[tuple, float] = {}
-        self.costs = [self._compile(p, self.results[i]) for i, p in enumerate(programs)]
+        # each program's runs that one operation does, found once for pricing and enqueueing
+        runs = [joined_runs(p.instrs) for p in programs]
+        self.costs = [self._compile(p, self.results[i], runs[i]) for i, p in enumerate(programs)]
         # Note [Where a call's host work runs]: the rest of the call's host work, each rank's
         # share per block; the blocks' own costs stay theirs (the in-pass fit reads them)
         self.rest_per_block = [0.0] * len(programs)
@@ -414,7 +416,11 @@ class Engine:
                 blocks = sum(1 for ins in prog.instrs if isinstance(ins, Compute))
                 self.rest_per_block[i] = self.host_rest / blocks if blocks else 0.0
         # Note [Enqueue ahead]: when the host has enqueued each instruction (None: no gate)
-        self.enqueued = [self._enqueued(p) for p in programs] if self.enqueue else None
+        self.enqueued = (
+            [self._enqueued(p, r) for p, r in zip(programs, runs, strict=True)]
+            if self.enqueue
+            else None
+        )
         if self.enqueued is not None and self.enqueue is not None:
             for res, times in zip(self.results, self.enqueued, strict=True):
                 res.enqueued = times[-1] if times else self.enqueue.call
@@ -450,9 +456,10 @@ class Engine:
                 out.append((kind, idx % (k if kind.startswith("nic") else p)))
         return tuple(out)
 
-    def _compile(self, prog: Program, rr: RankResult) -> list[object]:
+    def _compile(self, prog: Program, rr: RankResult, joined_ops: dict[int, int]) -> list[object]:
         """Per instruction of ``prog``: its transfers (``Exchange``) or its duration (``Compute``,
-        ``Merge``); ``None`` for a ``Wait``. The plan's own instructions drive the replay."""
+        ``Merge``); ``None`` for a ``Wait``. The plan's own instructions drive the replay.
+        ``joined_ops``: the program's :func:`~megatron_charm.plan.coalesce.joined_runs`."""
         shape, topo, x = self.shape, self.topo, prog.cp_rank
         seq: dict[tuple, int] = defaultdict(int)
         costs: list[object] = []
@@ -462,7 +469,7 @@ class Engine:
         exact, unmatched_cross = self.progs.exact, self.progs.unmatched_cross
         # blocks after the first of a coalesced run share its kernel call (Note [Coalesced
         # blocks]): each still takes its FLOPs' time, the call's fixed cost is paid once
-        runs = coalesced_runs(prog.instrs)
+        runs = {s: e for s, e in joined_ops.items() if isinstance(prog.instrs[s], Compute)}
         joined = _joined(runs)
         overhead = self.compute.call_overhead(self.backward)
         for index, ins in enumerate(prog.instrs):
@@ -536,13 +543,14 @@ class Engine:
                 for i in range(start, end):
                     costs[i] *= keep
 
-    def _enqueued(self, prog: Program) -> list[float]:
-        """Host time at which each instruction of ``prog`` is enqueued (Note [Enqueue ahead])."""
+    def _enqueued(self, prog: Program, runs: dict[int, int]) -> list[float]:
+        """Host time at which each instruction of ``prog`` is enqueued (Note [Enqueue ahead]);
+        ``runs``: its :func:`~megatron_charm.plan.coalesce.joined_runs`."""
         enq = self.enqueue
         assert enq is not None
         cost = {None: 0.0, "exchange": enq.exchange, "kernel": enq.kernel, "merge": enq.merge}
         t, out = enq.call, []
-        for kind in _operation_kinds(prog):
+        for kind in _operation_kinds(prog, runs):
             t += cost[kind]
             out.append(t)
         return out
@@ -946,17 +954,17 @@ class Engine:
 
 def _joined(runs: dict[int, int]) -> set[int]:
     """Indices of the instructions that share the operation of the one before them, from a
-    program's :func:`~megatron_charm.plan.coalesce.coalesced_runs` (blocks, Note [Coalesced
-    blocks]) or :func:`~megatron_charm.plan.coalesce.joined_runs` (blocks and merges)."""
+    program's runs of blocks (Note [Coalesced blocks]) or of blocks and merges
+    (:func:`~megatron_charm.plan.coalesce.joined_runs`)."""
     return {i for start, end in runs.items() for i in range(start + 1, end)}
 
 
-def _operation_kinds(prog: Program) -> list[str | None]:
+def _operation_kinds(prog: Program, runs: dict[int, int] | None = None) -> list[str | None]:
     """Per instruction of ``prog``, the device operation the host enqueues for it: ``"exchange"``
     (posted), ``"kernel"`` (a call; coalesced blocks after the first share it), ``"merge"`` (a
     summed run of partials is one: Note [Summed partials]), or ``None`` (a wait, a joined block
-    or merge)."""
-    joined = _joined(joined_runs(prog.instrs))
+    or merge). ``runs``: its :func:`~megatron_charm.plan.coalesce.joined_runs`, if known."""
+    joined = _joined(joined_runs(prog.instrs) if runs is None else runs)
     kinds: list[str | None] = []
     for index, ins in enumerate(prog.instrs):
         if isinstance(ins, Exchange):
