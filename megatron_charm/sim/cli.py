@@ -38,6 +38,7 @@ from megatron_charm.sim.predict import (
     describe_links,
     error_list,
     margin_range,
+    margin_replay_error,
     nominal_ccr_parts,
     one_node_note,
     predict,
@@ -306,7 +307,7 @@ def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
             f"misses by up to +-{err:.0%}"
         )
     # a one-node replay's known error adds to the hardware's (Note [Node symmetry])
-    approximate = replay_error(pred, [choice] + ([nxt.method] if nxt else []))
+    approximate = margin_replay_error(pred, choice)
     that = "that error"
     if approximate:
         source += f"; one-node replays off by {error_list(approximate)}"

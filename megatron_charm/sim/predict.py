@@ -310,8 +310,7 @@ def advise(pred: Prediction) -> Advice:
     reasons += [
         _exposure(pred, name) for name in dict.fromkeys([choice, "ring"]) if name in pred.methods
     ]
-    nxt = runner_up(pred, choice)
-    approximate = replay_error(pred, [choice] + ([nxt.method] if nxt else []))
+    approximate = margin_replay_error(pred, choice)
     if approximate:
         reasons.append(
             f"replayed for one node (Note [Node symmetry]); {one_node_note(approximate)}"
@@ -340,6 +339,13 @@ def replay_error(pred: Prediction, methods: Iterable[str]) -> dict[str, float]:
         if mp is not None and not mp.exact and SYMMETRIC_ERROR.get(m, 0.0) > 0:
             out[m] = SYMMETRIC_ERROR[m]
     return out
+
+
+def margin_replay_error(pred: Prediction, choice: str) -> dict[str, float]:
+    """:func:`replay_error` of the two times behind ``choice``'s margin: its own and the
+    :func:`runner_up`'s."""
+    nxt = runner_up(pred, choice)
+    return replay_error(pred, [choice] + ([nxt.method] if nxt else []))
 
 
 def combined_error(*errors: float) -> float:
