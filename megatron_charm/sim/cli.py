@@ -44,6 +44,7 @@ from megatron_charm.sim.predict import (
     predict,
     replay_error,
     runner_up,
+    speedup_range,
 )
 from megatron_charm.sim.profile import Profile, load_profile
 from megatron_charm.sim.programs import MODES
@@ -285,27 +286,39 @@ def _resolve(
     return topo, problem, compute, methods, profile
 
 
+def hardware_error(profile: Profile | None) -> tuple[str, float] | None:
+    """Where the hardware numbers come from and their known relative error per time: a
+    measured profile's worst fit of its own samples (Note [Fitting a profile]), a preset's worst
+    miss of the paper's rows (``Hardware.paper_error``); ``None`` for numbers nobody measured
+    (the flags, or a profile that is neither)."""
+    if profile is None or not (profile.measured or profile.preset_error is not None):
+        return None
+    if profile.measured:
+        err = profile.known_error or 0.0
+        source = f"profile {profile.name!r}, whose fits miss their own samples by up to {err:.0%}"
+        return source, err
+    err = profile.preset_error or 0.0
+    return (
+        f"{profile.name}, whose {profile.preset} rows of the paper's Tables 4 and 5 it misses by "
+        f"up to +-{err:.0%}",
+        err,
+    )
+
+
 def uncertainty(pred: Prediction, choice: str, profile: Profile | None) -> str:
     """Where the hardware numbers come from (``profile``: the --profile or --preset in use), and
-    ``choice``'s margin over the next method as a range from the model's known error (Note
-    [Fitting a profile] for a measured profile)."""
-    if profile is None or not (profile.measured or profile.preset_error is not None):
+    ``choice``'s margin over the next method as a range from the model's known error
+    (:func:`hardware_error`)."""
+    known = hardware_error(profile)
+    if known is None:
         given = "the flags given" if profile is None else f"profile {profile.name!r}"
         return (
             f"hardware numbers: {given}, not measured here; run `megatron-charm-sim "
             "calibrate` on the cluster and pass --profile for predictions you can check"
         )
+    source, err = known
     nxt = runner_up(pred, choice)
     margin = nxt.total / pred.methods[choice].total if nxt else 1.0
-    if profile.measured:
-        err = profile.known_error or 0.0
-        source = f"profile {profile.name!r}, whose fits miss their own samples by up to {err:.0%}"
-    else:
-        err = profile.preset_error or 0.0
-        source = (
-            f"{profile.name}, whose {profile.preset} rows of the paper's Tables 4 and 5 it "
-            f"misses by up to +-{err:.0%}"
-        )
     # a one-node replay's known error adds to the hardware's (Note [Node symmetry])
     approximate = margin_replay_error(pred, choice)
     that = "that error"
@@ -334,8 +347,12 @@ def _nominal_line(pred: Prediction) -> str:
     )
 
 
-def format_table(pred: Prediction) -> str:
+def format_table(pred: Prediction, error: float | None = None) -> str:
+    """The prediction as a table; ``error``, if known, the hardware numbers' relative error per
+    time (:func:`hardware_error`), which puts each speedup's range next to it
+    (:func:`~megatron_charm.sim.predict.speedup_range`)."""
     t, pr = pred.topo, pred.problem
+    ranged = error is not None
     lines = [
         f"{t.num_nodes}x{t.ranks_per_node} GPUs, intra {t.intra_bw:g} GB/s ({t.fabric}), "
         f"cross {t.cross_bw:g} GB/s ({t.nics} per node); batch {pr.batch}, seq {pr.seq} "
@@ -349,21 +366,39 @@ def format_table(pred: Prediction) -> str:
         f"compute: {describe_compute(pred.compute)}" if pred.compute is not None else "",
         f"unit: {pred.UNIT}",
         "",
-        f"{'method':<11} {'fwd ms':>9} {'speedup':>8} {'exposed':>9} "
-        f"{'bwd ms':>9} {'speedup':>8} {'exposed':>9} {'cross GB/node':>14}",
     ]
+    span = f" {'range':>11}" if ranged else ""
+    lines.append(
+        f"{'method':<11} {'fwd ms':>9} {'speedup':>8}{span} {'exposed':>9} "
+        f"{'bwd ms':>9} {'speedup':>8}{span} {'exposed':>9} {'cross GB/node':>14}"
+    )
     order = ["ring", "ring-contig", "tasp", "all_gather", "a2a", "a2a+p2p", "a2a+charm"]
     order += ["merge", "rm+", "charm"]
     order = [m for m in order if m in pred.methods]
+
+    def speedup(name: str, backward: bool) -> str:
+        cell = f"{pred.speedup(name, backward):7.2f}x"
+        if not ranged:
+            return cell
+        if name == "ring":
+            return f"{cell} {'':>11}"
+        lo, hi = speedup_range(pred, name, backward, error)
+        return f"{cell} {f'{lo:.2f}-{hi:.2f}x':>11}"
+
     for name in order:
         mp = pred.methods[name]
         f, b = mp.forward, mp.backward
         nodes = len(f.ranks) / t.ranks_per_node  # simulated nodes (one in symmetric mode)
         cross = (f.link_bytes().get("cross", 0) + b.link_bytes().get("cross", 0)) / nodes
         lines.append(
-            f"{name:<11} {f.makespan * 1e3:9.3f} {pred.speedup(name):7.2f}x "
+            f"{name:<11} {f.makespan * 1e3:9.3f} {speedup(name, False)} "
             f"{f.exposed_mean * 1e3:9.3f} {b.makespan * 1e3:9.3f} "
-            f"{pred.speedup(name, True):7.2f}x {b.exposed_mean * 1e3:9.3f} {cross / 1e9:14.3f}"
+            f"{speedup(name, True)} {b.exposed_mean * 1e3:9.3f} {cross / 1e9:14.3f}"
+        )
+    if ranged:
+        lines.append(
+            f"range: the speedup when each of its two times may be off by the hardware "
+            f"numbers' known error ({error:.0%}), and by a one-node replay's where one was used"
         )
     if any(not mp.exact for mp in pred.methods.values()):
         approximate = replay_error(pred, pred.methods)
@@ -570,8 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay == "paper"
         else "this package's schedules"
     )
+    known = hardware_error(profile)
+    error = known[1] if known is not None else None
     if args.json:
-        data = pred.to_dict()
+        data = pred.to_dict(error)
+        data["uncertainty"] = uncertainty(pred, lead, profile)
         data["replay"] = {"schedules": args.replay, "what": replayed}
         if tasp_note:
             data["tasp_links"] = tasp_note
@@ -593,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"schedules: {replayed}")
         if source:
             print(source)
-        print(format_table(pred))
+        print(format_table(pred, error))
         if shared:
             print(shared)
         if current:

@@ -108,7 +108,9 @@ class Prediction:
             return ring.backward.makespan / other.backward.makespan
         return ring.forward.makespan / other.forward.makespan
 
-    def to_dict(self) -> dict:
+    def to_dict(self, error: float | None = None) -> dict:
+        """The prediction as JSON-ready data; ``error``, if known, the hardware numbers' relative
+        error per time, which gives every speedup its range (:func:`speedup_range`)."""
         out: dict = {
             "gpus": f"{self.topo.num_nodes}x{self.topo.ranks_per_node}",
             "topology": self.topo.__dict__,
@@ -160,6 +162,9 @@ class Prediction:
                 }
                 if "ring" in self.methods:
                     entry[tag]["speedup_vs_ring"] = self.speedup(name, tag == "backward")
+                    if error is not None and name != "ring":
+                        lo, hi = speedup_range(self, name, tag == "backward", error)
+                        entry[tag]["speedup_range_vs_ring"] = [lo, hi]
             # a one-node replay's known error against full replays (0: exact)
             entry["replay_error"] = replay_error(self, [name]).get(name, 0.0)
             out["methods"][name] = entry
@@ -362,6 +367,19 @@ def margin_range(margin: float, error: float) -> tuple[float, float]:
     ``margin * (1 + e) / (1 - e)``, as ``advise`` quotes it."""
     e = min(error, 0.9)
     return margin * (1 - e) / (1 + e), margin * (1 + e) / (1 - e)
+
+
+def speedup_range(
+    pred: Prediction, method: str, backward: bool, error: float
+) -> tuple[float, float]:
+    """The range of ``method``'s predicted speedup over ring in one pass when each of the two
+    times may be off by the hardware numbers' relative ``error`` (a preset's worst miss of the
+    paper's rows, a profile's worst fit), combined with the larger one-node replay error of the
+    two (:func:`replay_error`): :func:`margin_range` of the speedup, as ``advise`` quotes the
+    margin of its choice."""
+    approximate = replay_error(pred, ("ring", method))
+    err = combined_error(error, max(approximate.values(), default=0.0))
+    return margin_range(pred.speedup(method, backward), err)
 
 
 def _ms(seconds: float) -> str:
