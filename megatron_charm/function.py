@@ -9,6 +9,7 @@ import torch
 from megatron_charm.auto import AUTO, choose_method
 from megatron_charm.comm.agreement import CallKey, check_agreement
 from megatron_charm.comm.buffers import TensorSpace, final_tensors
+from megatron_charm.comm.derived import kept_by
 from megatron_charm.comm.executor import ProgramRunner, RunTrace
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel, select_kernel
@@ -27,7 +28,6 @@ from megatron_charm.plan import (
 )
 from megatron_charm.plan.check_rank import check_rank_program
 from megatron_charm.plan.docmask import DocMask, MaskModel
-from megatron_charm.plan.keep import kept_pieces
 from megatron_charm.plan.layout import ZIGZAG
 from megatron_charm.plan.types import Kind, Part, Payload, Program
 from megatron_charm.plan.validate import validate
@@ -264,7 +264,7 @@ def backward_pass(
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, topo, programs, kernel, scale, trace, mask):  # q: [s, b, h, d]
-        keep = kept_pieces(programs[1])
+        keep = kept_by(programs[1])  # Note [Derived once]
         out, lse, kept = forward_pass(topo, programs[0], q, k, v, kernel, scale, trace, mask, keep)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kept = kept  # received buffers, not part of any graph

@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm.comm.buffers import Accumulator, TensorSpace, part_of
+from megatron_charm.comm.derived import pass_steps
 from megatron_charm.comm.topology import CPTopology
 from megatron_charm.kernels import BlockKernel
 from megatron_charm.kernels.delta import out_for_delta
 from megatron_charm.kernels.heads import expand_kv_heads, fold_kv_heads
 from megatron_charm.kernels.masked import masked_backward, masked_forward
-from megatron_charm.plan.coalesce import run_goes_on, steps
+from megatron_charm.plan.coalesce import run_goes_on
 from megatron_charm.plan.docmask import MaskModel
 from megatron_charm.plan.keep import held_input, q_piece
-from megatron_charm.plan.memory import ExpandKey, Key, expansion_drops, release_points
+from megatron_charm.plan.memory import ExpandKey, Key
 from megatron_charm.plan.payloads import group_heads
 from megatron_charm.plan.types import (
     Compute,
@@ -452,13 +453,16 @@ class ProgramRunner:
     def run(self) -> dict[Key, Accumulator]:
         """Run the program; return this rank's final accumulators."""
         own = set(self.inputs)
-        release = release_points(self.prog, own, self.backward)
-        drops = expansion_drops(self.prog) if self.expand else {}
+        # Note [Derived once]
+        derived = pass_steps(
+            self.prog, frozenset(own), self.backward, self.mask is None, self.expand
+        )
+        release, drops = derived.release, derived.drops
         events: list[tuple[str, str, float, float]] | None = None
         if self.trace is not None:
             events = []
         instrs = self.prog.instrs
-        for i, end in steps(instrs, coalesce=self.mask is None):
+        for i, end in derived.steps:
             ins = instrs[i]
             t0 = time.perf_counter() if events is not None else 0.0
             self._step(list(instrs[i:end]))

@@ -407,3 +407,24 @@ def agreement_on_control_group(ctx):
     except ValueError as err:
         facts["mismatch"] = str(err)
     return facts
+
+
+def derived_once(ctx):
+    """Two forward+backward calls of one shape: the runner derives each program's steps and
+    release points at the first call only (Note [Derived once]), and the two calls agree."""
+    import megatron_charm as mc
+    from megatron_charm.comm import derived
+
+    topo = ctx.topology(2)
+    gen = torch.Generator().manual_seed(topo.cp_rank)
+    q, k, v = (torch.randn(1, 8, 4, 8, generator=gen) for _ in range(3))
+    derived.clear()
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = mc.cp_attention(*leaves, topo, method="charm")
+        out.sum().backward()
+        grads.append([out.detach(), *(t.grad for t in leaves)])
+    info = derived._pass_steps.cache_info()
+    same = all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    return info.misses, info.hits, derived._kept_by.cache_info().misses, same

@@ -198,3 +198,12 @@ def test_own_blocks_use_the_real_out(pools):
     out (Note [The backward bundle]); CHARM+'s foreign queries do."""
     assert pools(4).run(tasks.stand_in_calls, method="ring", ranks_per_node=2) == [0] * 4
     assert all(n > 0 for n in pools(4).run(tasks.stand_in_calls, method="charm", ranks_per_node=2))
+
+
+@pytest.mark.gloo
+def test_a_layer_shape_derives_its_programs_steps_once(pools) -> None:
+    """Note [Derived once]: the second call of a shape reuses the first call's steps and
+    release points for its forward and backward programs, and computes the same."""
+    for misses, hits, kept_misses, same in pools(4).run(tasks.derived_once):
+        assert (misses, hits, kept_misses) == (2, 2, 1)
+        assert same
