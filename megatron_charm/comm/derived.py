@@ -19,8 +19,8 @@ per forward+backward of charm's programs on 2 x 8 and 1.3 ms on 4 x 8 (one CPU c
 docs/results/executor/derived-once.md), as much as 65 of the 20 us enqueues the simulator
 charges a GPU host per operation (Note [Enqueue ahead] in :mod:`megatron_charm.sim.engine`),
 and a host-bound pass pays it at every layer. So it is cached, keyed by the program's identity:
-hashing a ``Program`` hashes every instruction, which costs a third of deriving it. A cached entry
-holds its program, so the identity stays unique while the entry lives.
+hashing a ``Program`` hashes every instruction at every lookup, a fifth of deriving it. A cached
+entry holds its program, so the identity stays unique while the entry lives.
 """
 
 from __future__ import annotations

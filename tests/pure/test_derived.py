@@ -35,7 +35,7 @@ def test_the_derivation_is_the_plain_one_and_is_made_once_per_program() -> None:
 
 
 def test_an_equal_program_that_is_another_object_gets_its_own_entry() -> None:
-    """Keyed by identity, not by equality (hashing a program costs a third of deriving it)."""
+    """Keyed by identity, not by equality (hashing a program costs a fifth of deriving it)."""
     derived.clear()
     fwd, _ = _programs()
     twin = Program(fwd.cp_rank, tuple(fwd.instrs))
