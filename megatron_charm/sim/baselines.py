@@ -64,6 +64,16 @@ Ring-Attention and CHARM+ do neither:
   +22%; H20 2 x 8 CHARM+ at 7,168 -17% -> -25%; Table 5's within 12% (4 x 8 CHARM+ -11% ->
   -12%). Before the barriers, RM+ gained more from its overlap than the paper's: H20 1 x 8 at
   1,792 tokens +32%, 1 x 4 at 1,792 +66%, 1 x 4 at 7,168 +22%.
+* **Its RM+ returns its partial results in float32.** Appendix B.2 counts the paper's buffers in
+  float32, and its CHARM+ returns them so on two nodes (below). Replayed with RM+'s partial
+  outputs (and, in the backward, its partial gradients) in float32, every RM+ row of Table 4
+  comes within 22% and L20's refitted efficiency is 0.773 (0.800 before, the search's upper
+  end): L20 1 x 4 and 2 x 4 +13..+18% -> -3..+3%, H20 1 x 4 at 1,792 tokens +35% -> +18%, H20
+  1 x 8 0% / -6% -> -11% / -6%, H20 2 x 8 -12% / +3% -> -19% / -12% (2026-12-07,
+  :func:`with_float32_partials`). In input precision, as our planner sends a one-block partial
+  (Note [Wire precision]), 37 of 38 rows were within +-25%. On 2026-12-04 the same reading, on
+  presets with two H20 cross links and without Algorithm 2's order, had put H20's 2 x 8 row at
+  -44% and was not adopted (docs/results/sim_validation_paper.md).
 * **Its returns are float32 on two nodes; on four the rows say input precision.** The paper's
   buffers are float32 (Appendix B.2: "under FP32 precision, each buffer occupies BSH"). On
   2 x 8 float32 returns put Table 5's CHARM+ forward times within 5%; input-precision ones
@@ -215,6 +225,22 @@ def with_output_in_bundle(program: Program, wire: Wire = Wire.INPUT) -> Program:
     return Program(program.cp_rank, tuple(instrs))
 
 
+def with_float32_partials(program: Program) -> Program:
+    """``program`` with every partial result it sends or receives (partial outputs, partial
+    gradients) in float32, on both sides alike: the paper's RM+ (Note [The paper's
+    baselines])."""
+    instrs = []
+    for ins in program.instrs:
+        if isinstance(ins, Exchange) and any(op.payload.kind.is_partial for op in ins.ops):
+            ops = tuple(
+                dataclasses.replace(op, wire=Wire.FP32) if op.payload.kind.is_partial else op
+                for op in ins.ops
+            )
+            ins = dataclasses.replace(ins, ops=ops)
+        instrs.append(ins)
+    return Program(program.cp_rank, tuple(instrs))
+
+
 def merge_level(cp_rank: int, ex: Exchange, group: int) -> int | None:
     """The merge level of ``ex`` for ``cp_rank`` in pipelines of ``group`` consecutive ranks:
     ``k`` for partners at XOR distance ``[2^k, 2^(k+1))`` of the local indices (Note [Merge
@@ -346,7 +372,8 @@ def paper_programs(progs: ProgramSet) -> ProgramSet:
     """``progs`` as the paper runs them: ring's forward without overlap (Ring-Zigzag's, and
     with ``ring-contig`` Ring-Attention's contiguous layout); charm and rm+ in the order of
     Algorithm 2 (:func:`in_algorithm2_order`: a barrier at the end of every merge level), charm's
-    backward bundles with ``out``; other methods as the planner builds them."""
+    backward bundles with ``out``, rm+'s partial results in float32; other methods as the
+    planner builds them."""
     if progs.method in ("ring", "ring-contig"):
         return dataclasses.replace(progs, forward=tuple(p.without_overlap() for p in progs.forward))
     if progs.method not in ("charm", "rm+"):
@@ -359,6 +386,9 @@ def paper_programs(progs: ProgramSet) -> ProgramSet:
     if progs.method == "charm":
         wire = Wire.FP32 if paper_returns_fp32(progs.layout.num_nodes) else Wire.INPUT
         backward = tuple(with_output_in_bundle(p, wire) for p in backward)
+    else:
+        forward = tuple(with_float32_partials(p) for p in forward)
+        backward = tuple(with_float32_partials(p) for p in backward)
     return dataclasses.replace(progs, forward=forward, backward=backward)
 
 

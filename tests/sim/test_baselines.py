@@ -646,3 +646,26 @@ def test_table_5_tasp_forward_overlaps_and_so_does_its_replay() -> None:
             pred = paper_predict(row_topology(row), problem, compute, ("tasp",), a2a_topo=a2a)
             replay.append(pred.methods["tasp"].forward.makespan * 1e3)
         assert max(replay) - min(replay) < 0.1 * (x - x / 8), (gpus, replay)
+
+
+def test_the_papers_rm_plus_returns_its_partials_in_float32() -> None:
+    """Note [The paper's baselines]: RM+'s partial outputs and gradients travel in float32 on
+    both sides; its inputs travel as the planner sends them."""
+    ours = programs(PlanOptions(method="rm+"), Layout(1, 4), False)
+    paper = paper_programs(ours)
+
+    def ops(prog) -> list:
+        return [op for i in prog.instrs if isinstance(i, Exchange) for op in i.ops]
+
+    for mine, theirs in zip(
+        ours.forward + ours.backward, paper.forward + paper.backward, strict=True
+    ):
+        partial = [op for op in ops(theirs) if op.payload.kind.is_partial]
+        assert partial and all(op.wire is Wire.FP32 for op in partial)
+        assert any(op.wire is Wire.INPUT for op in ops(mine) if op.payload.kind.is_partial)
+        inputs = sorted(
+            str((op.payload, op.wire)) for op in ops(theirs) if not op.payload.kind.is_partial
+        )
+        assert inputs == sorted(
+            str((op.payload, op.wire)) for op in ops(mine) if not op.payload.kind.is_partial
+        )
