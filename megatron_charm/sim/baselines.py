@@ -160,6 +160,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from megatron_charm.plan import PlanOptions, check_shape
 from megatron_charm.plan.payloads import AttnShape
@@ -170,6 +171,7 @@ from megatron_charm.plan.types import (
     Exchange,
     Kind,
     Layout,
+    Op,
     Payload,
     Program,
     Wait,
@@ -204,41 +206,42 @@ def paper_charm(num_nodes: int) -> PlanOptions:
 PAPER_EFFICIENCY: dict[str, float] = {"H100": EFF_H100, "H20": EFF_H20}
 
 
+def _rewrite_ops(program: Program, rewrite: Callable[[Op], tuple[Op, ...]]) -> Program:
+    """``program`` with every op of its exchanges replaced by ``rewrite(op)``, in place and in
+    order, so both sides of a transfer change alike and still match."""
+    instrs = []
+    for ins in program.instrs:
+        if isinstance(ins, Exchange):
+            ins = dataclasses.replace(ins, ops=tuple(new for op in ins.ops for new in rewrite(op)))
+        instrs.append(ins)
+    return Program(program.cp_rank, tuple(instrs))
+
+
 def with_output_in_bundle(program: Program, wire: Wire = Wire.INPUT) -> Program:
     """``program`` with the forward's output (``[s_part, b, h, d]`` with its lse, in ``wire``)
     added next to every backward query bundle it sends or receives, on both sides in the same
     position, so transfers still match: the paper's bundle ``q, out, dout, lse``. ``wire``: the
     precision of the owner's merged output, float32 where the forward's returns were
     (:func:`paper_returns_fp32`)."""
-    instrs = []
-    for ins in program.instrs:
-        if isinstance(ins, Exchange) and any(op.payload.kind is Kind.QB for op in ins.ops):
-            ops = []
-            for op in ins.ops:
-                ops.append(op)
-                if op.payload.kind is Kind.QB:
-                    p = op.payload
-                    out = Payload(Kind.O, p.owner, p.part, p.heads)
-                    ops.append(dataclasses.replace(op, payload=out, wire=wire))
-            ins = dataclasses.replace(ins, ops=tuple(ops))
-        instrs.append(ins)
-    return Program(program.cp_rank, tuple(instrs))
+
+    def add_out(op: Op) -> tuple[Op, ...]:
+        if op.payload.kind is not Kind.QB:
+            return (op,)
+        p = op.payload
+        out = Payload(Kind.O, p.owner, p.part, p.heads)
+        return op, dataclasses.replace(op, payload=out, wire=wire)
+
+    return _rewrite_ops(program, add_out)
 
 
 def with_float32_partials(program: Program) -> Program:
     """``program`` with every partial result it sends or receives (partial outputs, partial
     gradients) in float32, on both sides alike: the paper's RM+ (Note [The paper's
     baselines])."""
-    instrs = []
-    for ins in program.instrs:
-        if isinstance(ins, Exchange) and any(op.payload.kind.is_partial for op in ins.ops):
-            ops = tuple(
-                dataclasses.replace(op, wire=Wire.FP32) if op.payload.kind.is_partial else op
-                for op in ins.ops
-            )
-            ins = dataclasses.replace(ins, ops=ops)
-        instrs.append(ins)
-    return Program(program.cp_rank, tuple(instrs))
+    return _rewrite_ops(
+        program,
+        lambda op: (dataclasses.replace(op, wire=Wire.FP32) if op.payload.kind.is_partial else op,),
+    )
 
 
 def merge_level(cp_rank: int, ex: Exchange, group: int) -> int | None:
