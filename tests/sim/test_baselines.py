@@ -669,3 +669,53 @@ def test_the_papers_rm_plus_returns_its_partials_in_float32() -> None:
         assert inputs == sorted(
             str((op.payload, op.wire)) for op in ops(mine) if not op.payload.kind.is_partial
         )
+
+
+def test_the_end_to_end_rows_are_the_papers_tables_6_and_7() -> None:
+    # scripts/bench/paper_e2e.py: the rows' iteration times against the speedups the paper
+    # prints beside them (Table 6: 16 L20; Table 7: 16 H20 and 16 H100)
+    from tests.bench_scripts import load_bench_script
+
+    mod = load_bench_script("paper_e2e")
+    printed = {
+        6: [2.08, 2.06, 1.92, 1.79, 1.83, 1.88, 1.81, 1.72],
+        7: [1.30, 1.54, 1.61, 1.68, 1.76, 1.96, 2.10, 2.17],
+    }
+    for table, speedups in printed.items():
+        rows = [r for r in mod.ROWS if r.table == table]
+        assert [round(r.ring_ms / r.charm_ms, 2) for r in rows] == speedups
+        assert all(
+            r.batch * r.seq == rows[0].batch * rows[0].seq for r in rows if r.model == rows[0].model
+        )
+
+
+def test_the_end_to_end_table_sums_layers_and_linear_layers() -> None:
+    # H100, GPT-350M at 16 x 16384 on 2 x 8: 24 replayed layers plus the linear layers'
+    # 72 B S L H^2 + 6 B S H V FLOPs over 16 GPUs at the preset's efficiency
+    from tests.bench_scripts import load_bench_script
+
+    mod = load_bench_script("paper_e2e")
+    (row,) = [r for r in mod.ROWS if r.gpu == "H100" and r.seq == 16384]
+    hw = PRESETS["H100"]
+    tokens = 16 * 16384
+    flops = 72 * tokens * 24 * 1024**2 + 6 * tokens * 1024 * 50304
+    linear = flops / 16 / (hw.tflops * 1e12 * hw.efficiency) * 1e3
+    assert mod.linear_ms(row, 16) == pytest.approx(linear)
+    s = mod.summed(row, (2, 8))
+    pred = paper_predict(
+        hw.topology(2, 8),
+        Problem(16, 16384, 16, 64, causal=True),
+        hw.compute_model(),
+        ("ring", "charm"),
+        hw.a2a_topology(2, 8),
+    )
+    for method, paper_ms in (("ring", 3385.1), ("charm", 1925.7)):
+        r = pred.methods[method]
+        layer = (r.forward.makespan + r.backward.makespan) * 1e3
+        assert s.share(method) == pytest.approx(paper_ms / (24 * layer + linear))
+    # the rate CHARM+'s iteration implies for its attention: 2 B S^2 H a layer forward (causal),
+    # 3.5 times that forward and backward, the added FLOPs over the added milliseconds
+    added = 24 * 3.5 * 2 * 1024 * (16 * 16384**2 - 128 * 2048**2) / 16
+    rate = added / ((1925.7 - 1482.0) / 1e3) / 1e12
+    (line,) = [x for x in mod.implied_rates() if x.startswith("* H100")]
+    assert f"{rate:.0f} TFLOP/s" in line
