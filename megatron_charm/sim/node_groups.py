@@ -65,6 +65,13 @@ def per_rank_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
     ``kv_heads`` divides ``tp`` (``num_query_groups`` a multiple or divisor of the TP size)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp {tp!r} must be an integer >= 1 (the tensor-parallel size)")
+    if min(heads, kv_heads) < 1:
+        # checked here: a kv head count of 0 would become one replicated kv head below
+        raise ValueError(
+            f"--heads {heads} and --kv-heads {kv_heads} must be positive (the model's query "
+            "heads and kv heads, num_attention_heads and num_query_groups); change --heads or "
+            "--kv-heads"
+        )
     if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise ValueError(
             f"--heads {heads} must be divisible by --tp {tp}, and --kv-heads {kv_heads} a "

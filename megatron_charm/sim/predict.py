@@ -53,8 +53,9 @@ class Problem:
         kv = self.heads if self.kv_heads is None else self.kv_heads
         if min(self.batch, self.heads, self.head_dim, kv, self.itemsize) < 1 or self.heads % kv:
             raise ValueError(
-                f"batch {self.batch}, heads {self.heads}, kv heads {kv}, head dim "
-                f"{self.head_dim} must be positive with heads divisible by kv heads"
+                f"--batch {self.batch}, --heads {self.heads}, --kv-heads {kv} and --head-dim "
+                f"{self.head_dim} must be positive, with the query heads divisible by the kv "
+                "heads (grouped-query attention); change --heads or --kv-heads"
             )
         return AttnShape(
             self.batch, self.seq // cp_size, self.heads, kv, self.head_dim, self.itemsize

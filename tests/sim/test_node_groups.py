@@ -213,3 +213,11 @@ def test_cli_leaves_the_all_to_alls_nic_per_gpu_unshared(
         out = capsys.readouterr().out
         lines.append(next(x for x in out.splitlines() if x.startswith("tasp: its all-to-all")))
     assert lines[0] == lines[1] and "20.4 GB/s each" in lines[0]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(32, 0), (0, 8), (-4, 2)])
+def test_heads_per_tensor_parallel_rank_refuses_a_count_below_one(
+    heads: int, kv_heads: int
+) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        per_rank_heads(heads, kv_heads, 1)

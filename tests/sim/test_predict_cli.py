@@ -337,3 +337,21 @@ def test_cli_replays_the_papers_ring_attention_and_ring_zigzag(
     assert times["paper"]["ring-contig"] > times["paper"]["ring"] * 1.05
     for method in ("ring", "ring-contig"):  # without overlap: slower than our own
         assert times["paper"][method] > times["ours"][method] * 1.05
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ("--heads 12 --kv-heads 5", "--kv-heads 5"),
+        ("--heads 12 --kv-heads 0", "--kv-heads 0"),  # was one kv head, silently
+        ("--heads 12 --batch 0", "--batch 0"),
+    ],
+)
+def test_cli_names_the_flags_of_a_head_split_it_refuses(
+    flags: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = "--preset H100 --gpus 2x4 --seq 8192 --head-dim 64".split()
+    assert main([*base, *flags.split()]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "--heads 12" in err
+    assert "change --heads or --kv-heads" in err
