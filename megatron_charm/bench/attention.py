@@ -108,9 +108,10 @@ def config_from_args(args: argparse.Namespace) -> dict:
         raise ValueError(
             f"--methods {args.methods!r}: unknown {bad}; choose from {', '.join(OURS + BASELINES)}"
         )
-    for flag in ("seq_local", "batch", "heads", "head_dim", "iters"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    for flag in ("seq_local", "batch", "heads", "kv_heads", "head_dim", "iters"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:  # --kv-heads None: as many as --heads
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1")
     if args.causal and args.seq_local % 2:
         raise ValueError(f"--seq-local {args.seq_local} must be even for causal (zigzag halves)")
     docs = parse_docs(args.docs)
@@ -128,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "seq_local": args.seq_local,
         "heads": args.heads,
-        "kv_heads": args.kv_heads or args.heads,
+        "kv_heads": args.heads if args.kv_heads is None else args.kv_heads,
         "head_dim": args.head_dim,
         "dtype": args.dtype,
         "causal": args.causal,

@@ -207,7 +207,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     extra = plan_values_from_args(args, keys=keys)
     options = PlanOptions(method=args.method, cross_level=args.cross_level, **extra)
-    shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=args.kv_heads or args.heads, d=64)
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    try:
+        shape = AttnShape(b=1, s_local=2, h=args.heads, h_kv=kv_heads, d=64)
+    except ValueError as err:
+        ap.error(f"--heads {args.heads} / --kv-heads {kv_heads}: {err}")
     layout = Layout(args.nodes, args.ranks_per_node)
     if args.cp_rank is not None and not 0 <= args.cp_rank < layout.cp_size:
         ap.error(

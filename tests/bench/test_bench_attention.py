@@ -183,3 +183,16 @@ def test_numerics_method_entries_carry_plan_options():
         method_options("charm:speed=2")
     with pytest.raises(ValueError, match="unknown CP attention method 'chram'"):
         method_options("chram")
+
+
+def test_kv_heads_of_zero_is_refused_not_taken_for_heads() -> None:
+    import argparse
+
+    from megatron_charm.bench.attention import add_arguments, config_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    with pytest.raises(ValueError, match="--kv-heads 0 must be >= 1"):
+        config_from_args(ap.parse_args(["--heads", "4", "--kv-heads", "0"]))
+    assert config_from_args(ap.parse_args(["--heads", "4"]))["kv_heads"] == 4
+    assert config_from_args(ap.parse_args(["--heads", "4", "--kv-heads", "2"]))["kv_heads"] == 2

@@ -219,3 +219,11 @@ def test_render_lists_a_cp_rank_under_either_flag_and_takes_no_abbreviations(cap
         with pytest.raises(SystemExit):
             render.main([*base, "--cp-rank", outside])
         assert f"--cp-rank {outside}: a CP position is 0..3 on 1 x 4" in capsys.readouterr().err
+
+
+def test_render_refuses_kv_heads_of_zero_where_it_took_the_query_heads(capsys):
+    from megatron_charm.plan import render
+
+    with pytest.raises(SystemExit):
+        render.main(["--heads", "4", "--kv-heads", "0", "--no-matrix"])
+    assert "--kv-heads 0" in capsys.readouterr().err

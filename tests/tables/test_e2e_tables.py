@@ -185,3 +185,12 @@ def test_testbed_launcher_runs_the_trainer_as_the_testbeds_ranks(tmp_path):
     assert len(tb.calls) == 2 and list(errors) == [runs[1].run_id]
     log = (runs[0].run_dir / "train.log").read_text()
     assert log.startswith("$ ") and "iteration 1 of 16" in log
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--ranks-per-node", "--train-iters", "--repeats"])
+def test_a_count_of_zero_is_refused_not_taken_for_the_scales_default(flag, capsys):
+    from megatron_charm.bench.tables.cli import main
+
+    assert main(["--scale", "cpu", "--dry-run", flag, "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} 0 must be >= 1" in err and "leave it out for the cpu scale's" in err

@@ -29,14 +29,26 @@ COMMAND = ("python", "-m", "megatron_charm.bench.tables")
 def make_scale(args: argparse.Namespace) -> Scale:
     """The scale of ``--scale``, with the command line's changes."""
     scale = SCALES[args.scale]
+    for flag in ("nodes", "ranks_per_node", "train_iters", "repeats"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:  # 0 used to fall back to the scale's default
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {value} must be >= 1; leave it out for the "
+                f"{scale.name} scale's {getattr(scale, flag)}"
+            )
+
+    def given(flag: str) -> int:
+        value = getattr(args, flag)
+        return getattr(scale, flag) if value is None else value
+
     return Scale(
         scale.name,
-        args.nodes or scale.nodes,
-        args.ranks_per_node or scale.ranks_per_node,
-        args.train_iters or scale.train_iters,
+        given("nodes"),
+        given("ranks_per_node"),
+        given("train_iters"),
         scale.warmup if args.warmup is None else args.warmup,
         scale.seq_divisor,
-        args.repeats or scale.repeats,
+        given("repeats"),
     )
 
 
@@ -138,7 +150,11 @@ def _testbed(launcher: str, scale, args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> int:
     """Plan, run, collect and write the tables; the exit status is 1 if a run failed."""
     args = build_parser().parse_args(argv)
-    scale = make_scale(args)
+    try:
+        scale = make_scale(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if scale.train_iters <= scale.warmup:
         print("error: --train-iters must exceed --warmup", file=sys.stderr)
         return 2
