@@ -76,6 +76,12 @@ def train_error(overrides: list[str]) -> str | None:
     return None
 
 
+def train_open_files(overrides: list[str]) -> int:
+    """Train as :func:`train_run` does; return this process's open files after it."""
+    train_run(overrides, capture_grads_at=None)
+    return len(os.listdir("/proc/self/fd"))
+
+
 def fresh_cp_state(cp_size: int) -> None:
     """Megatron's parallel state with one CP group of ``cp_size``, and no cached topologies."""
     from megatron.core import parallel_state
