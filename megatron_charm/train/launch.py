@@ -139,8 +139,13 @@ def release_run_groups() -> None:
     destroys the groups that the previous setup created, and no others: groups of the user's
     own stay. All ranks pass here together, before the new groups are built.
     """
+    # a group that is gone already (``destroy_process_group()`` of the whole world, which
+    # the command does at its end) is not destroyed twice
+    alive = _process_groups()
     while _RUN_GROUPS:
-        dist.destroy_process_group(_RUN_GROUPS.pop())
+        pg = _RUN_GROUPS.pop()
+        if pg in alive:
+            dist.destroy_process_group(pg)
 
 
 def setup_distributed(cfg: Config) -> DistContext:
@@ -182,25 +187,27 @@ def setup_distributed(cfg: Config) -> DistContext:
     clear_topology_cache()
     release_run_groups()
     before = _process_groups()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=cp,
-        hierarchical_context_parallel_sizes=cfg.parallel.hierarchical_context_parallel_sizes,
-        distributed_timeout_minutes=max(1, int(cfg.parallel.timeout_s // 60)),
-        # The default backend already is gloo on CPU; extra gloo groups would only cost time.
-        create_gloo_process_groups=on_gpu,
-    )
-    if cfg.parallel.cp_comm_type in CHARM_COMM_TYPES:
-        # Here every rank passes, before any model is built; CHARM+ communication gets the same
-        # timeout as every other collective of the run.
-        build_charm_groups(
-            ranks_per_node=cfg.parallel.ranks_per_node,
-            hierarchical_cp_sizes=cfg.parallel.hierarchical_context_parallel_sizes,
-            node_split=cfg.parallel.node_split,
-            timeout_s=cfg.parallel.timeout_s,
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=cp,
+            hierarchical_context_parallel_sizes=cfg.parallel.hierarchical_context_parallel_sizes,
+            distributed_timeout_minutes=max(1, int(cfg.parallel.timeout_s // 60)),
+            # The default backend already is gloo on CPU; extra gloo groups would only cost time.
+            create_gloo_process_groups=on_gpu,
         )
-    _RUN_GROUPS.extend(pg for pg in _process_groups() if pg not in before)
+        if cfg.parallel.cp_comm_type in CHARM_COMM_TYPES:
+            # Here every rank passes, before any model is built; CHARM+ communication gets the same
+            # timeout as every other collective of the run.
+            build_charm_groups(
+                ranks_per_node=cfg.parallel.ranks_per_node,
+                hierarchical_cp_sizes=cfg.parallel.hierarchical_context_parallel_sizes,
+                node_split=cfg.parallel.node_split,
+                timeout_s=cfg.parallel.timeout_s,
+            )
+    finally:  # a failed setup's groups are released by the next one too
+        _RUN_GROUPS.extend(pg for pg in _process_groups() if pg not in before)
     return DistContext(
         on_gpu=on_gpu,
         device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
