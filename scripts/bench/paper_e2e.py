@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from megatron_charm.bench.report import emit
 from megatron_charm.sim.baselines import paper_predict
-from megatron_charm.sim.predict import Prediction, Problem
+from megatron_charm.sim.predict import Problem
 from megatron_charm.sim.topology import PRESETS
 
 VOCAB = 50304
@@ -97,12 +97,6 @@ def linear_ms(row: Row, gpus: int) -> float:
     return flops / gpus / (hw.tflops * 1e12 * hw.efficiency) * 1e3
 
 
-def layer_ms(pred: Prediction, method: str) -> float:
-    """One attention layer's forward + backward (ms)."""
-    r = pred.methods[method]
-    return (r.forward.makespan + r.backward.makespan) * 1e3
-
-
 @dataclass(frozen=True)
 class Summed:
     """One row against the replay on one node split (times in ms)."""
@@ -134,14 +128,14 @@ def summed(row: Row, split: tuple[int, int]) -> Summed:
         ("ring", "charm"),
         hw.a2a_topology(m, p),
     )
-    return Summed(
-        row, split, layer_ms(pred, "ring"), layer_ms(pred, "charm"), linear_ms(row, m * p)
-    )
+    # one layer's forward + backward, ms
+    ring, charm = (pred.methods[method].total * 1e3 for method in ("ring", "charm"))
+    return Summed(row, split, ring, charm, linear_ms(row, m * p))
 
 
-def rows(selected: tuple[Row, ...] = ROWS) -> list[str]:
+def rows() -> list[str]:
     out = []
-    for row in selected:
+    for row in ROWS:
         for split in SPLITS[row.gpu]:
             s = summed(row, split)
             out.append(
