@@ -92,6 +92,7 @@ class CPTopology:
     data-parallel replicas on the node. ``auto`` counts them as sharing the node's links (Note
     [Groups sharing a node] in :mod:`megatron_charm.sim.node_groups`)."""
     _busy: threading.Lock = field(repr=False, default_factory=threading.Lock)
+    _destroyed: bool = field(repr=False, default=False)
 
     @property
     def num_nodes(self) -> int:
@@ -209,11 +210,38 @@ class CPTopology:
             log.info("megatron-charm topology: %s", topo.describe())
         return topo
 
+    def destroy(self) -> None:
+        """Destroy the process groups that :meth:`build` created for this rank: its channel groups
+        and its control group. The CP group is the caller's and stays.
+
+        Every rank of the CP group calls it, after its last call on this topology (on NCCL a
+        group's destruction is collective among its members). A topology that is built again
+        and again in one process (a sweep, a notebook) otherwise keeps every earlier one's
+        groups: on gloo each holds sockets to its peers until the process ends (Note [Groups of
+        a run] in :mod:`megatron_charm.train.launch`). A call on a destroyed topology raises
+        ``ValueError``; destroying it twice does nothing.
+        """
+        if self._destroyed:
+            return
+        with self.exclusive():
+            self._destroyed = True
+            made = [g for g in self.channels.values() if g is not None] + [self.control]
+            seen: set[int] = set()
+            for group in made:
+                # the intra-node channels of one node are the full ones, not copies
+                if group is None or id(group) in seen:
+                    continue
+                seen.add(id(group))
+                dist.destroy_process_group(group)
+            self.channels = {}
+            self.control = None
+
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """One call at a time: the channel groups match exchanges by posting order, so two threads
         interleaving their exchanges on one topology would silently mix their data. Raise
         instead; ``cp_attention`` is not thread-safe per topology (build one per thread)."""
+        self._check_alive()
         if not self._busy.acquire(blocking=False):
             raise ValueError(
                 f"cp_attention is already running on this CPTopology (cp_rank {self.cp_rank}) in "
@@ -225,8 +253,17 @@ class CPTopology:
         finally:
             self._busy.release()
 
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise ValueError(
+                f"this CPTopology (cp_rank {self.cp_rank}) was destroyed and has no process "
+                "groups left; build a new one with CPTopology.build"
+            )
+
     def check_device(self, device: torch.device) -> None:
-        """Raise ``ValueError`` when this group's backend cannot move tensors on ``device``."""
+        """Raise ``ValueError`` when this topology cannot move tensors on ``device``: its
+        backend does not serve the device, or it was destroyed."""
+        self._check_alive()
         ok = {"gloo": ("cpu",), "nccl": ("cuda",)}.get(self.backend)
         if ok is not None and device.type not in ok:
             raise ValueError(

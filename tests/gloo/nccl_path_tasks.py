@@ -244,3 +244,32 @@ def run_post_orders(ctx, method: str, ranks_per_node: int, h_kv: int = 4):
         answers[name] = {"batches": posted, "results": [out, lse, *grads]}
     answers["runs"] = _exchange_runs(fwd) + _exchange_runs(bwd)
     return answers
+
+
+def rebuilt_topologies(ctx, builds: int):
+    """Build a topology ``builds`` times over the pool (2 nodes x 2), run a call on each and
+    destroy it.
+
+    Returns the process groups this rank holds and its open files after each round, the groups
+    it held before the first, and the error of a call on the last, destroyed topology (after a
+    second ``destroy``, which must do nothing)."""
+    import os
+
+    import megatron_charm as mc
+
+    def held() -> int:
+        return len(dist.distributed_c10d._world.pg_map)
+
+    q = torch.randn(1, 8, 2, 8)
+    before, rounds = held(), []
+    for _ in range(builds):
+        topo = mc.CPTopology.build(None, ranks_per_node=2)
+        mc.cp_attention(q, q, q, topo, method="charm")
+        topo.destroy()
+        rounds.append((held(), len(os.listdir("/proc/self/fd"))))
+    topo.destroy()
+    try:
+        mc.cp_attention(q, q, q, topo, method="charm")
+    except ValueError as exc:
+        return before, rounds, str(exc)
+    return before, rounds, None

@@ -113,3 +113,14 @@ def test_gloo_posts_every_receive_of_a_run_before_its_sends(pools, method, p, h_
             assert torch.equal(a, b), cp_rank
     # every case has a run of several exchanges with a send before a receive
     assert all(a["gloo"]["batches"] != a["nccl"]["batches"] for a in got)
+
+
+@pytest.mark.gloo
+def test_destroy_releases_the_groups_of_a_topology(pools):
+    """A topology built again and again in one process keeps neither groups nor sockets once
+    each is destroyed, and a destroyed one refuses calls with a ValueError."""
+    for before, rounds, error in pools(4).run(nccl_path_tasks.rebuilt_topologies, builds=3):
+        assert [groups for groups, _ in rounds] == [before] * 3
+        files = [f for _, f in rounds]
+        assert files[2] <= files[1], files  # the first round may open the pool's own files
+        assert error is not None and "was destroyed" in error and "CPTopology.build" in error
