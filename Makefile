@@ -63,7 +63,8 @@ $(STAMP_MC019): pyproject.toml
 
 ## The Megatron tier on Python 3.12 + megatron-core 0.19.x (its own venv, .venv-mc019).
 test-megatron-0.19: $(STAMP_MC019)
-	$(VENV_MC019)/bin/python -m pytest -q -p no:cacheprovider $(MEGATRON_TIER)
+	$(VENV_MC019)/bin/python -m pytest -q -p no:cacheprovider -m 'not slow and not slurm' \
+		$(MEGATRON_TIER)
 
 ## Also the real-Slurm launcher test (root; installs slurm-wlm and munge with apt).
 test-slurm: setup

@@ -131,7 +131,10 @@ def test_attention_benchmark_runs_ring_contig(tmp_path):
         assert sum(contig["fwdbwd"]["sent_bytes"][p].values()) == b["intra"] + b["cross"]
 
 
-@pytest.mark.parametrize("causal", ["--causal", "--no-causal"])
+# the non-causal run: make test-heavy (about 10 s)
+@pytest.mark.parametrize(
+    "causal", ["--causal", pytest.param("--no-causal", marks=pytest.mark.heavy)]
+)
 def test_attention_benchmark_runs_ring_flash_llama3_and_tasp(tmp_path, causal):
     # ring-flash-attention's Llama 3 variant (varlen, on the shim's varlen functions, contiguous
     # shards) and TASP (s_local divisible by 2 * (3 - 1)) both match the float64 reference
@@ -148,7 +151,10 @@ def test_attention_benchmark_runs_ring_flash_llama3_and_tasp(tmp_path, causal):
         assert max(res["agree"].values()) < 0.05, (name, res["agree"])
 
 
-@pytest.mark.parametrize("causal", ["--causal", "--no-causal"])
+# the non-causal run: make test-heavy (about 10 s)
+@pytest.mark.parametrize(
+    "causal", ["--causal", pytest.param("--no-causal", marks=pytest.mark.heavy)]
+)
 def test_attention_benchmark_runs_usp(tmp_path, causal):
     # yunchang's USP (Ulysses in each node x zigzag ring across nodes) on the flash-attn shim,
     # on its own shard layout: within the bf16 reference tolerance, like ring

@@ -148,6 +148,7 @@ def test_planted_merge_bug_fails(monkeypatch, tmp_path):
 
 
 @pytest.mark.gloo
+@pytest.mark.heavy  # about 15 s: the cp4 check on 4 ranks (CI: make test-heavy)
 def test_planted_merge_bug_fails_cp4(tmp_path):
     """The executor's merge of partial results scales the output by 1.01 in every rank."""
     out = tmp_path / "cp4.json"
@@ -160,6 +161,7 @@ def test_planted_merge_bug_fails_cp4(tmp_path):
 
 
 @pytest.mark.gloo
+@pytest.mark.heavy  # about 15 s: the megatron check on 4 ranks (CI: make test-heavy)
 def test_planted_kernel_bug_fails_megatron(tmp_path):
     """The torch kernel's forward scales its output by 1.01 inside the model's attention."""
     out = tmp_path / "megatron.json"

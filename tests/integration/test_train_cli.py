@@ -29,6 +29,7 @@ def _run(args: list[str], timeout: float = 1200) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.heavy  # about 60 s: two launches of 4 ranks (CI: make test-heavy, and the 0.19 tier)
 def test_default_config_trains_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     common = ["--run-dir", str(run_dir), "logging.log_interval=5", "model.seq_length=64"]

@@ -18,6 +18,7 @@ from megatron_charm.sim.profile import load_profile
 
 
 @pytest.mark.gloo
+@pytest.mark.heavy  # about 25 s: a whole calibration on 4 ranks (CI: make test-heavy)
 def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "-m", "megatron_charm.sim", "calibrate", "--launcher", "loopback"]
@@ -96,6 +97,7 @@ def test_calibrate_on_loopback_ranks_writes_a_profile(tmp_path):
 
 
 @pytest.mark.gloo
+@pytest.mark.heavy  # about 30 s: a whole calibration on 8 ranks (CI: make test-heavy)
 def test_calibrate_times_concurrent_intra_pairs_on_four_ranks_per_node(tmp_path):
     # Note [Fitting a profile]: with --fabric pcie and four ranks per node, two disjoint pairs
     # ping-pong at once; the profile keeps the timing and reads a shared domain from it (or none).
