@@ -219,17 +219,21 @@ class CPTopology:
         and again in one process (a sweep, a notebook) otherwise keeps every earlier one's
         groups: on gloo each holds sockets to its peers until the process ends (Note [Groups of
         a run] in :mod:`megatron_charm.train.launch`). A call on a destroyed topology raises
-        ``ValueError``; destroying it twice does nothing.
+        ``ValueError``; destroying it twice, or after the job's ``destroy_process_group()``,
+        does nothing.
         """
         if self._destroyed:
             return
         with self.exclusive():
             self._destroyed = True
             made = [g for g in self.channels.values() if g is not None] + [self.control]
+            # groups that are gone already (``destroy_process_group()`` of the whole job) are
+            # not destroyed twice: torch would raise
+            live = live_process_groups() if dist.is_initialized() else set()
             seen: set[int] = set()
             for group in made:
                 # the intra-node channels of one node are the full ones, not copies
-                if group is None or id(group) in seen:
+                if group is None or id(group) in seen or (live is not None and group not in live):
                     continue
                 seen.add(id(group))
                 dist.destroy_process_group(group)
@@ -271,6 +275,14 @@ class CPTopology:
                 f"{self.backend} backend (it serves {', '.join(ok)}); move q, k, v to "
                 f"{ok[0]} or build the CP group with a backend for {device.type}"
             )
+
+
+def live_process_groups() -> set[dist.ProcessGroup] | None:
+    """The process groups this process holds; ``None`` where torch does not say. torch lists
+    them only in a private map, which another version may lack."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = getattr(world, "pg_map", None)
+    return None if groups is None else set(groups)
 
 
 def channel_groups(layout: Layout) -> dict[str, list[tuple[int, ...]]]:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm import env
+from megatron_charm.comm.topology import live_process_groups
 from megatron_charm.launch import LaunchSpec, free_port, run
 from megatron_charm.train.config import CHARM_COMM_TYPES, Config
 
@@ -119,10 +120,9 @@ _RUN_GROUPS: list[dist.ProcessGroup] = []
 
 
 def _process_groups() -> set[dist.ProcessGroup]:
-    """Every process group this process is a member of. torch lists them only in a private
-    map; without it (another torch) nothing is found, and nothing is released."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    return set(getattr(world, "pg_map", None) or ())
+    """Every process group this process is a member of; where torch does not list them, none
+    is found, and nothing is released."""
+    return live_process_groups() or set()
 
 
 def release_run_groups() -> None:

@@ -3,6 +3,10 @@ pairs are connected at build, in one exchange per group, and every group carries
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -124,3 +128,30 @@ def test_destroy_releases_the_groups_of_a_topology(pools):
         files = [f for _, f in rounds]
         assert files[2] <= files[1], files  # the first round may open the pool's own files
         assert error is not None and "was destroyed" in error and "CPTopology.build" in error
+
+
+_DESTROY_AFTER_THE_JOB = textwrap.dedent(
+    """
+    import tempfile, torch, torch.distributed as dist
+    import megatron_charm as mc
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1
+    )
+    topo = mc.CPTopology.build(None)
+    q = torch.randn(1, 8, 2, 8)
+    mc.cp_attention(q, q, q, topo)
+    dist.destroy_process_group()
+    topo.destroy()
+    print("destroyed")
+    """
+)
+
+
+@pytest.mark.gloo
+def test_destroy_after_the_jobs_own_teardown_does_nothing():
+    """A program that ends with ``destroy_process_group()`` and then destroys its topology
+    (a context manager's exit, say) ends cleanly: the groups are gone already."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _DESTROY_AFTER_THE_JOB], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "destroyed" in proc.stdout, proc.stderr[-2000:]
