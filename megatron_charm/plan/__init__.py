@@ -411,9 +411,10 @@ def _auto_keep(
 
     with collector_paused():
         keep = peak(("q", "dout"))
-        return keep <= peak(("q", "q")) or keep <= options.memory_budget * _ring_memory(
-            layout, causal, shape
-        )
+        budget = options.memory_budget * _ring_memory(layout, causal, shape)
+        # the budget first: ring's memory replays one node once (and is cached), resending's
+        # replays both nodes' ranks again
+        return keep <= budget or keep <= peak(("q", "q"))
 
 
 def _unit_shape(shape: AttnShape | None) -> AttnShape:
@@ -498,6 +499,7 @@ def _auto_intra(
     return (chosen[0], chosen[1])
 
 
+@lru_cache(maxsize=256)
 def _ring_memory(layout: Layout, causal: bool, shape: AttnShape) -> int:
     """Ring attention's attention memory (pass peaks with the saved out and lse) on ``layout``'s
     node 0, the reference of ``PlanOptions.memory_budget``."""

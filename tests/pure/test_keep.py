@@ -119,6 +119,28 @@ def test_auto_keeps_unless_that_takes_memory_above_the_budget_and_above_resendin
     assert plan_levels(loose, Layout(3, 4), True, MHA)[0] == ("q", "dout")
 
 
+def test_auto_keep_builds_the_resending_plans_only_past_the_budget(monkeypatch):
+    """Within the budget the answer is "keep" whatever resending holds: a rank's first call
+    does not build them (a CP group's first call pays these choices, at every size)."""
+    import megatron_charm.plan as planner
+
+    built = []
+    real = planner.rank_plan
+
+    def recording(options, layout, causal, cross, *rest):
+        built.append(cross)
+        return real(options, layout, causal, cross, *rest)
+
+    monkeypatch.setattr(planner, "rank_plan", recording)
+    for budget, resends in ((100.0, False), (0.01, True)):
+        planner._auto_keep.cache_clear()
+        built.clear()
+        options = PlanOptions(memory_budget=budget)
+        plan_levels(options, Layout(3, 4), True, MHA)
+        assert (("q", "q") in built) == resends, budget
+        assert ("q", "dout") in built
+
+
 def test_foreign_q_is_validated():
     with pytest.raises(ValueError, match="foreign_q='always'.*keep, resend"):
         PlanOptions(foreign_q="always")
