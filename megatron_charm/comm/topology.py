@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -226,17 +226,9 @@ class CPTopology:
             return
         with self.exclusive():
             self._destroyed = True
-            made = [g for g in self.channels.values() if g is not None] + [self.control]
-            # groups that are gone already (``destroy_process_group()`` of the whole job) are
-            # not destroyed twice: torch would raise
-            live = live_process_groups() if dist.is_initialized() else set()
-            seen: set[int] = set()
-            for group in made:
-                # the intra-node channels of one node are the full ones, not copies
-                if group is None or id(group) in seen or (live is not None and group not in live):
-                    continue
-                seen.add(id(group))
-                dist.destroy_process_group(group)
+            made = (*self.channels.values(), self.control)
+            # the intra-node channels of one node are the full ones, not copies: each once
+            destroy_groups({id(g): g for g in made if g is not None}.values())
             self.channels = {}
             self.control = None
 
@@ -283,6 +275,15 @@ def live_process_groups() -> set[dist.ProcessGroup] | None:
     world = getattr(dist.distributed_c10d, "_world", None)
     groups = getattr(world, "pg_map", None)
     return None if groups is None else set(groups)
+
+
+def destroy_groups(groups: Iterable[dist.ProcessGroup]) -> None:
+    """Destroy each of ``groups`` that this process still holds. One that is gone already
+    (``destroy_process_group()`` of the whole job) is skipped: torch would raise."""
+    live = live_process_groups() if dist.is_initialized() else set()
+    for group in groups:
+        if live is None or group in live:
+            dist.destroy_process_group(group)
 
 
 def channel_groups(layout: Layout) -> dict[str, list[tuple[int, ...]]]:

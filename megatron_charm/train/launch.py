@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_charm import env
-from megatron_charm.comm.topology import live_process_groups
+from megatron_charm.comm.topology import destroy_groups, live_process_groups
 from megatron_charm.launch import LaunchSpec, free_port, run
 from megatron_charm.train.config import CHARM_COMM_TYPES, Config
 
@@ -140,12 +140,9 @@ def release_run_groups() -> None:
     own stay. All ranks pass here together, before the new groups are built.
     """
     # a group that is gone already (``destroy_process_group()`` of the whole world, which
-    # the command does at its end) is not destroyed twice
-    alive = _process_groups()
-    while _RUN_GROUPS:
-        pg = _RUN_GROUPS.pop()
-        if pg in alive:
-            dist.destroy_process_group(pg)
+    # the command does at its end) is skipped
+    destroy_groups(reversed(_RUN_GROUPS))
+    _RUN_GROUPS.clear()
 
 
 def setup_distributed(cfg: Config) -> DistContext:

@@ -256,9 +256,10 @@ def rebuilt_topologies(ctx, builds: int):
     import os
 
     import megatron_charm as mc
+    from megatron_charm.comm.topology import live_process_groups
 
     def held() -> int:
-        return len(dist.distributed_c10d._world.pg_map)
+        return len(live_process_groups())
 
     q = torch.randn(1, 8, 2, 8)
     before, rounds = held(), []
