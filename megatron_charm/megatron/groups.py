@@ -41,7 +41,7 @@ ENV_RANKS_PER_NODE = env.RANKS_PER_NODE
 ENV_TIMEOUT = env.TIMEOUT_S
 
 #: Cache: one CPTopology per (CP group ranks, node split), shared by every attention layer of the
-#: process (building one is collective); ``clear_topology_cache`` empties it.
+#: process (building one is collective); ``clear_topology_cache`` destroys and empties it.
 _TOPOLOGIES: dict[tuple[tuple[int, ...], int | None, bool], Any] = {}
 
 
@@ -333,5 +333,15 @@ def cached_topologies() -> list[Any]:
 
 
 def clear_topology_cache() -> None:
-    """Forget cached topologies (tests, or after ``destroy_model_parallel``)."""
+    """Destroy and forget the cached topologies (tests, or with ``destroy_model_parallel``).
+
+    Each one's channel and control groups are destroyed (:meth:`CPTopology.destroy
+    <megatron_charm.CPTopology.destroy>`); a job that sets up its parallel state again otherwise
+    keeps every earlier topology's groups, and on gloo their sockets. Every rank calls it, after
+    its last attention call on them: a module that still holds a cleared topology raises
+    ``ValueError`` at its next call. After the job's own ``destroy_process_group()`` it only
+    forgets them."""
+    topologies = list(_TOPOLOGIES.values())
     _TOPOLOGIES.clear()
+    for topo in topologies:
+        topo.destroy()

@@ -49,6 +49,7 @@ def test_script_runs_on_cpu_and_writes_every_check(tmp_path):
         default = [m for m in METHODS if m != "ring-contig"]  # tasp too: --cp-seq 24 by default
         assert cases == set(itertools.product(("2x2", "1x4"), (True, False), default))
         assert all(r["ok"] for r in transport["rows"])
+        assert transport["groups_left_per_rank"] == [0] * 4  # each split's topology destroyed
     # the staging wrapper carried the exchanges (through plain host copies on CPU)
     assert min(cp4["gloo-staged"]["staged_exchanges_per_rank"]) > 0
 
@@ -158,6 +159,22 @@ def test_planted_merge_bug_fails_cp4(tmp_path):
     rows = json.loads(out.read_text())["checks"]["cp4"]["transports"]["gloo"]["rows"]
     assert len(rows) == 4 and not any(r["ok"] for r in rows)
     assert all(any(f.startswith("out") for f in r["failed"]) for r in rows)
+
+
+@pytest.mark.gloo
+@pytest.mark.heavy  # about 15 s: the cp4 check on 4 ranks (CI: make test-heavy)
+def test_planted_destroy_bug_fails_cp4(tmp_path):
+    """``CPTopology.destroy`` does nothing: every rank keeps the first split's groups, and the
+    check fails on that alone (the numbers are right)."""
+    out = tmp_path / "cp4.json"
+    rc = gpu_check.main(["--device", "cpu", "--checks", "cp4", "--methods", "charm",
+                         "--plant", "destroy", "--json", str(out)])  # fmt: skip
+    assert rc == 1
+    report = json.loads(out.read_text())
+    gloo = report["checks"]["cp4"]["transports"]["gloo"]
+    assert all(r["ok"] for r in gloo["rows"])
+    assert all(n > 0 for n in gloo["groups_left_per_rank"])
+    assert any("still holds" in f and "CPTopology.destroy" in f for f in report["failures"])
 
 
 @pytest.mark.gloo

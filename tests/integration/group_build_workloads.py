@@ -89,3 +89,34 @@ def disagreeing_split(kind: str) -> str | None:
     parallel_state.destroy_model_parallel()
     clear_topology_cache()
     return error
+
+
+def cleared_topologies(rounds: int) -> list[tuple[int, bool, str | None]]:
+    """Set up CP 4 (2 nodes x 2) ``rounds`` times, each with an attention call and a teardown by
+    ``destroy_model_parallel`` and ``clear_topology_cache``.
+
+    Per round: how many of the topology's own groups (channels, control) this rank still holds
+    after the teardown, whether the cache is empty, and the error of a call on the cleared
+    topology."""
+    from megatron.core import parallel_state
+
+    import megatron_charm as mc
+    from megatron_charm.comm.topology import live_process_groups
+    from megatron_charm.megatron import build_charm_groups, cached_topologies, clear_topology_cache
+
+    q = torch.randn(1, 8, 2, 8)  # [b, s, h, d]
+    out = []
+    for _ in range(rounds):
+        _fresh_parallel_state(context_parallel_size=dist.get_world_size())
+        topo = build_charm_groups(ranks_per_node=2, timeout_s=TIMEOUT_S)
+        mc.cp_attention(q, q, q, topo, method="charm")
+        own = {*topo.channels.values(), topo.control}
+        parallel_state.destroy_model_parallel()
+        clear_topology_cache()
+        try:
+            mc.cp_attention(q, q, q, topo, method="charm")
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        out.append((len(own & live_process_groups()), not cached_topologies(), error))
+    return out

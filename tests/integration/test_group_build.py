@@ -34,3 +34,13 @@ def test_ranks_that_disagree_on_the_node_split_all_raise(pool4, kind, fragment):
     assert all(e is not None and fragment in e for e in errors), errors
     if kind != "invalid":
         assert all("--charm-ranks-per-node" in e for e in errors)
+
+
+def test_clear_topology_cache_destroys_the_topologies(pool4):
+    """A job that tears its parallel state down and sets it up again keeps no earlier
+    topology's groups, and a module still holding a cleared topology gets a ValueError."""
+    for rounds in pool4.run(f"{WORKLOADS}:cleared_topologies", 2, timeout=180):
+        assert len(rounds) == 2
+        for held, emptied, error in rounds:
+            assert held == 0 and emptied
+            assert error is not None and "was destroyed" in error, error

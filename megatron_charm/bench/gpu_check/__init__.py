@@ -23,9 +23,9 @@ Checks, each written to the JSON report as soon as it ends (a partial run still 
 9. ``overlap``: one CP = 4 step's time breakdown from the executor trace; on CUDA also the step
    with ``CUDA_DEVICE_MAX_CONNECTIONS`` 1 and 8 (recorded, not asserted; :mod:`.overlap`).
 
-``--plant merge|kernel`` installs a planted bug in every spawned rank (``cp4``, ``megatron``,
-``overlap``; not in this process, so a test may call :func:`main` in-process). It exists for the
-tests that show the checks fail (:mod:`.plant`) and is not listed in ``--help``.
+``--plant merge|kernel|destroy`` installs a planted bug in every spawned rank (``cp4``,
+``megatron``, ``overlap``; not in this process, so a test may call :func:`main` in-process). It
+exists for the tests that show the checks fail (:mod:`.plant`) and is not listed in ``--help``.
 
 Exit status: 0 when every check passed, 1 on any failure, 2 when ``--device cuda`` has no CUDA.
 """

@@ -21,6 +21,10 @@ With ``nccl``, one more causal ``charm`` forward and backward on the 2 x 2 split
 ``torch.cuda.set_sync_debug_mode("error")``: a call must not make the host wait for the GPU
 (Note [Call agreement] in :mod:`megatron_charm.comm.agreement`), and any synchronizing CUDA
 operation inside it fails the check with the operation's message.
+
+Each rank destroys a split's topology before it builds the next (``CPTopology.destroy``), and
+must end holding no process group beyond those it held before the first: with ``nccl`` this is
+where NCCL communicators are torn down and built again in one process.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from megatron_charm.bench.gpu_check.procs import RanksFailed, init_group, run_ranks
+from megatron_charm.comm.topology import live_process_groups
 from megatron_charm.device import set_cuda_device
 
 Tensor = torch.Tensor
@@ -116,6 +121,7 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
     full = [torch.randn(b, seq, n, d, generator=g).to(dtype) for n in (h, h_kv, h_kv, h)]
     rows = []
     sync = None
+    held = live_process_groups()
     try:
         for split in cfg["splits"]:
             topo = mc.CPTopology.build(None, ranks_per_node=NODE_SPLITS[split])
@@ -155,6 +161,8 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
                 call()  # first call of this shape: plans and kernel choices, outside the check
                 torch.cuda.synchronize()
                 sync = sync_free(call, torch.cuda.set_sync_debug_mode)
+            topo.destroy()  # the next split builds its own channels
+        left = None if held is None else len(live_process_groups() - held)
     finally:
         staged.uninstall()
         dist.destroy_process_group()
@@ -162,6 +170,7 @@ def cp4_worker(global_rank: int, world: int, port: int, cfg: dict) -> dict:
         "rows": rows,
         "staged_exchanges": stager.exchanges if stager else None,
         "sync_free": sync,
+        "groups_left": left,
     }
 
 
@@ -231,6 +240,14 @@ def cp4(
                 for i, s in enumerate(sync)
                 if s is not None and not s["ok"]
             ]
+        left = [r["groups_left"] for r in per_rank]
+        result["transports"][transport]["groups_left_per_rank"] = left
+        bad += [
+            f"{transport}: cp_rank {i} still holds {n} process groups after destroying its "
+            "topologies (CPTopology.destroy)"
+            for i, n in enumerate(left)
+            if n
+        ]
         if transport == "gloo-staged":
             staged = [r["staged_exchanges"] for r in per_rank]
             result["transports"][transport]["staged_exchanges_per_rank"] = staged

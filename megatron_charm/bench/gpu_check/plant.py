@@ -8,14 +8,16 @@ expect it to fail:
 * ``kernel``: the ``torch`` block kernel's forward scales its output by 1.01 (``megatron`` and
   ``cp4`` must fail). The plant reaches the ``torch`` kernel only, so on CUDA it matters for
   half precision only where the check runs ``kernel="torch"`` (the default there is
-  flash-attn).
+  flash-attn);
+* ``destroy``: ``CPTopology.destroy`` does nothing (``cp4`` must fail: its ranks keep every
+  split's groups).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-PLANTS = ("merge", "kernel")
+PLANTS = ("merge", "kernel", "destroy")
 
 
 def apply_plant(name: str | None) -> None:
@@ -43,5 +45,9 @@ def apply_plant(name: str | None) -> None:
             return out * 1.01, lse
 
         backends._KERNELS["torch"] = dataclasses.replace(kern, forward=bad_forward)
+    elif name == "destroy":
+        from megatron_charm.comm.topology import CPTopology
+
+        CPTopology.destroy = lambda self: None  # type: ignore[method-assign]
     else:
         raise ValueError(f"--plant {name!r}: expected one of {', '.join(PLANTS)} (test-only flag)")
