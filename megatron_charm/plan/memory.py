@@ -155,6 +155,9 @@ class _Replay:
         self.kept: dict[Payload, int] = {}
         if backward:
             self.kept = {p: payload_bytes(p, shape, Wire.INPUT) for p in kept}
+        # the bytes of every buffer below, kept current at each change (a sum over the held
+        # buffers after every step would make a pass's replay quadratic in its length)
+        self.held = sum(self.kept.values())
         # received inputs (own ones are the caller's): key -> (part held, bytes)
         self.inputs: dict[Key, tuple[Part, int]] = {}
         self.pending: dict[int, int] = {}  # handle -> receive buffers + send copies
@@ -171,10 +174,13 @@ class _Replay:
     def _add(self, key: Key, part: Part, computed: bool) -> None:
         acc = self.accs.get(key)
         if acc is None:
-            self.accs[key] = _Acc(part, computed, self._acc_bytes(key, part, computed))
+            acc = self.accs[key] = _Acc(part, computed, self._acc_bytes(key, part, computed))
+            self.held += acc.nbytes
         elif acc.single or not acc.part.contains(part):
             acc.part, acc.single = acc.part.union(part), False
-            acc.nbytes = self._acc_bytes(key, acc.part, False)
+            nbytes = self._acc_bytes(key, acc.part, False)
+            self.held += nbytes - acc.nbytes
+            acc.nbytes = nbytes
 
     def _send_copy(self, payload: Payload) -> int:
         """Bytes a non-partial send copies: a head group sliced from an all-heads tensor is
@@ -199,31 +205,38 @@ class _Replay:
                 if op.send and p.kind.is_partial:
                     acc = self.accs.pop((p.kind, p.owner, p.heads))
                     assert acc.part == p.part, (self.prog.cp_rank, p, acc.part)
+                    self.held -= acc.nbytes
                     total += payload_bytes(p, self.shape, op.wire)
                 elif op.send:
                     total += self._send_copy(p)
                 else:
                     total += payload_bytes(p, self.shape, op.wire)
                     recvs.append((p, op.wire, op.peer))
+            assert ins.handle not in self.pending, (self.prog.cp_rank, ins.handle)
             self.pending[ins.handle] = total
+            self.held += total
             self.received[ins.handle] = recvs
         elif isinstance(ins, Wait):
-            del self.pending[ins.handle]
+            self.held -= self.pending.pop(ins.handle)
             for p, wire, peer in self.received.pop(ins.handle):
                 key = (p.kind, p.owner, p.heads)
                 nbytes = payload_bytes(p, self.shape, wire)
                 if p.kind.is_partial:
                     self.partials[(ins.handle, peer, key)] = nbytes
+                    self.held += nbytes
                 elif p.kind is Kind.DB:
-                    nbytes += self.kept.pop(q_piece(p))
-                    self.inputs[(Kind.QB, p.owner, p.heads)] = (p.part, nbytes)
+                    kept = self.kept.pop(q_piece(p))
+                    self.held -= kept
+                    self._hold_input((Kind.QB, p.owner, p.heads), p.part, nbytes + kept)
                 elif p in self.keep and not self.backward:
-                    self.kept[p] = nbytes  # held here until the backward, not by the input
-                    self.inputs[key] = (p.part, 0)
+                    # held here until the backward, not by the input
+                    self.held += nbytes - self.kept.get(p, 0)
+                    self.kept[p] = nbytes
+                    self._hold_input(key, p.part, 0)
                 else:
-                    self.inputs[key] = (p.part, nbytes)
+                    self._hold_input(key, p.part, nbytes)
                     if p.kind == Kind.KV:
-                        self.expanded.pop((p.owner, p.heads), None)
+                        self.drop_expanded((p.owner, p.heads))
         elif isinstance(ins, Compute):
             self.computes(run)
         else:
@@ -236,7 +249,7 @@ class _Replay:
         key = (p.kind, p.owner, p.heads)
         for m in run:
             assert isinstance(m, Merge) and m.payload == p, (self.prog.cp_rank, m)
-            del self.partials[(m.handle, m.peer, key)]
+            self.held -= self.partials.pop((m.handle, m.peer, key))
         self._add(key, p.part, False)
 
     def computes(self, run: list[Compute]) -> None:
@@ -244,7 +257,8 @@ class _Replay:
         each query piece's and each kv piece's accumulator once."""
         for c in run:
             if self.expand and (c.kv_owner, c.heads) not in self.expanded:
-                self.expanded[(c.kv_owner, c.heads)] = self._expanded_bytes(c)
+                nbytes = self.expanded[(c.kv_owner, c.heads)] = self._expanded_bytes(c)
+                self.held += nbytes
         q_parts = {(c.q_owner, c.heads): c.q_part for c in run}
         kv_parts = {(c.kv_owner, c.heads): c.kv_part for c in run}
         # a piece that met several blocks joins its accumulator as a merged partial (float32)
@@ -263,7 +277,23 @@ class _Replay:
         h = group_heads(self.shape, c.heads)[0]
         return 2 * self.shape.tokens(held) * self.shape.b * h * self.shape.d * self.shape.itemsize
 
-    def total(self) -> int:
+    def _hold_input(self, key: Key, part: Part, nbytes: int) -> None:
+        # release_points ends a delivery's lifetime before the next delivery's Wait (at the
+        # latest at its own Wait, when nothing used it)
+        assert key not in self.inputs, (self.prog.cp_rank, key)
+        self.held += nbytes
+        self.inputs[key] = (part, nbytes)
+
+    def release_input(self, key: Key) -> None:
+        old = self.inputs.pop(key, None)
+        if old is not None:
+            self.held -= old[1]
+
+    def drop_expanded(self, key: ExpandKey) -> None:
+        self.held -= self.expanded.pop(key, 0)
+
+    def recount(self) -> int:
+        """:attr:`held` summed afresh over every buffer (the tests hold the two equal)."""
         return (
             sum(b for _, b in self.inputs.values())
             + sum(self.pending.values())
@@ -295,12 +325,12 @@ def pass_memory(
     peak, instrs = 0, program.instrs
     for i, end in steps(instrs, coalesce):
         run.step(list(instrs[i:end]))
-        peak = max(peak, run.total())
+        peak = max(peak, run.held)
         for j in range(i, end):
             for key in release.get(j, ()):
-                run.inputs.pop(key, None)
+                run.release_input(key)
             for owner in drops.get(j, ()):
-                run.expanded.pop(owner, None)
+                run.drop_expanded(owner)
     assert not run.pending and not run.partials, f"cp_rank {program.cp_rank}: unfinished pass"
     assert not (backward and run.kept), f"cp_rank {program.cp_rank}: kept q never used"
     return peak

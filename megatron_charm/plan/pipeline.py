@@ -790,7 +790,11 @@ class _Window:
                 self.posted[c] += 1
 
 
+@functools.lru_cache(maxsize=128)
 def pipeline_program(
     cp_rank: int, layout: Layout, causal: bool, cfg: PipelineConfig, backward: bool
 ) -> Program:
+    """``cp_rank``'s program for one pass (immutable). Cached: charm's auto choices replay the
+    same small layout's ranks for several levels, whose passes often are the same schedule (a
+    backward that keeps the forward's queries is scheduled as one that receives them)."""
     return _Pass(cp_rank, layout, causal, cfg, backward).build()

@@ -13,11 +13,12 @@ from megatron_charm.plan import (
     PlanOptions,
     build_plan,
     intra_levels,
+    memory,
     plan_levels,
 )
 from megatron_charm.plan.builder import ProgramBuilder, recv, send
 from megatron_charm.plan.cost import intra_send_bytes
-from megatron_charm.plan.memory import pass_memory, plan_peak
+from megatron_charm.plan.memory import attention_memory, pass_memory, plan_peak
 from megatron_charm.plan.types import Kind, Part, Payload
 
 SHAPE = AttnShape(b=1, s_local=4, h=2, h_kv=2, d=8, itemsize=2)
@@ -51,6 +52,67 @@ def test_unfinished_pass_is_an_internal_error():
     prog = b.finish()  # the receive is waited for but never merged
     with pytest.raises(AssertionError, match="unfinished"):
         pass_memory(prog, SHAPE, backward=False)
+
+
+@pytest.fixture
+def recounted(monkeypatch):
+    """After every change of a memory replay, its running total must equal the sum over every
+    buffer (``recount``); yields the names of the changes seen."""
+    changes: list[str] = []
+
+    def checked(name):
+        real = getattr(memory._Replay, name)
+
+        def run(self, *args):
+            real(self, *args)
+            changes.append(name)
+            assert self.held == self.recount(), (name, self.prog.cp_rank)
+
+        monkeypatch.setattr(memory._Replay, name, run)
+
+    for name in ("step", "release_input", "drop_expanded"):
+        checked(name)
+    return changes
+
+
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("charm", {"foreign_q": "keep"}),  # kept q pieces: held between the passes
+        ("charm", {"intra_level": "kv"}),
+        ("rm+", {}),
+        ("ring", {}),
+        ("a2a", {}),
+        ("a2a+charm", {}),
+        ("tasp", {}),
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_running_total_is_the_sum_of_the_buffers(recounted, method, options, causal):
+    """The replay keeps the bytes it holds current at each change, through kept queries and
+    expanded GQA kv."""
+    shape = AttnShape(b=1, s_local=12, h=8, h_kv=4, d=8, itemsize=2)  # GQA; a2a splits heads
+    plan = build_plan(PlanOptions(method=method, **options), Layout(2, 2), causal, shape)
+    for fwd, bwd in zip(plan.forward, plan.backward, strict=True):
+        for expand in (False, True):
+            assert attention_memory(fwd, bwd, shape, expand)["peak"] > 0
+    assert {"step", "release_input", "drop_expanded"} <= set(recounted)
+
+
+def test_an_input_delivered_again_before_its_use_replaces_the_first(recounted):
+    # kv1's first half and q1's first half (a kept piece too, in the second replay) arrive
+    # twice before the computes that use them: the second delivery takes the first's place
+    b = ProgramBuilder(0)
+    for _ in range(2):
+        ops = [recv(1, Kind.KV, 1, Part.FIRST), recv(1, Kind.Q, 1, Part.FIRST)]
+        b.wait(b.exchange("full.kv", ops))
+    b.compute(1, 1, Part.FIRST, Part.FIRST, False)
+    b.compute(0, 1, Part.FIRST, Part.FIRST, False)
+    b.exchange("full.o", [send(1, Kind.O, 1, Part.FIRST)])
+    prog = b.finish()
+    kept = frozenset({Payload(Kind.Q, 1, Part.FIRST)})
+    assert pass_memory(prog, SHAPE, False) > 0 and pass_memory(prog, SHAPE, False, kept=kept) > 0
+    assert recounted.count("step") == 2 * (len(prog.instrs) - 1)  # the two computes: one call
 
 
 def _peak(method: str, name: str, **options) -> int:
