@@ -161,7 +161,8 @@ class _Replay:
         # received inputs (own ones are the caller's): key -> (part held, bytes)
         self.inputs: dict[Key, tuple[Part, int]] = {}
         self.pending: dict[int, int] = {}  # handle -> receive buffers + send copies
-        self.received: dict[int, list[tuple[Payload, Wire, int]]] = {}  # (.., .., peer)
+        # handle -> (payload, peer, bytes) of each receive
+        self.received: dict[int, list[tuple[Payload, int, int]]] = {}
         self.accs: dict[Key, _Acc] = {}
         self.partials: dict[tuple[int, int, Key], int] = {}  # (handle, peer, key) -> bytes
         self.expanded: dict[ExpandKey, int] = {}
@@ -210,17 +211,17 @@ class _Replay:
                 elif op.send:
                     total += self._send_copy(p)
                 else:
-                    total += payload_bytes(p, self.shape, op.wire)
-                    recvs.append((p, op.wire, op.peer))
+                    nbytes = payload_bytes(p, self.shape, op.wire)
+                    total += nbytes
+                    recvs.append((p, op.peer, nbytes))
             assert ins.handle not in self.pending, (self.prog.cp_rank, ins.handle)
             self.pending[ins.handle] = total
             self.held += total
             self.received[ins.handle] = recvs
         elif isinstance(ins, Wait):
             self.held -= self.pending.pop(ins.handle)
-            for p, wire, peer in self.received.pop(ins.handle):
+            for p, peer, nbytes in self.received.pop(ins.handle):
                 key = (p.kind, p.owner, p.heads)
-                nbytes = payload_bytes(p, self.shape, wire)
                 if p.kind.is_partial:
                     self.partials[(ins.handle, peer, key)] = nbytes
                     self.held += nbytes
