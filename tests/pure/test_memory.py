@@ -57,7 +57,7 @@ def test_unfinished_pass_is_an_internal_error():
 @pytest.fixture
 def recounted(monkeypatch):
     """After every change of a memory replay, its running total must equal the sum over every
-    buffer (``recount``); yields the names of the changes seen."""
+    buffer (``recount``); returns the names of the changes seen, in order."""
     changes: list[str] = []
 
     def checked(name):
